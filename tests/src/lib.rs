@@ -1,0 +1,14 @@
+//! The test environment: the real parts users run, started for one test and stopped after it.
+//!
+//! - [`kube`]: a real `kube-apiserver` with etcd on loopback (CA, serving certificates, RBAC, a
+//!   credential per service account), writing a kubeconfig.
+//! - [`cri`]: containerd + runc in a private network namespace, with locally built images, and a
+//!   CRI client that drives pod sandboxes exactly as kubelet does.
+//! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
+//!
+//! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
+//! brought up by hand from the command line; the Rust side owns the lifetime (stopped on drop).
+
+pub mod util;
+pub mod kube;
+pub mod cri;

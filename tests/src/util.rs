@@ -1,0 +1,88 @@
+//! Small shared helpers for the test environment.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, Result, bail};
+
+/// The repository root (the workspace directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// A path inside `tests/env/`.
+pub fn env_script(name: &str) -> PathBuf {
+    repo_root().join("tests/env").join(name)
+}
+
+/// A short identifier unique across concurrently running test binaries and within one: the pid
+/// plus a per-process counter. Short because it ends up in interface and netns names (15 bytes).
+pub fn unique_id() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{:x}{:x}", std::process::id() & 0xfffff, n)
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago. The kernel hands out ephemeral ports in
+/// sequence, so a collision with another binary picking at the same time is unlikely but possible;
+/// servers started with such a port should fail loudly rather than silently share it.
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Runs a `tests/env` script with arguments, failing with its output when it exits non-zero.
+pub fn run_script(name: &str, args: &[&str]) -> Result<String> {
+    let path = env_script(name);
+    let out = Command::new("bash")
+        .arg(&path)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", path.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} {:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            path.display(),
+            args,
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Parses `KEY=VALUE` lines (an env file written by the scripts) into pairs.
+pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            if l.is_empty() || l.starts_with('#') {
+                return None;
+            }
+            let (k, v) = l.split_once('=')?;
+            Some((k.trim().to_string(), v.trim().trim_matches('"').to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_file_parsing_skips_comments_and_strips_quotes() {
+        let got = parse_env_file("# c\nA=1\n\nB=\"x y\"\nnot a pair\n");
+        assert_eq!(got, vec![("A".into(), "1".into()), ("B".into(), "x y".into())]);
+    }
+
+    #[test]
+    fn unique_ids_differ() {
+        assert_ne!(unique_id(), unique_id());
+    }
+}

@@ -1,0 +1,66 @@
+//! Flags every service shares. Each service flattens [`CommonArgs`] into its own clap config and
+//! declares its own `--listen` and `--metrics-listen` defaults.
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// Flags shared by every kuryr service.
+#[derive(Clone, Debug, Args)]
+pub struct CommonArgs {
+    /// Log format.
+    #[arg(long, env = "KURYR_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Log filter in tracing's env-filter syntax (for example `info` or `info,kuryr_binder=debug`).
+    #[arg(long, env = "KURYR_LOG", default_value = "info")]
+    pub log: String,
+
+    /// How long to wait for in-flight requests and streams to finish after SIGTERM before exiting.
+    #[arg(long, env = "KURYR_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+}
+
+/// Parses durations written as `250ms`, `10s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("`{s}`: expected a duration such as 500ms, 10s or 2m"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("`{s}`: must be a non-negative duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+    }
+}

@@ -1,0 +1,167 @@
+//! Running a service: bind every listener first (fail fast, before any work), serve the service's
+//! gRPC routes together with health and reflection on each, serve metrics over HTTP, and on
+//! SIGTERM mark everything NOT_SERVING, stop accepting, and drain within a bound.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use prometheus_client::registry::Registry;
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::service::Routes;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
+
+use crate::config::CommonArgs;
+use crate::health::Health;
+use crate::listen::{Bound, ListenAddr};
+use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, serve_http};
+use crate::shutdown::{self, Shutdown, ShutdownTrigger};
+
+/// A service being started: its metrics registry, readiness, and shutdown signal. Register
+/// metrics and spawn background work, then call [`Runtime::serve`].
+#[derive(Debug)]
+pub struct Runtime {
+    name: &'static str,
+    grace: Duration,
+    registry: Registry,
+    health: Health,
+    health_server: HealthServer<HealthService>,
+    trigger: Arc<ShutdownTrigger>,
+}
+
+impl Runtime {
+    /// Sets up logging and the shared state. `name` is the binary name, used in logs and as the
+    /// metrics prefix-free `service` label.
+    pub fn new(name: &'static str, common: &CommonArgs) -> anyhow::Result<Self> {
+        crate::telemetry::init_logging(common)?;
+        let reporter = HealthReporter::new();
+        let health_server = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
+        let (trigger, _) = shutdown::channel();
+        Ok(Self {
+            name,
+            grace: common.shutdown_grace,
+            registry: Registry::default(),
+            health: Health::new(reporter),
+            health_server,
+            trigger: Arc::new(trigger),
+        })
+    }
+
+    /// The registry to add the service's own metrics to.
+    pub fn registry(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    /// The readiness handle.
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+
+    /// The shutdown signal, for background tasks and long-lived streams.
+    pub fn shutdown(&self) -> Shutdown {
+        self.trigger.signal()
+    }
+
+    /// A handle that begins shutdown, as SIGTERM does (for tests and fatal errors).
+    pub fn shutdown_trigger(&self) -> Arc<ShutdownTrigger> {
+        self.trigger.clone()
+    }
+
+    /// Serves `routes` plus grpc.health.v1 and server reflection (v1 and v1alpha) on every
+    /// address in `listen`, and metrics on `metrics_listen`, until SIGTERM/SIGINT or the trigger.
+    pub async fn serve(self, routes: Routes, listen: &[ListenAddr], metrics_listen: Option<&ListenAddr>) -> anyhow::Result<()> {
+        anyhow::ensure!(!listen.is_empty(), "no --listen address given");
+        let mut bound = Vec::with_capacity(listen.len());
+        for addr in listen {
+            bound.push(addr.bind().await.with_context(|| format!("cannot listen on {addr}"))?);
+        }
+        let metrics_bound = match metrics_listen {
+            Some(addr @ ListenAddr::Tcp { .. }) => match addr.bind().await.with_context(|| format!("cannot serve metrics on {addr}"))? {
+                Bound::Tcp(l) => Some(l),
+                Bound::Unix(..) => None,
+            },
+            Some(addr) => anyhow::bail!("--metrics-listen {addr}: metrics are served over TCP only"),
+            None => None,
+        };
+
+        let mut registry = self.registry;
+        let grpc_metrics = GrpcMetrics::register(&mut registry);
+        let registry = Arc::new(registry);
+        let routes = with_standard_services(routes, self.health_server)?;
+        let shutdown = self.trigger.signal();
+        let mut tasks = JoinSet::new();
+        let mut sockets = Vec::new();
+        for b in bound {
+            let local = b.local_addr();
+            tracing::info!(service = self.name, listen = %local, "serving gRPC");
+            let server = tonic::transport::Server::builder()
+                .layer(GrpcMetricsLayer(grpc_metrics.clone()))
+                .add_routes(routes.clone());
+            let signal = shutdown.clone().wait();
+            match b {
+                Bound::Tcp(l) => {
+                    tasks.spawn(async move {
+                        server.serve_with_incoming_shutdown(TcpListenerStream::new(l), signal).await.map_err(|e| (local, e))
+                    });
+                }
+                Bound::Unix(l, path) => {
+                    sockets.push(path);
+                    tasks.spawn(async move {
+                        server.serve_with_incoming_shutdown(UnixListenerStream::new(l), signal).await.map_err(|e| (local, e))
+                    });
+                }
+            }
+        }
+        if let Some(l) = metrics_bound {
+            let local = l.local_addr().ok();
+            tracing::info!(service = self.name, listen = ?local, "serving metrics");
+            let (reg, health, sig) = (registry.clone(), self.health.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                if let Err(e) = serve_http(l, reg, health, sig).await {
+                    tracing::error!(error = %e, "metrics server failed");
+                }
+            });
+        }
+
+        // Run until a signal, the trigger, or a server failing.
+        let reason = tokio::select! {
+            sig = shutdown::os_signal() => sig.map(str::to_string).unwrap_or_else(|e| format!("signal handler failed: {e}")),
+            () = shutdown.clone().wait() => "shutdown requested".to_string(),
+            Some(res) = tasks.join_next() => match res {
+                Ok(Err((addr, e))) => format!("server on {addr} failed: {e}"),
+                Ok(Ok(())) => "a server stopped".to_string(),
+                Err(e) => format!("a server task failed: {e}"),
+            },
+        };
+        tracing::info!(service = self.name, %reason, grace = ?self.grace, "shutting down");
+        self.health.set_all_not_serving().await;
+        self.trigger.trigger();
+        let drained = tokio::time::timeout(self.grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            tracing::warn!(service = self.name, grace = ?self.grace, "drain did not finish in time; exiting anyway");
+            tasks.abort_all();
+        }
+        for s in sockets {
+            let _ = std::fs::remove_file(s);
+        }
+        Ok(())
+    }
+}
+
+/// Adds health and both reflection versions. Reflection knows every kuryr contract and the health
+/// service, so grpcurl can describe all of them on any service.
+fn with_standard_services(routes: Routes, health: HealthServer<HealthService>) -> anyhow::Result<Routes> {
+    let v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building reflection v1")?;
+    let v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building reflection v1alpha")?;
+    Ok(routes.add_service(health).add_service(v1).add_service(v1alpha))
+}

@@ -1,0 +1,241 @@
+//! A real Kubernetes control plane for one test: etcd and `kube-apiserver` on loopback, started by
+//! `tests/env/kube-up.sh` into a private state directory and stopped (by pid) when dropped.
+//!
+//! The cluster is the API alone: RBAC and the TokenRequest API are real, but there is no
+//! controller-manager, scheduler or kubelet. Pods are stored, watched and deleted, never run; a
+//! namespace has no `default` ServiceAccount unless a test makes one (the ServiceAccount admission
+//! plugin is off for that reason); a deleted namespace stays `Terminating`; the aggregated
+//! ClusterRoles `admin`/`edit`/`view` are empty, so tests grant rights with explicit Roles. See
+//! `kube-up.sh`.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let env = kuryr_tests::kube::KubeEnv::start().await?;
+//! let admin = env.client().await?;
+//! let reader = env.service_account_client("ns1", "reader").await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Once;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+use crate::util::{env_script, parse_env_file};
+
+/// Bound on `kube-up.sh`. Normally 3–15 s; but when the tools are not built yet the script builds
+/// them first, and a cold `kube-apiserver` build is 10+ minutes on two cores.
+const KUBE_UP_TIMEOUT: Duration = Duration::from_secs(40 * 60);
+/// Bound on one `kubectl` call or `kube-sa.sh` run (a few kubectl calls).
+const KUBECTL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running etcd + kube-apiserver pair with its state directory (certificates, kubeconfigs,
+/// logs, pid files). Dropping it stops both servers and removes the directory, unless
+/// `KURYR_KEEP_STATE=1` is set, in which case the directory is kept for inspection.
+#[derive(Debug)]
+pub struct KubeEnv {
+    /// The directory `kube-up.sh` owns; removed on drop.
+    state_dir: PathBuf,
+    /// Admin kubeconfig (client certificate in `system:masters`).
+    kubeconfig: PathBuf,
+    /// The `KEY=VALUE` pairs of `state_dir/env`.
+    env: Vec<(String, String)>,
+    /// `KURYR_KEEP_STATE=1`: leave the state directory behind after stopping the servers.
+    keep_state: bool,
+}
+
+impl KubeEnv {
+    /// Starts etcd and kube-apiserver on free loopback ports and waits until `/readyz` is ok.
+    ///
+    /// Builds the tools first (via `tools.sh`) if they are not installed. A watchdog tied to this
+    /// process stops the servers even if the test binary dies without running `Drop`.
+    pub async fn start() -> Result<KubeEnv> {
+        install_crypto_provider();
+        let keep_state = std::env::var("KURYR_KEEP_STATE").is_ok_and(|v| v == "1");
+        let state_dir = tempfile::Builder::new()
+            .prefix("kuryr-kube-")
+            .tempdir_in("/tmp")
+            .context("creating the state directory under /tmp")?
+            // From here on kube-down.sh (from Drop or the watchdog) owns its removal.
+            .keep();
+
+        let mut cmd = Command::new("bash");
+        cmd.arg(env_script("kube-up.sh"))
+            .arg(&state_dir)
+            .env("KUBE_UP_OWNER_PID", std::process::id().to_string());
+        // Constructed before the script runs so that a failure below still cleans up via Drop.
+        let mut env = KubeEnv {
+            kubeconfig: state_dir.join("kubeconfig"),
+            state_dir,
+            env: Vec::new(),
+            keep_state,
+        };
+        run(cmd, None, KUBE_UP_TIMEOUT)
+            .await
+            .context("starting the Kubernetes API server (tests/env/kube-up.sh)")?;
+        let text = std::fs::read_to_string(env.state_dir.join("env"))
+            .context("reading the env file written by kube-up.sh")?;
+        env.env = parse_env_file(&text);
+        Ok(env)
+    }
+
+    /// The state directory (certificates under `pki/`, server logs under `logs/`).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// The admin kubeconfig (client certificate, `O=system:masters`).
+    pub fn kubeconfig_path(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// A value from the env file (`KUBE_APISERVER_URL`, `KUBE_CA_FILE`, `ETCD_URL`, `*_PID`, ...).
+    pub fn env_value(&self, key: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The API server's URL, `https://127.0.0.1:<port>`.
+    pub fn apiserver_url(&self) -> &str {
+        self.env_value("KUBE_APISERVER_URL").unwrap_or_default()
+    }
+
+    /// A client with cluster-admin rights.
+    pub async fn client(&self) -> Result<kube::Client> {
+        client_from_kubeconfig(&self.kubeconfig).await
+    }
+
+    /// Writes (or rewrites, with a fresh token) a kubeconfig that authenticates as the
+    /// ServiceAccount `ns/sa`, creating the namespace and account if missing. The token comes
+    /// from the TokenRequest API. Grants nothing by itself.
+    pub async fn service_account_kubeconfig(&self, ns: &str, sa: &str) -> Result<PathBuf> {
+        let out = self
+            .state_dir
+            .join("sa")
+            .join(format!("{ns}.{sa}.kubeconfig"));
+        let mut cmd = Command::new("bash");
+        cmd.arg(env_script("kube-sa.sh"))
+            .arg(&self.state_dir)
+            .args([ns, sa])
+            .arg(&out);
+        run(cmd, None, KUBECTL_TIMEOUT)
+            .await
+            .with_context(|| format!("making a kubeconfig for service account {ns}/{sa}"))?;
+        Ok(out)
+    }
+
+    /// A client authenticated as the ServiceAccount `ns/sa` (see
+    /// [`service_account_kubeconfig`](Self::service_account_kubeconfig)).
+    pub async fn service_account_client(&self, ns: &str, sa: &str) -> Result<kube::Client> {
+        let path = self.service_account_kubeconfig(ns, sa).await?;
+        client_from_kubeconfig(&path).await
+    }
+
+    /// Runs `kubectl` as admin against this cluster and returns its stdout.
+    pub async fn kubectl(&self, args: &[&str]) -> Result<String> {
+        let mut cmd = Command::new("kubectl");
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args);
+        run(cmd, None, KUBECTL_TIMEOUT).await
+    }
+
+    /// `kubectl apply -f PATH` as admin (a file or a directory of manifests).
+    pub async fn apply_file(&self, path: &Path) -> Result<String> {
+        let path = path.to_str().context("manifest path is not UTF-8")?;
+        self.kubectl(&["apply", "-f", path]).await
+    }
+
+    /// `kubectl apply -f -` as admin, with the manifests (YAML or JSON) on stdin.
+    pub async fn apply_yaml(&self, manifests: &str) -> Result<String> {
+        let mut cmd = Command::new("kubectl");
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(["apply", "-f", "-"]);
+        run(cmd, Some(manifests.as_bytes()), KUBECTL_TIMEOUT).await
+    }
+}
+
+impl Drop for KubeEnv {
+    fn drop(&mut self) {
+        let mut cmd = std::process::Command::new("bash");
+        cmd.arg(env_script("kube-down.sh")).arg(&self.state_dir);
+        if !self.keep_state {
+            cmd.arg("--purge");
+        }
+        // Drop cannot return an error; say what went wrong and where the state is.
+        match cmd.output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => eprintln!(
+                "kube-down.sh {} failed ({}): {}",
+                self.state_dir.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            Err(e) => eprintln!("running kube-down.sh {}: {e}", self.state_dir.display()),
+        }
+        if self.keep_state {
+            eprintln!("KURYR_KEEP_STATE=1: kept {}", self.state_dir.display());
+        }
+    }
+}
+
+/// Builds a client from a kubeconfig file, the way a service run with `--kubeconfig` would.
+pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client> {
+    install_crypto_provider();
+    let kubeconfig = Kubeconfig::read_from(path)
+        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+    kube::Client::try_from(config).context("building a Kubernetes client")
+}
+
+/// kube's `rustls-tls` feature builds its TLS config from rustls' process-wide default crypto
+/// provider and does not pick one itself; install ring's (the provider this workspace compiles)
+/// once. Losing the race to another installer is fine: any installed provider will do.
+fn install_crypto_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// Runs a command with an optional stdin and a deadline; returns stdout, or fails with both
+/// streams when it exits non-zero. The child is killed if the deadline passes.
+async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Result<String> {
+    let what = format!("{:?}", cmd.as_std());
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input)
+            .await
+            .with_context(|| format!("writing stdin of {what}"))?;
+    }
+    let out = tokio::time::timeout(timeout, child.wait_with_output())
+        .await
+        .with_context(|| format!("{what} did not finish within {timeout:?}"))?
+        .with_context(|| format!("waiting for {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -4,6 +4,7 @@
 //!   credential per service account), writing a kubeconfig.
 //! - [`cri`]: containerd + runc in a private network namespace, with locally built images, and a
 //!   CRI client that drives pod sandboxes exactly as kubelet does.
+//! - [`services`]: the project's own binaries as processes; grpcurl.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -12,3 +13,4 @@
 pub mod util;
 pub mod kube;
 pub mod cri;
+pub mod services;

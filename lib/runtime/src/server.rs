@@ -153,15 +153,14 @@ impl Runtime {
 /// Adds health and both reflection versions. Reflection knows every kuryr contract and the health
 /// service, so grpcurl can describe all of them on any service.
 fn with_standard_services(routes: Routes, health: HealthServer<HealthService>) -> anyhow::Result<Routes> {
-    let v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .context("building reflection v1")?;
-    let v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .context("building reflection v1alpha")?;
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+    };
+    let v1 = builder().build_v1().context("building reflection v1")?;
+    let v1alpha = builder().build_v1alpha().context("building reflection v1alpha")?;
     Ok(routes.add_service(health).add_service(v1).add_service(v1alpha))
 }

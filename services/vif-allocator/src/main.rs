@@ -1,1 +1,6 @@
-fn main() {}
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    kuryr_vif_allocator::run(kuryr_vif_allocator::Config::parse()).await
+}

@@ -1,0 +1,120 @@
+//! Running the project's own binaries as separate processes, as users run them.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use tokio::process::{Child, Command};
+
+use crate::util::{repo_root, unique_id};
+
+/// The path of a binary of this workspace. `make test` builds them before the tests run
+/// (`cargo build --workspace --bins`); a missing binary is an error naming that command.
+pub fn bin_path(name: &str) -> Result<PathBuf> {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
+    for profile in ["debug", "release"] {
+        let p = target.join(profile).join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("{name} is not built: run `cargo build --workspace --bins` first (or `make test`)")
+}
+
+/// The path of a test tool built by `tests/env/tools.sh` (grpcurl, cnitool, ...).
+pub fn tool_path(name: &str) -> Result<PathBuf> {
+    let dir = std::env::var_os("KURYR_TOOLS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/kuryr-rs/bin"));
+    let p = dir.join(name);
+    if p.is_file() {
+        return Ok(p);
+    }
+    bail!("{} is missing: run `bash tests/env/tools.sh`", p.display())
+}
+
+/// A running service process; killed (SIGKILL) on drop unless stopped before.
+#[derive(Debug)]
+pub struct ServiceProcess {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl ServiceProcess {
+    /// Starts `bin` with `args`, logging to a file in `log_dir`.
+    pub fn spawn(bin: &str, args: &[String], log_dir: &Path) -> Result<Self> {
+        let path = bin_path(bin)?;
+        let log = log_dir.join(format!("{bin}-{}.log", unique_id()));
+        let file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = Command::new(&path)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", path.display()))?;
+        Ok(Self { name: bin.to_string(), child: Some(child), log })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    /// What the process has logged so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits up to `bound` for the exit; returns how long it took.
+    pub async fn terminate(&mut self, bound: Duration) -> Result<Duration> {
+        let child = self.child.as_mut().context("already stopped")?;
+        let pid = child.id().context("already exited")?;
+        let start = Instant::now();
+        let status = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status()?;
+        anyhow::ensure!(status.success(), "kill -TERM {pid} failed");
+        match tokio::time::timeout(bound, child.wait()).await {
+            Ok(res) => {
+                let st = res?;
+                self.child = None;
+                anyhow::ensure!(st.success(), "{} exited with {st} after SIGTERM:\n{}", self.name, self.logs());
+                Ok(start.elapsed())
+            }
+            Err(_) => bail!("{} did not exit within {bound:?} of SIGTERM:\n{}", self.name, self.logs()),
+        }
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub async fn kill(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.kill().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Polls `f` every 50 ms until it succeeds or `timeout` passes; the error names `what` and the
+/// last failure.
+pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() >= deadline => return Err(e.context(format!("timed out waiting for {what}"))),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// Runs grpcurl with `args`; returns (success, stdout + stderr).
+pub async fn grpcurl(args: &[&str]) -> Result<(bool, String)> {
+    let out = Command::new(tool_path("grpcurl")?).args(args).output().await.context("running grpcurl")?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Ok((out.status.success(), text))
+}

@@ -1,0 +1,203 @@
+//! Every service can be inspected with grpcurl over TCP and over its unix socket — health,
+//! reflection v1 and v1alpha, and its own API — even while what it depends on is unreachable;
+//! it reports NOT_SERVING meanwhile, answers malformed requests with INVALID_ARGUMENT, counts
+//! calls by status code in its metrics, flips to SERVING once its dependencies are up, and exits
+//! promptly on SIGTERM, removing its socket.
+
+use std::time::Duration;
+
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::services::{ServiceProcess, grpcurl, wait_until};
+use kuryr_tests::util::free_port;
+
+struct Svc {
+    bin: &'static str,
+    api: &'static str,
+    /// The flag naming the dependency (pointed at a dead port in the first test).
+    dep_flag: Option<&'static str>,
+    /// A malformed request and the method it is sent to.
+    bad_call: (&'static str, &'static str),
+}
+
+const SERVICES: &[Svc] = &[
+    Svc {
+        bin: "kuryr-watcher",
+        api: "kuryr.watcher.v1.Watcher",
+        dep_flag: None,
+        bad_call: ("kuryr.watcher.v1.Watcher/Subscribe", r#"{"kinds":["KIND_UNSPECIFIED"]}"#),
+    },
+    Svc {
+        bin: "kuryr-vif-allocator",
+        api: "kuryr.allocator.v1.VifAllocator",
+        dep_flag: Some("--watcher"),
+        bad_call: ("kuryr.allocator.v1.VifAllocator/WatchVifs", r#"{"node_name":""}"#),
+    },
+    Svc {
+        bin: "kuryr-lbaas",
+        api: "kuryr.lbaas.v1.LoadBalancers",
+        dep_flag: Some("--watcher"),
+        bad_call: ("kuryr.lbaas.v1.LoadBalancers/GetLoadBalancer", r#"{"name":"x"}"#),
+    },
+    Svc {
+        bin: "kuryr-binder",
+        api: "kuryr.binder.v1.Cni",
+        dep_flag: Some("--allocator"),
+        bad_call: ("kuryr.binder.v1.Cni/Add", r#"{"shim_version":"0.0.0-not-this"}"#),
+    },
+];
+
+struct Running {
+    proc: ServiceProcess,
+    tcp: String,
+    unix: String,
+    socket: std::path::PathBuf,
+    metrics: String,
+}
+
+fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<Running> {
+    let port = free_port()?;
+    let mport = free_port()?;
+    let socket = dir.join(format!("{}.sock", svc.bin));
+    let tcp = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "--listen".to_string(),
+        format!("{tcp},unix:{}", socket.display()),
+        "--metrics-listen".to_string(),
+        format!("127.0.0.1:{mport}"),
+        "--shutdown-grace".to_string(),
+        "3s".to_string(),
+    ];
+    args.extend_from_slice(extra);
+    let proc = ServiceProcess::spawn(svc.bin, &args, dir)?;
+    Ok(Running {
+        proc,
+        tcp,
+        unix: format!("unix://{}", socket.display()),
+        socket,
+        metrics: format!("http://127.0.0.1:{mport}/metrics"),
+    })
+}
+
+async fn health(target: &str, service: &str) -> anyhow::Result<String> {
+    let body = format!(r#"{{"service":"{service}"}}"#);
+    let (ok, out) = grpcurl(&["-plaintext", "-d", &body, target, "grpc.health.v1.Health/Check"]).await?;
+    anyhow::ensure!(ok, "health check failed: {out}");
+    Ok(out)
+}
+
+async fn http_get(url: &str) -> anyhow::Result<String> {
+    let out = tokio::process::Command::new("curl").args(["-sf", url]).output().await?;
+    anyhow::ensure!(out.status.success(), "GET {url} failed");
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[tokio::test]
+async fn every_service_is_inspectable_while_its_dependencies_are_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = format!("127.0.0.1:{}", free_port().unwrap());
+    for svc in SERVICES {
+        let mut extra = Vec::new();
+        match svc.dep_flag {
+            Some(flag) => extra.extend([flag.to_string(), dead.clone()]),
+            None => extra.extend(["--kubeconfig".to_string(), dir.path().join("missing-kubeconfig").display().to_string()]),
+        }
+        let mut r = start(svc, dir.path(), &extra).unwrap();
+
+        for target in [r.tcp.as_str(), r.unix.as_str()] {
+            let listed = wait_until(&format!("{} to answer on {target}", svc.bin), Duration::from_secs(20), || async {
+                let (ok, out) = grpcurl(&["-plaintext", target, "list"]).await?;
+                anyhow::ensure!(ok, "{out}");
+                Ok(out)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
+            for want in [
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection",
+                svc.api,
+            ] {
+                assert!(listed.lines().any(|l| l == want), "{}: {want} not listed over {target}:\n{listed}", svc.bin);
+            }
+            // Reflection describes the service's own API.
+            let (ok, described) = grpcurl(&["-plaintext", target, "describe", svc.api]).await.unwrap();
+            assert!(ok && described.contains("is a service"), "{}: describe failed: {described}", svc.bin);
+        }
+        // The older reflection protocol answers too.
+        let (ok, out) = grpcurl(&[
+            "-plaintext",
+            "-d",
+            r#"{"list_services":""}"#,
+            &r.tcp,
+            "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        ])
+        .await
+        .unwrap();
+        assert!(ok && out.contains(svc.api), "{}: v1alpha reflection: {out}", svc.bin);
+
+        // The unix socket is private.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&r.socket).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}: socket mode", svc.bin);
+
+        // Dependencies are unreachable: NOT_SERVING, overall and for the API.
+        let h = health(&r.tcp, svc.api).await.unwrap();
+        assert!(h.contains("\"NOT_SERVING\""), "{}: {h}", svc.bin);
+        let h = health(&r.tcp, "").await.unwrap();
+        assert!(h.contains("\"NOT_SERVING\""), "{}: {h}", svc.bin);
+
+        // A malformed request is refused naming the problem.
+        let (method, body) = svc.bad_call;
+        let (ok, out) = grpcurl(&["-plaintext", "-d", body, &r.tcp, method]).await.unwrap();
+        assert!(!ok, "{}: {method} accepted {body}", svc.bin);
+        let expected = if svc.bin == "kuryr-binder" { "FailedPrecondition" } else { "InvalidArgument" };
+        assert!(out.contains(expected), "{}: {method} {body}: {out}", svc.bin);
+
+        // Metrics count calls by code.
+        let metrics = http_get(&r.metrics).await.unwrap();
+        let (service, m) = method.split_once('/').unwrap();
+        let code = if svc.bin == "kuryr-binder" { "FAILED_PRECONDITION" } else { "INVALID_ARGUMENT" };
+        let line = format!(r#"grpc_server_handled_total{{service="{service}",method="{m}",code="{code}"}} 1"#);
+        assert!(metrics.contains(&line), "{}: metrics lack {line}:\n{metrics}", svc.bin);
+
+        // SIGTERM: prompt exit, socket removed.
+        let took = r.proc.terminate(Duration::from_secs(10)).await.unwrap();
+        assert!(took < Duration::from_secs(5), "{}: took {took:?} to stop", svc.bin);
+        assert!(!r.socket.exists(), "{}: socket left behind", svc.bin);
+    }
+}
+
+#[tokio::test]
+async fn services_become_serving_once_their_dependencies_are() {
+    let kube = KubeEnv::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = kube.kubeconfig_path().display().to_string();
+    let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig]).unwrap();
+    let allocator = start(&SERVICES[1], dir.path(), &["--watcher".into(), watcher.unix.replace("unix://", "unix:")]).unwrap();
+    let lbaas = start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
+    let binder = start(&SERVICES[3], dir.path(), &["--allocator".into(), allocator.tcp.clone(), "--node-name".into(), "n1".into()]).unwrap();
+    for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder]) {
+        wait_until(&format!("{} SERVING", svc.bin), Duration::from_secs(30), || async {
+            let h = health(&r.tcp, svc.api).await?;
+            anyhow::ensure!(h.contains("\"SERVING\""), "{h}");
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
+    }
+    // The binder answers VERSION for its own shim version.
+    let body = format!(r#"{{"shim_version":"{}"}}"#, env!("CARGO_PKG_VERSION"));
+    let (ok, out) = grpcurl(&["-plaintext", "-d", &body, &binder.unix, "kuryr.binder.v1.Cni/Version"]).await.unwrap();
+    assert!(ok && out.contains("1.1.0"), "{out}");
+
+    // Losing the watcher takes its dependents out of service.
+    let mut watcher = watcher;
+    watcher.proc.kill().await.unwrap();
+    wait_until("allocator NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
+        let h = health(&allocator.tcp, SERVICES[1].api).await?;
+        anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+}

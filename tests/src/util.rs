@@ -25,7 +25,7 @@ pub fn env_script(name: &str) -> PathBuf {
 pub fn unique_id() -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("{:x}{:x}", std::process::id() & 0xfffff, n)
+    format!("{:x}x{:x}", std::process::id() & 0xfffff, n)
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago. The kernel hands out ephemeral ports in

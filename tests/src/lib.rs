@@ -5,6 +5,7 @@
 //! - [`cri`]: containerd + runc in a private network namespace, with locally built images, and a
 //!   CRI client that drives pod sandboxes exactly as kubelet does.
 //! - [`services`]: the project's own binaries as processes; grpcurl.
+//! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -14,3 +15,4 @@ pub mod util;
 pub mod kube;
 pub mod cri;
 pub mod services;
+pub mod vifserver;

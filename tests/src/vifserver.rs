@@ -1,0 +1,232 @@
+//! A scripted VIF allocator: a real gRPC server implementing `kuryr.allocator.v1.VifAllocator`
+//! whose VIFs the test decides. It lets the binder be tested through the real CNI path before
+//! (and independently of) the real allocator.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use anyhow::Result;
+use futures::Stream;
+use kuryr_proto::allocator::v1::vif_allocator_server::{VifAllocator, VifAllocatorServer};
+use kuryr_proto::allocator::v1::{
+    Binding, BindingDriver, GetVifRequest, IpConfig, PodRef, ReportPluggedRequest, ReportPluggedResponse, Route, Vif,
+    VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
+};
+use tokio::sync::{broadcast, oneshot};
+use tonic::{Request, Response, Status};
+
+#[derive(Default)]
+struct State {
+    vifs: BTreeMap<String, Vif>,
+    revision: u64,
+    reports: Vec<ReportPluggedRequest>,
+    /// When set, a plugged report makes the VIF READY at once (as the embedded backend does).
+    auto_ready: bool,
+}
+
+/// The scripted allocator; cheap to clone.
+#[derive(Clone)]
+pub struct ScriptedAllocator {
+    state: Arc<Mutex<State>>,
+    events: broadcast::Sender<WatchVifsResponse>,
+}
+
+impl std::fmt::Debug for ScriptedAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScriptedAllocator")
+    }
+}
+
+/// A running scripted allocator server; stops on drop.
+#[derive(Debug)]
+pub struct ScriptedServer {
+    pub allocator: ScriptedAllocator,
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for ScriptedServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+impl ScriptedAllocator {
+    /// A new allocator with no VIFs; `auto_ready` as described on [`State`].
+    pub fn new(auto_ready: bool) -> Self {
+        let (events, _) = broadcast::channel(1024);
+        Self { state: Arc::new(Mutex::new(State { auto_ready, ..Default::default() })), events }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Serves on 127.0.0.1 at `port` (0: any).
+    pub async fn serve(&self, port: u16) -> Result<ScriptedServer> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = oneshot::channel::<()>();
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter.set_serving::<VifAllocatorServer<ScriptedAllocator>>().await;
+        let svc = VifAllocatorServer::new(self.clone());
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(health)
+                .add_service(svc)
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Ok(ScriptedServer { allocator: self.clone(), addr, stop: Some(tx) })
+    }
+
+    fn publish(&self, s: &mut State, t: VifEventType, vif: Vif) {
+        s.revision += 1;
+        let _ = self.events.send(WatchVifsResponse {
+            resume_point: s.revision.to_string(),
+            r#type: t as i32,
+            vif: Some(vif),
+            node_routes: None,
+        });
+    }
+
+    /// Adds or replaces a VIF and streams it.
+    pub fn upsert(&self, vif: Vif) {
+        let mut s = self.lock();
+        let uid = vif.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
+        s.vifs.insert(uid, vif.clone());
+        self.publish(&mut s, VifEventType::VifApplied, vif);
+    }
+
+    /// Sets a VIF's state and streams it.
+    pub fn set_state(&self, pod_uid: &str, state: VifState) {
+        let mut s = self.lock();
+        if let Some(v) = s.vifs.get_mut(pod_uid) {
+            v.state = state as i32;
+            let v = v.clone();
+            self.publish(&mut s, VifEventType::VifApplied, v);
+        }
+    }
+
+    /// Releases a pod's VIF (the pod was deleted) and streams it.
+    pub fn delete(&self, pod_uid: &str) {
+        let mut s = self.lock();
+        if let Some(v) = s.vifs.remove(pod_uid) {
+            self.publish(&mut s, VifEventType::VifDeleted, v);
+        }
+    }
+
+    /// Every plugged/unplugged report received.
+    pub fn reports(&self) -> Vec<ReportPluggedRequest> {
+        self.lock().reports.clone()
+    }
+
+    /// A VIF's current state.
+    pub fn state_of(&self, pod_uid: &str) -> Option<VifState> {
+        self.lock().vifs.get(pod_uid).map(Vif::state)
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<WatchVifsResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl VifAllocator for ScriptedAllocator {
+    type WatchVifsStream = EventStream;
+
+    async fn watch_vifs(&self, req: Request<WatchVifsRequest>) -> Result<Response<EventStream>, Status> {
+        let req = req.into_inner();
+        if req.node_name.is_empty() {
+            return Err(Status::invalid_argument("node_name: required"));
+        }
+        let node = req.node_name.clone();
+        let mut rx = self.events.subscribe();
+        let (snapshot, revision) = {
+            let s = self.lock();
+            let vifs: Vec<Vif> =
+                s.vifs.values().filter(|v| v.pod.as_ref().is_some_and(|p| p.node_name == node)).cloned().collect();
+            (vifs, s.revision)
+        };
+        let resumed = !req.resume_from.is_empty();
+        let stream = async_stream::stream! {
+            // This scripted server keeps no history: a resume always restarts from a snapshot.
+            if resumed {
+                yield Ok(WatchVifsResponse { resume_point: String::new(), r#type: VifEventType::Reset as i32, vif: None, node_routes: None });
+            }
+            for v in snapshot {
+                yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::VifApplied as i32, vif: Some(v), node_routes: None });
+            }
+            yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::SnapshotComplete as i32, vif: None, node_routes: None });
+            loop {
+                match rx.recv().await {
+                    Ok(ev) => {
+                        if ev.resume_point.parse::<u64>().unwrap_or(0) <= revision { continue; }
+                        if ev.vif.as_ref().and_then(|v| v.pod.as_ref()).is_some_and(|p| p.node_name == node) {
+                            yield Ok(ev);
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        yield Err(Status::data_loss("subscriber fell behind; resubscribe"));
+                        break;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn report_plugged(&self, req: Request<ReportPluggedRequest>) -> Result<Response<ReportPluggedResponse>, Status> {
+        let r = req.into_inner();
+        let mut s = self.lock();
+        s.reports.push(r.clone());
+        let auto = s.auto_ready;
+        let Some(v) = s.vifs.get_mut(&r.pod_uid) else {
+            return Err(Status::not_found(format!("no VIF for pod {}", r.pod_uid)));
+        };
+        if v.vif_id != r.vif_id {
+            return Err(Status::failed_precondition(format!("pod {} has VIF {}, not {}", r.pod_uid, v.vif_id, r.vif_id)));
+        }
+        if r.plugged {
+            v.state = if auto { VifState::Ready } else { VifState::Plugged } as i32;
+        } else {
+            v.state = VifState::Allocated as i32;
+        }
+        let v = v.clone();
+        self.publish(&mut s, VifEventType::VifApplied, v.clone());
+        Ok(Response::new(ReportPluggedResponse { vif: Some(v) }))
+    }
+
+    async fn get_vif(&self, req: Request<GetVifRequest>) -> Result<Response<Vif>, Status> {
+        let uid = req.into_inner().pod_uid;
+        self.lock().vifs.get(&uid).cloned().map(Response::new).ok_or_else(|| Status::not_found(format!("no VIF for pod {uid}")))
+    }
+}
+
+/// A VIF for the bridge driver with one IPv4 address (and optionally IPv6).
+pub fn bridge_vif(node: &str, ns: &str, name: &str, uid: &str, ipv4: (&str, &str), ipv6: Option<(&str, &str)>, bridge: &str) -> Vif {
+    let mut ips = vec![IpConfig { address: ipv4.0.into(), gateway: ipv4.1.into() }];
+    if let Some((a, g)) = ipv6 {
+        ips.push(IpConfig { address: a.into(), gateway: g.into() });
+    }
+    // A locally administered unicast MAC derived from the uid, so tests can predict it.
+    let h = uid.bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    let mac = format!("0a:58:{:02x}:{:02x}:{:02x}:{:02x}", h >> 24, (h >> 16) & 0xff, (h >> 8) & 0xff, h & 0xff);
+    Vif {
+        pod: Some(PodRef { namespace: ns.into(), name: name.into(), uid: uid.into(), node_name: node.into() }),
+        vif_id: format!("vif-{uid}"),
+        mac,
+        mtu: 1400,
+        ips,
+        routes: vec![Route { destination: "198.18.0.0/15".into(), gateway: ipv4.1.into() }],
+        binding: Some(Binding { driver: BindingDriver::Bridge as i32, bridge: bridge.into(), host_ifname: String::new() }),
+        state: VifState::Allocated as i32,
+        backend: "scripted".into(),
+        ..Default::default()
+    }
+}

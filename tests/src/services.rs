@@ -43,10 +43,24 @@ pub struct ServiceProcess {
 impl ServiceProcess {
     /// Starts `bin` with `args`, logging to a file in `log_dir`.
     pub fn spawn(bin: &str, args: &[String], log_dir: &Path) -> Result<Self> {
+        Self::spawn_in_netns(bin, args, log_dir, None)
+    }
+
+    /// Starts `bin` inside the network namespace at `netns` (a node of the test), via
+    /// `nsenter --net`, which keeps the host's mount namespace (unlike `ip netns exec`).
+    pub fn spawn_in_netns(bin: &str, args: &[String], log_dir: &Path, netns: Option<&Path>) -> Result<Self> {
         let path = bin_path(bin)?;
         let log = log_dir.join(format!("{bin}-{}.log", unique_id()));
         let file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let child = Command::new(&path)
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.display())).arg("--").arg(&path);
+                c
+            }
+            None => Command::new(&path),
+        };
+        let child = cmd
             .args(args)
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)

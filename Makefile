@@ -5,7 +5,8 @@ SHELL := /bin/bash
 CARGO ?= cargo
 export KURYR_TOOLS_DIR ?= /var/cache/kuryr-rs/bin
 
-.PHONY: all setup tools build lint test test-unit clean
+.PHONY: all setup tools build lint test test-unit bench clean
+BENCH_PODS ?= 200
 
 all: build
 
@@ -37,3 +38,10 @@ test: tools lint build
 
 clean:
 	$(CARGO) clean
+
+## bench: CNI ADD latency of kuryr-cni vs the reference bridge+host-local plugins, sizes, RSS
+bench: tools
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --profile shim -p kuryr-cni
+	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)

@@ -6,6 +6,9 @@
 //!   CRI client that drives pod sandboxes exactly as kubelet does.
 //! - [`services`]: the project's own binaries as processes; grpcurl.
 //! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
+//! - [`binder`]: a kuryr-binder process in a node network namespace.
+//! - [`node`]: a test node: containerd + kuryr-cni + kuryr-binder in one network namespace.
+//! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -16,3 +19,7 @@ pub mod kube;
 pub mod cri;
 pub mod services;
 pub mod vifserver;
+pub mod binder;
+pub mod node;
+pub mod netns;
+pub mod shim;

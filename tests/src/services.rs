@@ -11,7 +11,16 @@ use crate::util::{repo_root, unique_id};
 
 /// The path of a binary of this workspace. `make test` builds them before the tests run
 /// (`cargo build --workspace --bins`); a missing binary is an error naming that command.
+/// `KURYR_BIN_DIR` overrides the directory.
 pub fn bin_path(name: &str) -> Result<PathBuf> {
+    // Benchmarks point this at optimised builds.
+    if let Some(dir) = std::env::var_os("KURYR_BIN_DIR") {
+        let p = PathBuf::from(dir).join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+        bail!("{} is not built (KURYR_BIN_DIR)", p.display());
+    }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     for profile in ["debug", "release"] {
         let p = target.join(profile).join(name);

@@ -3,7 +3,6 @@
 //! (and independently of) the real allocator.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -43,7 +42,8 @@ impl std::fmt::Debug for ScriptedAllocator {
 #[derive(Debug)]
 pub struct ScriptedServer {
     pub allocator: ScriptedAllocator,
-    pub addr: SocketAddr,
+    /// The address to give binders (`--allocator`).
+    pub target: String,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -66,10 +66,11 @@ impl ScriptedAllocator {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Serves on 127.0.0.1 at `port` (0: any).
-    pub async fn serve(&self, port: u16) -> Result<ScriptedServer> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-        let addr = listener.local_addr()?;
+    /// Serves on a unix socket at `path`: reachable from binders in any network namespace of
+    /// the test, since the socket lives in the filesystem.
+    pub async fn serve_unix(&self, path: &std::path::Path) -> Result<ScriptedServer> {
+        let _ = std::fs::remove_file(path);
+        let listener = tokio::net::UnixListener::bind(path)?;
         let (tx, rx) = oneshot::channel::<()>();
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter.set_serving::<VifAllocatorServer<ScriptedAllocator>>().await;
@@ -78,12 +79,12 @@ impl ScriptedAllocator {
             let _ = tonic::transport::Server::builder()
                 .add_service(health)
                 .add_service(svc)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async {
                     let _ = rx.await;
                 })
                 .await;
         });
-        Ok(ScriptedServer { allocator: self.clone(), addr, stop: Some(tx) })
+        Ok(ScriptedServer { allocator: self.clone(), target: format!("unix:{}", path.display()), stop: Some(tx) })
     }
 
     fn publish(&self, s: &mut State, t: VifEventType, vif: Vif) {

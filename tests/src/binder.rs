@@ -1,0 +1,122 @@
+//! A `kuryr-binder` process inside a node's network namespace, following a VIF allocator.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::services::{ServiceProcess, grpcurl, wait_until};
+
+/// A binder; stopped (killed) on drop.
+#[derive(Debug)]
+pub struct Binder {
+    pub node: String,
+    /// The binder's unix socket (CNI and grpcurl).
+    pub socket: PathBuf,
+    /// The binder's state directory (attachment records).
+    pub state_dir: PathBuf,
+    netns: PathBuf,
+    allocator: String,
+    extra_args: Vec<String>,
+    dir: tempfile::TempDir,
+    proc: Option<ServiceProcess>,
+}
+
+impl Binder {
+    /// Starts a binder for `node` in the network namespace at `netns`, following `allocator` (an
+    /// address reachable from that namespace, e.g. `unix:/path`), and waits until it serves.
+    pub async fn start(node: &str, netns: &Path, allocator: &str, extra_args: &[String]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("kuryr-binder-").tempdir_in("/tmp")?;
+        let mut b = Self {
+            node: node.to_string(),
+            socket: dir.path().join("binder.sock"),
+            state_dir: dir.path().join("state"),
+            netns: netns.to_path_buf(),
+            allocator: allocator.to_string(),
+            extra_args: extra_args.to_vec(),
+            dir,
+            proc: None,
+        };
+        b.restart().await?;
+        Ok(b)
+    }
+
+    /// Starts the binder again (after [`Binder::stop`] or a crash) and waits until it serves.
+    pub async fn restart(&mut self) -> Result<()> {
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            format!("unix:{}", self.socket.display()),
+            "--metrics-listen".into(),
+            "127.0.0.1:9631".into(),
+            "--allocator".into(),
+            self.allocator.clone(),
+            "--node-name".into(),
+            self.node.clone(),
+            "--state-dir".into(),
+            self.state_dir.display().to_string(),
+            "--shutdown-grace".into(),
+            "3s".into(),
+        ];
+        if !self.extra_args.iter().any(|a| a == "--vif-wait-timeout") {
+            args.extend(["--vif-wait-timeout".into(), "20s".into()]);
+        }
+        args.extend(self.extra_args.iter().cloned());
+        self.proc = Some(ServiceProcess::spawn_in_netns("kuryr-binder", &args, self.dir.path(), Some(&self.netns))?);
+        let target = self.grpc_target();
+        wait_until("the binder to serve", Duration::from_secs(30), || async {
+            let (ok, out) = grpcurl(&[
+                "-plaintext",
+                "-d",
+                r#"{"service":"kuryr.binder.v1.Cni"}"#,
+                &target,
+                "grpc.health.v1.Health/Check",
+            ])
+            .await?;
+            anyhow::ensure!(ok && out.contains("\"SERVING\""), "{out}");
+            Ok(())
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:#}\n{}", self.logs()))
+    }
+
+    /// Stops the binder with SIGTERM and waits for it to exit.
+    pub async fn stop(&mut self) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.terminate(Duration::from_secs(10)).await?;
+        }
+        Ok(())
+    }
+
+    /// The binder's gRPC target for grpcurl.
+    pub fn grpc_target(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    /// What the binder logged.
+    pub fn logs(&self) -> String {
+        self.proc.as_ref().map(ServiceProcess::logs).unwrap_or_default()
+    }
+
+    /// The binder's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().and_then(ServiceProcess::pid)
+    }
+
+    /// A CNI network configuration (one plugin, `kuryr-cni`) pointing at this binder.
+    pub fn netconf(&self, cni_version: &str, name: &str) -> serde_json::Value {
+        serde_json::json!({
+            "cniVersion": cni_version,
+            "name": name,
+            "type": "kuryr-cni",
+            "binderSocket": self.socket,
+            "timeoutSeconds": 30,
+        })
+    }
+
+    /// The number of attachment records on disk.
+    pub fn attachment_records(&self) -> usize {
+        std::fs::read_dir(self.state_dir.join("attachments"))
+            .map(|d| d.filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))).count())
+            .unwrap_or(0)
+    }
+}

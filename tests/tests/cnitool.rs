@@ -22,7 +22,7 @@ fn cnitool(op: &str, conf_dir: &std::path::Path, bin_dir: &std::path::Path, netn
     (out.status.success(), text)
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cnitool_add_check_del() {
     let dir = tempfile::tempdir().unwrap();
     let alloc = ScriptedAllocator::new(true);

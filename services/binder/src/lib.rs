@@ -1,18 +1,28 @@
 //! kuryr-binder: the per-node daemon behind the `kuryr-cni` shim.
 //!
-//! It serves the CNI operations (`kuryr.binder.v1.Cni`) on a unix socket, follows the allocator's
-//! VIF stream for its node, and plugs VIFs into pod network namespaces. It reports NOT_SERVING
-//! while the allocator is unreachable.
+//! It follows the allocator's `WatchVifs` stream for its node ([`vifs`]), serves the CNI
+//! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
+//! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
+//! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
+//! stream is live.
+
+pub mod attachments;
+pub mod cni;
+pub mod metrics;
+pub mod netns;
+pub mod plug;
+pub mod spec;
+pub mod vifs;
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
-use kuryr_proto::binder::v1::cni_server::{Cni, CniServer};
-use kuryr_proto::binder::v1::{
-    CheckResponse, CniRequest, CniResult, DelResponse, GcRequest, GcResponse, StatusRequest, StatusResponse,
-    VersionRequest, VersionResponse,
-};
+use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
+use kuryr_runtime::config::parse_duration;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
-use tonic::{Request, Response, Status};
 
 /// The binder's version; the shim must send the same.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -46,88 +56,55 @@ pub struct Config {
     #[arg(long, env = "KURYR_NODE_NAME")]
     pub node_name: Option<String>,
 
+    /// Where attachment records are kept across restarts.
+    #[arg(long, env = "KURYR_BINDER_STATE_DIR", default_value = "/var/lib/kuryr/binder")]
+    pub state_dir: PathBuf,
+
+    /// How long ADD waits for the pod's VIF to appear, and again for it to become ready, before
+    /// answering "try again later" (CNI code 11). The runtime's own sandbox timeout is ~4 min.
+    #[arg(long, env = "KURYR_VIF_WAIT_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub vif_wait_timeout: Duration,
+
+    /// The OVS database for the `ovs` binding (passed to ovs-vsctl --db), e.g.
+    /// unix:/run/openvswitch/db.sock; ovs-vsctl's default when unset.
+    #[arg(long, env = "KURYR_OVS_DB")]
+    pub ovs_db: Option<String>,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
 
 /// Runs the binder until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let rt = Runtime::new("kuryr-binder", &config.common)?;
+    let mut rt = Runtime::new("kuryr-binder", &config.common)?;
     let node = match config.node_name.clone() {
         Some(n) => n,
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_string(),
     };
-    tracing::info!(node, "binder starting");
-    let allocator = kuryr_runtime::client::channel(&config.allocator)?;
-    kuryr_runtime::deps::spawn_probe(rt.health(), service_names::CNI, "kuryr-vif-allocator", rt.shutdown(), move || {
-        kuryr_runtime::client::check_serving(allocator.clone(), service_names::VIF_ALLOCATOR)
-    });
-    let routes = tonic::service::Routes::new(CniServer::new(Binder));
+    anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
+    let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
+        .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
+    let channel = kuryr_runtime::client::channel(&config.allocator)?;
+    let vifs = vifs::VifCache::default();
+    let binder_id = format!("{node}/{}", std::process::id());
+    tracing::info!(node, allocator = config.allocator, "binder starting");
+    tokio::spawn(vifs.clone().follow(
+        channel.clone(),
+        node.clone(),
+        binder_id,
+        rt.health(),
+        service_names::CNI,
+        rt.shutdown(),
+    ));
+    let service = cni::CniService {
+        node,
+        vifs,
+        attachments,
+        allocator: VifAllocatorClient::new(channel),
+        vif_wait: config.vif_wait_timeout,
+        ovs_db: config.ovs_db.clone(),
+        metrics: metrics::CniMetrics::register(rt.registry()),
+    };
+    let routes = tonic::service::Routes::new(CniServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
-}
-
-#[derive(Debug)]
-struct Binder;
-
-/// Refuses a shim of another version, so that a half-upgraded node fails loudly.
-fn check_shim_version(v: &str) -> Result<(), Status> {
-    if v != VERSION {
-        return Err(Status::failed_precondition(format!(
-            "shim version `{v}` does not match binder version `{VERSION}`: install the kuryr-cni shipped with this binder"
-        )));
-    }
-    Ok(())
-}
-
-fn not_yet(op: &str) -> Status {
-    Status::unimplemented(format!("CNI {op} is not implemented in this version of kuryr-binder"))
-}
-
-#[tonic::async_trait]
-impl Cni for Binder {
-    async fn add(&self, req: Request<CniRequest>) -> Result<Response<CniResult>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Err(not_yet("ADD"))
-    }
-
-    async fn del(&self, req: Request<CniRequest>) -> Result<Response<DelResponse>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Err(not_yet("DEL"))
-    }
-
-    async fn check(&self, req: Request<CniRequest>) -> Result<Response<CheckResponse>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Err(not_yet("CHECK"))
-    }
-
-    async fn status(&self, req: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Err(not_yet("STATUS"))
-    }
-
-    async fn gc(&self, req: Request<GcRequest>) -> Result<Response<GcResponse>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Err(not_yet("GC"))
-    }
-
-    async fn version(&self, req: Request<VersionRequest>) -> Result<Response<VersionResponse>, Status> {
-        check_shim_version(&req.get_ref().shim_version)?;
-        Ok(Response::new(VersionResponse {
-            binder_version: VERSION.to_string(),
-            supported_cni_versions: SUPPORTED_CNI_VERSIONS.iter().map(|s| s.to_string()).collect(),
-        }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shim_version_mismatch_is_failed_precondition() {
-        let e = check_shim_version("0.0.1-other").unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
-        assert!(e.message().contains("0.0.1-other"));
-        assert!(check_shim_version(VERSION).is_ok());
-    }
 }

@@ -1,0 +1,157 @@
+//! Running code inside a network namespace.
+//!
+//! `setns(2)` changes the namespace of the *calling thread* only, and every socket the thread
+//! opens afterwards (netlink included) belongs to that namespace. A tokio worker or a
+//! `spawn_blocking` thread is shared with unrelated tasks, so entering a namespace there would
+//! leak it into whatever runs next on that thread. Hence [`run_in_netns`] always spawns a fresh
+//! OS thread, enters the namespace there, runs the closure and lets the thread die: nothing ever
+//! has to switch back, and the async caller only awaits a oneshot channel.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::sched::{CloneFlags, setns};
+use tokio::sync::oneshot;
+
+/// Why code could not be run inside a network namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// The namespace file does not exist (or the path is empty): the sandbox is gone. CNI ADD maps
+    /// this to code 4 (invalid environment); DEL treats it as success.
+    #[error("network namespace {} does not exist", path.display())]
+    NotFound { path: PathBuf },
+    /// The path exists but is not a network namespace, e.g. the bind mount behind it was already
+    /// unmounted and only the empty placeholder file remains. As good as gone for DEL.
+    #[error("{} is not a network namespace", path.display())]
+    NotANetns {
+        path: PathBuf,
+        #[source]
+        source: Errno,
+    },
+    /// The namespace file could not be opened for another reason (permissions, I/O).
+    #[error("cannot open network namespace {}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// `setns(2)` failed for another reason (typically missing CAP_SYS_ADMIN).
+    #[error("cannot enter network namespace {}", path.display())]
+    Enter {
+        path: PathBuf,
+        #[source]
+        source: Errno,
+    },
+    /// No thread could be started for the work.
+    #[error("cannot start a thread for network namespace work")]
+    Spawn(#[source] io::Error),
+    /// The thread ended without an answer: the closure panicked.
+    #[error("the network namespace thread ended without an answer (it panicked)")]
+    ThreadDied,
+}
+
+impl NetnsError {
+    /// True when the namespace is gone for good (missing file, or no longer a namespace): the
+    /// cases where CNI DEL must report success.
+    pub fn is_gone(&self) -> bool {
+        matches!(self, Self::NotFound { .. } | Self::NotANetns { .. })
+    }
+}
+
+/// Runs `f` on a dedicated OS thread inside the network namespace at `netns`, or in the
+/// namespace the binder itself runs in (the host's) when `netns` is `None`, and returns its
+/// result without blocking the caller's executor.
+///
+/// `f` may build its own current-thread tokio runtime (for rtnetlink): sockets it opens live in
+/// the target namespace. Errors entering the namespace are converted with `E::from`, so callers
+/// keep their own error type. The thread is detached: if the caller's future is dropped, `f`
+/// still runs to completion and its result is discarded, so `f` must bound its own waits.
+pub async fn run_in_netns<F, T, E>(netns: Option<PathBuf>, f: F) -> Result<T, E>
+where
+    F: FnOnce() -> Result<T, E> + Send + 'static,
+    T: Send + 'static,
+    E: From<NetnsError> + Send + 'static,
+{
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("kuryr-netns".to_string())
+        .spawn(move || {
+            let result = match netns.as_deref().map(enter) {
+                Some(Err(e)) => Err(E::from(e)),
+                Some(Ok(())) | None => f(),
+            };
+            // A closed channel means the caller went away; there is nobody left to tell.
+            let _ = tx.send(result);
+        })
+        .map_err(|e| E::from(NetnsError::Spawn(e)))?;
+    rx.await.map_err(|_| E::from(NetnsError::ThreadDied))?
+}
+
+/// Moves the calling thread into the network namespace at `path`. Only for threads that are
+/// never reused for anything else (see the module documentation).
+fn enter(path: &Path) -> Result<(), NetnsError> {
+    let file = open(path)?;
+    setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| match source {
+        Errno::EINVAL => NetnsError::NotANetns { path: path.to_path_buf(), source },
+        source => NetnsError::Enter { path: path.to_path_buf(), source },
+    })
+}
+
+/// Opens a network namespace file, mapping a missing (or empty) path to
+/// [`NetnsError::NotFound`].
+pub fn open(path: &Path) -> Result<File, NetnsError> {
+    if path.as_os_str().is_empty() {
+        return Err(NetnsError::NotFound { path: path.to_path_buf() });
+    }
+    File::open(path).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound => NetnsError::NotFound { path: path.to_path_buf() },
+        _ => NetnsError::Open { path: path.to_path_buf(), source },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inode(p: &str) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).unwrap().ino()
+    }
+
+    #[tokio::test]
+    async fn none_runs_in_the_callers_namespace_on_another_thread() {
+        let caller = std::thread::current().id();
+        let (thread, ns) = run_in_netns::<_, _, NetnsError>(None, move || {
+            Ok((std::thread::current().id(), inode("/proc/thread-self/ns/net")))
+        })
+        .await
+        .unwrap();
+        assert_ne!(thread, caller);
+        assert_eq!(ns, inode("/proc/thread-self/ns/net"));
+    }
+
+    #[tokio::test]
+    async fn missing_and_empty_paths_are_not_found() {
+        for p in ["/nonexistent/kuryr-netns-test", ""] {
+            let err = run_in_netns::<_, (), NetnsError>(Some(PathBuf::from(p)), || Ok(())).await.unwrap_err();
+            assert!(matches!(err, NetnsError::NotFound { .. }), "{p}: {err:?}");
+            assert!(err.is_gone());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_regular_file_is_not_a_netns() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let err = run_in_netns::<_, (), NetnsError>(Some(f.path().to_path_buf()), || Ok(())).await.unwrap_err();
+        // EINVAL as root; EPERM without CAP_SYS_ADMIN.
+        assert!(matches!(err, NetnsError::NotANetns { .. } | NetnsError::Enter { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn the_closures_error_comes_back() {
+        let err = run_in_netns::<_, (), NetnsError>(None, || Err(NetnsError::ThreadDied)).await.unwrap_err();
+        assert!(matches!(err, NetnsError::ThreadDied));
+    }
+}

@@ -1,0 +1,298 @@
+//! Plugging and unplugging a veth pair, with a rollback guard for failures part-way.
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+
+use ipnet::IpNet;
+use nix::errno::Errno;
+use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth};
+use rtnetlink::{LinkBridge, LinkMessageBuilder, LinkUnspec, LinkVeth};
+use tokio::sync::oneshot;
+
+use super::nl::{self, Nl, in_netns};
+use super::{BindingDriver, PlugError, PlugSpec, Plugged, format_mac, ovs};
+
+/// Plugs one pod interface (see the module documentation of [`crate::plug`]).
+///
+/// Steps: refuse if `ifname` already exists in the pod (→ [`PlugError::IfnameExists`]); remove
+/// a stale host end of the same name (an interrupted earlier ADD of this attachment); create the
+/// veth pair with the pod end born inside the pod's namespace, already named `ifname` and
+/// carrying the MAC and MTU, so no other namespace ever sees it; bring the host end up; in the
+/// pod bring `lo` and `ifname` up, add the addresses (IPv6 without DAD), the routes and the
+/// default routes; finally attach the host end to its bridge or OVS.
+///
+/// The work runs on a dedicated thread. Whatever it created is undone if any step fails, if the
+/// thread panics, or if the caller stopped waiting before the result could be handed over.
+pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<Plugged, PlugError> {
+    let mac = spec.validate()?;
+    let (spec, ovs_db) = (spec.clone(), ovs_db.map(str::to_string));
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("kuryr-plug".to_string())
+        .spawn(move || {
+            let mut undo = Rollback::default();
+            match nl::block_on(plug_steps(&spec, mac, ovs_db.as_deref(), &mut undo)) {
+                Ok(plugged) => match tx.send(Ok(plugged)) {
+                    Ok(()) => undo.disarm(),
+                    Err(_) => tracing::warn!(
+                        container_id = %spec.container_id,
+                        ifname = %spec.ifname,
+                        "caller gone before the plug result was delivered; rolling back"
+                    ),
+                },
+                Err(e) => {
+                    // Undo first, so that the caller sees the error only once nothing is left.
+                    drop(undo);
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|source| PlugError::Io { op: "start the plugging thread", source })?;
+    rx.await.map_err(|_| PlugError::ThreadDied)?
+}
+
+async fn plug_steps(
+    spec: &PlugSpec,
+    mac: [u8; 6],
+    ovs_db: Option<&str>,
+    undo: &mut Rollback,
+) -> Result<Plugged, PlugError> {
+    let (ifname, host_ifname) = (spec.ifname.as_str(), spec.host_ifname.as_str());
+    if link_exists(Some(spec.netns.clone()), ifname).await? {
+        return Err(PlugError::IfnameExists { netns: spec.netns.clone(), ifname: ifname.to_string() });
+    }
+    // Held open until the veth exists: the kernel moves the peer through this descriptor.
+    let netns_file = crate::netns::open(&spec.netns)?;
+    let host = Nl::connect("host".to_string())?;
+
+    if host.delete(host_ifname).await? {
+        tracing::warn!(host_ifname, container_id = %spec.container_id, "removed a stale host interface");
+    }
+
+    let mut peer = LinkUnspec::new_with_name(ifname).address(mac.to_vec()).setns_by_fd(netns_file.as_raw_fd());
+    let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname);
+    if spec.mtu > 0 {
+        peer = peer.mtu(spec.mtu);
+        veth = veth.mtu(spec.mtu);
+    }
+    let veth = veth.set_info_data(InfoData::Veth(InfoVeth::Peer(peer.build()))).build();
+    host.add_link(veth).await.map_err(
+        host.fail(format!("create veth pair {host_ifname} <-> {ifname} (peer in {})", spec.netns.display())),
+    )?;
+    undo.host_link = Some(host_ifname.to_string());
+    drop(netns_file);
+
+    let host_link = host.require(host_ifname).await?;
+    let host_index = host_link.header.index;
+    host.set_up(host_index, host_ifname).await?;
+
+    let sandbox = configure_sandbox(spec).await?;
+
+    match &spec.driver {
+        BindingDriver::Bridge { bridge } => {
+            let bridge_index = ensure_bridge_with(&host, bridge, &[]).await?;
+            host.set_controller(host_index, host_ifname, bridge_index).await?;
+        }
+        BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid } => {
+            // Armed before running: a timed-out ovs-vsctl may still have added the port.
+            undo.ovs_port = Some((ovs_db.map(str::to_string), host_ifname.to_string()));
+            ovs::vsctl(ovs_db, &ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid)).await?;
+        }
+    }
+
+    Ok(Plugged {
+        host_ifname: host_ifname.to_string(),
+        host_mac: nl::link_mac(&host_link).map(format_mac).unwrap_or_default(),
+        sandbox_ifname: ifname.to_string(),
+        sandbox_mac: sandbox.0,
+        sandbox: spec.netns.clone(),
+        mtu: sandbox.1,
+    })
+}
+
+/// Configures the pod end inside the pod's namespace; returns its MAC and MTU.
+async fn configure_sandbox(spec: &PlugSpec) -> Result<(String, u32), PlugError> {
+    let ifname = spec.ifname.clone();
+    let addresses: Vec<IpNet> = spec.ips.iter().map(|ip| ip.address).collect();
+    let routes = spec.all_routes();
+    in_netns(Some(spec.netns.clone()), move |nl| async move {
+        let lo = nl.require("lo").await?;
+        nl.set_up(lo.header.index, "lo").await?;
+        let link = nl.require(&ifname).await?;
+        let index = link.header.index;
+        disable_dad(&ifname)?;
+        nl.set_up(index, &ifname).await?;
+        for addr in addresses {
+            nl.add_address(index, &ifname, addr).await?;
+        }
+        for route in &routes {
+            nl.add_route(index, &ifname, route).await?;
+        }
+        let mac = nl::link_mac(&link).map(format_mac).unwrap_or_default();
+        Ok((mac, nl::link_mtu(&link).unwrap_or_default()))
+    })
+    .await
+}
+
+/// Turns off IPv6 duplicate address detection on `ifname` in the current thread's namespace
+/// (`/proc/sys/net` resolves per thread), before the link comes up, so that its link-local
+/// address, like the NODAD global ones, is usable at once: a pod must be able to talk as soon
+/// as ADD returns. Addresses come from IPAM and are unique by construction. Without IPv6 in the
+/// namespace there is nothing to do.
+fn disable_dad(ifname: &str) -> Result<(), PlugError> {
+    match std::fs::write(format!("/proc/sys/net/ipv6/conf/{ifname}/accept_dad"), "0") {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(PlugError::Io { op: "disable IPv6 DAD (net.ipv6.conf.<ifname>.accept_dad) in the pod", source: e })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Undoes a partly done [`plug`] when dropped, unless disarmed. Runs on the plugging thread,
+/// where blocking is harmless; the netlink work goes to a helper thread with its own runtime, so
+/// the guard also works while unwinding inside the plugging thread's runtime.
+#[derive(Debug, Default)]
+struct Rollback {
+    /// The host end we created; deleting it deletes the pod end with it.
+    host_link: Option<String>,
+    /// The OVS port we (may have) added: `(db, port)`.
+    ovs_port: Option<(Option<String>, String)>,
+}
+
+impl Rollback {
+    fn disarm(mut self) {
+        self.host_link = None;
+        self.ovs_port = None;
+    }
+}
+
+impl Drop for Rollback {
+    fn drop(&mut self) {
+        if let Some((db, port)) = self.ovs_port.take()
+            && let Err(error) = ovs::vsctl_blocking(db.as_deref(), &ovs::del_port(&port))
+        {
+            tracing::error!(port = %port, error = %error_chain(&error), "rollback: cannot remove the OVS port");
+        }
+        if let Some(name) = self.host_link.take() {
+            let result = std::thread::scope(|s| {
+                s.spawn(|| nl::block_on(async { Nl::connect("host".to_string())?.delete(&name).await })).join()
+            });
+            match result {
+                Ok(Ok(_)) => tracing::info!(host_ifname = %name, "rollback: removed the veth pair"),
+                Ok(Err(error)) => {
+                    tracing::error!(host_ifname = %name, error = %error_chain(&error), "rollback: cannot remove the veth pair")
+                }
+                Err(_) => tracing::error!(host_ifname = %name, "rollback: the cleanup thread panicked"),
+            }
+        }
+    }
+}
+
+/// An error with its causes, for a log line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
+/// Removes what [`plug`] made; success when it is already gone, when the namespace is gone or
+/// `netns` is empty, and when repeated.
+///
+/// Deleting the host end deletes the pod end with it. A veth called `ifname` still present in
+/// the pod afterwards (its host end renamed behind our back) is deleted too. For OVS the port
+/// is removed with `--if-exists`.
+pub async fn unplug(
+    netns: Option<PathBuf>,
+    ifname: &str,
+    host_ifname: &str,
+    driver: &BindingDriver,
+    ovs_db: Option<&str>,
+) -> Result<(), PlugError> {
+    if !host_ifname.is_empty() {
+        let name = host_ifname.to_string();
+        in_netns(None, move |nl| async move { nl.delete(&name).await }).await?;
+    }
+    if let Some(netns) = netns.filter(|p| !p.as_os_str().is_empty())
+        && !ifname.is_empty()
+    {
+        let name = ifname.to_string();
+        let leftover = in_netns(Some(netns), move |nl| async move {
+            match nl.link(&name).await? {
+                Some(link) if nl::link_kind(&link) == Some(&InfoKind::Veth) => nl.delete(&name).await,
+                _ => Ok(false),
+            }
+        })
+        .await;
+        match leftover {
+            Ok(_) => {}
+            Err(e) if e.is_netns_gone() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if let BindingDriver::Ovs { .. } = driver
+        && !host_ifname.is_empty()
+    {
+        ovs::vsctl(ovs_db, &ovs::del_port(host_ifname)).await?;
+    }
+    Ok(())
+}
+
+/// Makes sure the Linux bridge `name` exists in the host namespace, is up and holds
+/// `addresses` (typically the pods' gateway addresses). Idempotent; other addresses are left
+/// alone.
+pub async fn ensure_bridge(name: &str, addresses: &[IpNet]) -> Result<(), PlugError> {
+    super::check_ifname("bridge", name)?;
+    let (name, addresses) = (name.to_string(), addresses.to_vec());
+    in_netns(None, move |nl| async move { ensure_bridge_with(&nl, &name, &addresses).await.map(drop) }).await
+}
+
+/// [`ensure_bridge`] on an existing connection; returns the bridge's index.
+async fn ensure_bridge_with(nl: &Nl, name: &str, addresses: &[IpNet]) -> Result<u32, PlugError> {
+    if nl.link(name).await?.is_none() {
+        match nl.add_link(LinkBridge::new(name).build()).await {
+            // Someone else (a concurrent ADD) created it first: fine.
+            Err(e) if nl::errno(&e) != Some(Errno::EEXIST) => {
+                return Err(nl.fail(format!("create bridge {name}"))(e));
+            }
+            _ => tracing::info!(bridge = name, "created bridge"),
+        }
+    }
+    let link = nl.require(name).await?;
+    if nl::link_kind(&link) != Some(&InfoKind::Bridge) {
+        return Err(PlugError::NotABridge(name.to_string()));
+    }
+    let index = link.header.index;
+    if !nl::link_up(&link) {
+        nl.set_up(index, name).await?;
+    }
+    let present = nl.addresses(index).await?;
+    for addr in addresses.iter().filter(|a| !present.contains(a)) {
+        nl.add_address(index, name, *addr).await?;
+    }
+    Ok(index)
+}
+
+/// Names of the host-namespace links starting with `prefix` (e.g. [`super::HOST_IFNAME_PREFIX`]),
+/// for garbage collection of leftovers.
+pub async fn list_host_links(prefix: &str) -> Result<Vec<String>, PlugError> {
+    let prefix = prefix.to_string();
+    in_netns(None, move |nl| async move {
+        let mut names = nl.link_names().await?;
+        names.retain(|n| n.starts_with(&prefix));
+        names.sort();
+        Ok(names)
+    })
+    .await
+}
+
+/// Whether a link called `name` exists in `netns` (the host's for `None`). A missing namespace
+/// is an error ([`PlugError::NetnsNotFound`]), not `false`.
+pub async fn link_exists(netns: Option<PathBuf>, name: &str) -> Result<bool, PlugError> {
+    let name = name.to_string();
+    in_netns(netns, move |nl| async move { Ok(nl.link(&name).await?.is_some()) }).await
+}

@@ -1,0 +1,296 @@
+//! Thin rtnetlink helpers used by the plugging code. Each [`Nl`] owns a netlink socket opened by
+//! the current thread, so it works in whatever namespace that thread is in; [`in_netns`] runs a
+//! closure with such a socket inside a given namespace, on a dedicated thread.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+
+use futures::TryStreamExt;
+use ipnet::IpNet;
+use nix::errno::Errno;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
+};
+use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
+
+use super::{PlugError, Route};
+use crate::netns::run_in_netns;
+
+/// Runs `f` with a netlink socket inside `netns` (the binder's own namespace for `None`), on a
+/// dedicated thread with its own current-thread runtime.
+pub(crate) async fn in_netns<T, F, Fut>(netns: Option<PathBuf>, f: F) -> Result<T, PlugError>
+where
+    F: FnOnce(Nl) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, PlugError>>,
+    T: Send + 'static,
+{
+    let label = netns.as_ref().map_or_else(|| "host".to_string(), |p| p.display().to_string());
+    run_in_netns(netns, move || block_on(async move { f(Nl::connect(label)?).await })).await
+}
+
+/// Runs a future to completion on a new current-thread runtime. Only for dedicated threads that
+/// are not already inside a runtime.
+pub(crate) fn block_on<T>(fut: impl Future<Output = Result<T, PlugError>>) -> Result<T, PlugError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| PlugError::Io { op: "build a runtime for netlink work", source })?;
+    rt.block_on(fut)
+}
+
+/// The errno of a netlink error reply, if that is what the error is.
+pub(crate) fn errno(e: &rtnetlink::Error) -> Option<Errno> {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => m.code.map(|c| Errno::from_raw(-c.get())),
+        _ => None,
+    }
+}
+
+/// A netlink connection in the namespace of the thread that opened it.
+#[derive(Clone, Debug)]
+pub(crate) struct Nl {
+    handle: Handle,
+    /// "host" or the namespace path, for error messages.
+    label: String,
+}
+
+impl Nl {
+    /// Opens a netlink socket in the current thread's namespace. Must be called inside a tokio
+    /// runtime, which drives the connection.
+    pub(crate) fn connect(label: String) -> Result<Self, PlugError> {
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
+        tokio::spawn(conn);
+        Ok(Nl { handle, label })
+    }
+
+    /// Maps a netlink error to [`PlugError::Netlink`] naming `op` and this namespace.
+    pub(crate) fn fail(&self, op: String) -> impl FnOnce(rtnetlink::Error) -> PlugError {
+        let op = format!("{op} in {}", self.label);
+        move |source| PlugError::Netlink { op, source }
+    }
+
+    /// The link called `name`, or `None`.
+    pub(crate) async fn link(&self, name: &str) -> Result<Option<LinkMessage>, PlugError> {
+        let mut links = self.handle.link().get().match_name(name).execute();
+        match links.try_next().await {
+            Ok(link) => Ok(link),
+            Err(e) if errno(&e) == Some(Errno::ENODEV) => Ok(None),
+            Err(e) => Err(self.fail(format!("look up link {name}"))(e)),
+        }
+    }
+
+    /// The index of the link called `name`, or [`PlugError::LinkNotFound`].
+    pub(crate) async fn require(&self, name: &str) -> Result<LinkMessage, PlugError> {
+        self.link(name)
+            .await?
+            .ok_or_else(|| PlugError::LinkNotFound { netns: self.label.clone(), ifname: name.to_string() })
+    }
+
+    /// Names of all links.
+    pub(crate) async fn link_names(&self) -> Result<Vec<String>, PlugError> {
+        let links: Vec<LinkMessage> =
+            self.handle.link().get().execute().try_collect().await.map_err(self.fail("list links".into()))?;
+        Ok(links.iter().filter_map(link_name).map(str::to_string).collect())
+    }
+
+    /// Creates a link (`RTM_NEWLINK` with `NLM_F_EXCL`).
+    pub(crate) async fn add_link(&self, msg: LinkMessage) -> Result<(), rtnetlink::Error> {
+        self.handle.link().add(msg).execute().await
+    }
+
+    /// Deletes the link called `name`; `Ok(false)` when there was none.
+    pub(crate) async fn delete(&self, name: &str) -> Result<bool, PlugError> {
+        let Some(link) = self.link(name).await? else { return Ok(false) };
+        match self.handle.link().del(link.header.index).execute().await {
+            Ok(()) => Ok(true),
+            Err(e) if errno(&e) == Some(Errno::ENODEV) => Ok(false),
+            Err(e) => Err(self.fail(format!("delete link {name}"))(e)),
+        }
+    }
+
+    /// Brings a link up.
+    pub(crate) async fn set_up(&self, index: u32, name: &str) -> Result<(), PlugError> {
+        let msg = LinkUnspec::new_with_index(index).up().build();
+        self.handle.link().set(msg).execute().await.map_err(self.fail(format!("bring {name} up")))
+    }
+
+    /// Makes `controller` (a bridge) the master of the link.
+    pub(crate) async fn set_controller(&self, index: u32, name: &str, controller: u32) -> Result<(), PlugError> {
+        let msg = LinkUnspec::new_with_index(index).controller(controller).build();
+        self.handle.link().set(msg).execute().await.map_err(self.fail(format!("attach {name} to its bridge")))
+    }
+
+    /// Adds an address; IPv6 ones without duplicate address detection so that they are usable
+    /// at once (the address comes from IPAM, it is unique by construction). An identical address
+    /// already present is fine.
+    pub(crate) async fn add_address(&self, index: u32, name: &str, addr: IpNet) -> Result<(), PlugError> {
+        let mut req = self.handle.address().add(index, addr.addr(), addr.prefix_len());
+        if addr.addr().is_ipv6() {
+            req.message_mut().attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
+        }
+        match req.execute().await {
+            Err(e) if errno(&e) != Some(Errno::EEXIST) => Err(self.fail(format!("add address {addr} to {name}"))(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The addresses on a link, all scopes.
+    pub(crate) async fn addresses(&self, index: u32) -> Result<Vec<IpNet>, PlugError> {
+        let msgs: Vec<_> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(self.fail(format!("list addresses of link {index}")))?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| {
+                // For IPv4, IFA_LOCAL is the interface's own address (IFA_ADDRESS the peer's on
+                // point-to-point links); IPv6 only sends IFA_ADDRESS.
+                let local = m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Local(ip) => Some(*ip),
+                    _ => None,
+                });
+                let addr = m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(ip) => Some(*ip),
+                    _ => None,
+                });
+                IpNet::new(local.or(addr)?, m.header.prefix_len).ok()
+            })
+            .collect())
+    }
+
+    /// Adds a route out of the link; on-link (scope link) without a gateway. An identical route
+    /// already present (e.g. the kernel's connected route) is fine.
+    pub(crate) async fn add_route(&self, index: u32, name: &str, route: &Route) -> Result<(), PlugError> {
+        let dst = route.dst.trunc();
+        let scope = if route.gw.is_some() { RouteScope::Universe } else { RouteScope::Link };
+        let msg = match (dst, route.gw) {
+            (IpNet::V4(d), gw) => {
+                let b = RouteMessageBuilder::<Ipv4Addr>::new().destination_prefix(d.addr(), d.prefix_len());
+                match gw {
+                    Some(IpAddr::V4(gw)) => b.gateway(gw),
+                    _ => b,
+                }
+                .output_interface(index)
+                .scope(scope)
+                .build()
+            }
+            (IpNet::V6(d), gw) => {
+                let b = RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(d.addr(), d.prefix_len());
+                match gw {
+                    Some(IpAddr::V6(gw)) => b.gateway(gw),
+                    _ => b,
+                }
+                .output_interface(index)
+                .scope(scope)
+                .build()
+            }
+        };
+        match self.handle.route().add(msg).execute().await {
+            Err(e) if errno(&e) != Some(Errno::EEXIST) => Err(self.fail(format!("add route {route} dev {name}"))(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The routes out of the link that someone configured: main table, unicast, not added by
+    /// the kernel itself (connected subnets, fe80::/64, multicast live in other tables or carry
+    /// `proto kernel`).
+    pub(crate) async fn routes(&self, index: u32) -> Result<Vec<Route>, PlugError> {
+        Ok(self.route_messages(index).await?.iter().filter_map(route_of).collect())
+    }
+
+    async fn route_messages(&self, index: u32) -> Result<Vec<RouteMessage>, PlugError> {
+        let mut out = Vec::new();
+        for query in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()] {
+            let msgs: Vec<RouteMessage> = self
+                .handle
+                .route()
+                .get(query)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(self.fail("list routes".into()))?;
+            out.extend(msgs.into_iter().filter(|m| {
+                let table = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Table(t) => Some(*t),
+                    _ => None,
+                });
+                let main = table.unwrap_or(u32::from(m.header.table)) == u32::from(RouteHeader::RT_TABLE_MAIN);
+                let oif = m.attributes.iter().any(|a| matches!(a, RouteAttribute::Oif(i) if *i == index));
+                main && oif && m.header.kind == RouteType::Unicast && m.header.protocol != RouteProtocol::Kernel
+            }));
+        }
+        Ok(out)
+    }
+}
+
+/// A link message's name.
+pub(crate) fn link_name(link: &LinkMessage) -> Option<&str> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(n) => Some(n.as_str()),
+        _ => None,
+    })
+}
+
+/// A link message's hardware address.
+pub(crate) fn link_mac(link: &LinkMessage) -> Option<&[u8]> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Address(mac) => Some(mac.as_slice()),
+        _ => None,
+    })
+}
+
+/// A link message's MTU.
+pub(crate) fn link_mtu(link: &LinkMessage) -> Option<u32> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Mtu(m) => Some(*m),
+        _ => None,
+    })
+}
+
+/// Whether the link is administratively up.
+pub(crate) fn link_up(link: &LinkMessage) -> bool {
+    link.header.flags.contains(LinkFlags::Up)
+}
+
+/// The link's kind (`veth`, `bridge`, ...), if it has one.
+pub(crate) fn link_kind(link: &LinkMessage) -> Option<&InfoKind> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+            LinkInfo::Kind(k) => Some(k),
+            _ => None,
+        }),
+        _ => None,
+    })
+}
+
+/// Destination and gateway of a route message.
+fn route_of(m: &RouteMessage) -> Option<Route> {
+    let ip = |a: &RouteAddress| match a {
+        RouteAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
+        RouteAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        _ => None,
+    };
+    let dst = m.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(d) => ip(d),
+        _ => None,
+    });
+    let dst = match (dst, m.header.address_family) {
+        (Some(d), _) => d,
+        (None, rtnetlink::packet_route::AddressFamily::Inet6) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        (None, _) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    };
+    let gw = m.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Gateway(g) => ip(g),
+        _ => None,
+    });
+    Some(Route { dst: IpNet::new(dst, m.header.destination_prefix_length).ok()?, gw })
+}

@@ -1,0 +1,335 @@
+//! The plugging layer against the real kernel: network namespaces made with `ip netns add`, veth
+//! pairs, a Linux bridge. Needs root; everything it creates carries this process's id and is
+//! removed by guards, also when an assertion fails.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use ipnet::IpNet;
+use kuryr_binder::plug::{self, BindingDriver, IpConfig, PlugError, PlugSpec, Route};
+
+/// Runs a command; returns (success, stdout + stderr).
+fn run(cmd: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("cannot run {cmd}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// Runs a command that must succeed; returns its output.
+fn ok(cmd: &str, args: &[&str]) -> String {
+    let (success, text) = run(cmd, args);
+    assert!(success, "{cmd} {} failed: {text}", args.join(" "));
+    text
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
+        .unwrap_or(false)
+}
+
+/// A name unique to this process and call: `<prefix><pid hex><n>`, at most 15 characters.
+fn unique(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let name = format!("{prefix}{:x}x{n}", std::process::id());
+    assert!(name.len() <= 15, "{name} is too long for an interface name");
+    name
+}
+
+/// A network namespace that is deleted on drop.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn new() -> Self {
+        let name = unique("kt-");
+        ok("ip", &["netns", "add", &name]);
+        Netns { name }
+    }
+
+    fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/var/run/netns/{}", self.name))
+    }
+
+    /// `ip -n <ns> args...`
+    fn ip(&self, args: &[&str]) -> (bool, String) {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        run("ip", &all)
+    }
+
+    fn ping(&self, args: &[&str]) -> (bool, String) {
+        let mut all = vec!["netns", "exec", self.name.as_str(), "ping", "-c1", "-W2"];
+        all.extend_from_slice(args);
+        run("ip", &all)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = run("ip", &["netns", "del", &self.name]);
+    }
+}
+
+/// Host links deleted on drop (the test bridge, host ends left by a failing assertion).
+struct HostLinks(Vec<String>);
+
+impl Drop for HostLinks {
+    fn drop(&mut self) {
+        for l in &self.0 {
+            if host_link_exists(l) {
+                let _ = run("ip", &["link", "del", l]);
+            }
+        }
+    }
+}
+
+fn host_link_exists(name: &str) -> bool {
+    run("ip", &["link", "show", "dev", name]).0
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().expect("a CIDR")
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("an IP address")
+}
+
+/// One test's subnet pair, distinct per process so that concurrent runs do not overlap.
+struct Subnets {
+    v4: String,
+    v6: String,
+}
+
+impl Subnets {
+    fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        Subnets { v4: format!("10.{}.{}", 100 + pid % 100, n % 256), v6: format!("fd00:{:x}:{n:x}", pid % 0xffff) }
+    }
+
+    fn gw4(&self) -> String {
+        format!("{}.1", self.v4)
+    }
+
+    fn gw6(&self) -> String {
+        format!("{}::1", self.v6)
+    }
+}
+
+fn spec(ns: &Netns, nets: &Subnets, host_octet: u8, driver: BindingDriver) -> PlugSpec {
+    let container_id = format!("{}-{host_octet}", ns.name);
+    PlugSpec {
+        host_ifname: plug::host_ifname(&container_id, "eth0"),
+        container_id,
+        netns: ns.path(),
+        ifname: "eth0".into(),
+        mac: format!("02:42:ac:{:02x}:00:{host_octet:02x}", std::process::id() % 256),
+        mtu: 1400,
+        ips: vec![
+            IpConfig { address: net(&format!("{}.{host_octet}/24", nets.v4)), gateway: Some(ip(&nets.gw4())) },
+            IpConfig { address: net(&format!("{}::{host_octet:x}/64", nets.v6)), gateway: Some(ip(&nets.gw6())) },
+        ],
+        routes: vec![],
+        driver,
+    }
+}
+
+macro_rules! require_root {
+    () => {
+        if !is_root() {
+            eprintln!("skipped: needs root for network namespaces");
+            return;
+        }
+    };
+}
+
+#[tokio::test]
+async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
+    require_root!();
+    let (a, b) = (Netns::new(), Netns::new());
+    let bridge = unique("ktb");
+    let nets = Subnets::new();
+    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
+    let (spec_a, spec_b) = (spec(&a, &nets, 10, driver.clone()), spec(&b, &nets, 11, driver.clone()));
+    let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+
+    let gateways = spec_a.gateway_addresses();
+    plug::ensure_bridge(&bridge, &gateways).await.unwrap();
+    plug::ensure_bridge(&bridge, &gateways).await.expect("ensure_bridge is idempotent");
+    let br = ok("ip", &["addr", "show", "dev", &bridge]);
+    assert!(br.contains(&format!("{}/24", nets.gw4())) && br.contains(&format!("{}/64", nets.gw6())), "{br}");
+
+    let plugged_a = plug::plug(&spec_a, None).await.unwrap();
+    let plugged_b = plug::plug(&spec_b, None).await.unwrap();
+    assert_eq!(plugged_b.sandbox_mac, spec_b.mac);
+    assert_eq!(plugged_a.sandbox_mac, spec_a.mac);
+    assert_eq!(
+        (plugged_a.host_ifname.as_str(), plugged_a.sandbox_ifname.as_str()),
+        (spec_a.host_ifname.as_str(), "eth0")
+    );
+    assert_eq!(plugged_a.mtu, 1400);
+    assert_eq!(plugged_a.sandbox, a.path());
+    assert_ne!(plugged_a.host_mac, plugged_a.sandbox_mac);
+
+    // What the kernel says, through iproute2.
+    let (_, link) = a.ip(&["link", "show", "dev", "eth0"]);
+    assert!(link.contains(&format!("link/ether {}", spec_a.mac)), "{link}");
+    assert!(link.contains("mtu 1400") && link.contains("state UP"), "{link}");
+    let (_, lo) = a.ip(&["link", "show", "dev", "lo"]);
+    assert!(lo.contains(",UP"), "lo is not up: {lo}");
+    let (_, addrs) = a.ip(&["addr", "show", "dev", "eth0"]);
+    assert!(addrs.contains(&format!("inet {}.10/24", nets.v4)), "{addrs}");
+    assert!(addrs.contains(&format!("inet6 {}::a/64", nets.v6)), "{addrs}");
+    assert!(!addrs.contains("tentative"), "IPv6 address still under DAD: {addrs}");
+    let (_, routes4) = a.ip(&["route", "show"]);
+    assert!(routes4.contains(&format!("default via {} dev eth0", nets.gw4())), "{routes4}");
+    let (_, routes6) = a.ip(&["-6", "route", "show"]);
+    assert!(routes6.contains(&format!("default via {} dev eth0", nets.gw6())), "{routes6}");
+    let host = ok("ip", &["link", "show", "dev", &spec_a.host_ifname]);
+    assert!(
+        host.contains(&format!("master {bridge}")) && host.contains("mtu 1400") && host.contains("state UP"),
+        "{host}"
+    );
+
+    // Traffic: pod to pod in both families, pod to gateway.
+    let (pinged, out) = a.ping(&[&format!("{}.11", nets.v4)]);
+    assert!(pinged, "IPv4 ping a -> b failed: {out}");
+    let (pinged, out) = b.ping(&["-6", &format!("{}::a", nets.v6)]);
+    assert!(pinged, "IPv6 ping b -> a failed: {out}");
+    let (pinged, out) = a.ping(&[&nets.gw4()]);
+    assert!(pinged, "IPv4 ping a -> gateway failed: {out}");
+
+    // CHECK: clean, then a removed default route is named.
+    let observed = plug::inspect(a.path(), "eth0").await.unwrap();
+    assert_eq!(plug::diff(&spec_a, &observed), Vec::<String>::new(), "{observed:?}");
+    assert!(observed.up);
+    a.ip(&["route", "del", "default"]);
+    let observed = plug::inspect(a.path(), "eth0").await.unwrap();
+    assert_eq!(plug::diff(&spec_a, &observed), vec![format!("missing route 0.0.0.0/0 via {}", nets.gw4())]);
+    a.ip(&["link", "set", "eth0", "mtu", "1300"]);
+    let observed = plug::inspect(a.path(), "eth0").await.unwrap();
+    assert!(plug::diff(&spec_a, &observed).contains(&"MTU 1400 != 1300".to_string()));
+    assert!(matches!(plug::inspect(a.path(), "eth9").await, Err(PlugError::LinkNotFound { .. })));
+
+    // GC support.
+    let listed = plug::list_host_links(plug::HOST_IFNAME_PREFIX).await.unwrap();
+    assert!(listed.contains(&spec_a.host_ifname) && listed.contains(&spec_b.host_ifname), "{listed:?}");
+    assert!(plug::link_exists(Some(a.path()), "eth0").await.unwrap());
+    assert!(plug::link_exists(None, &spec_a.host_ifname).await.unwrap());
+
+    // DEL, twice; then with the namespace gone and with an empty path.
+    for _ in 0..2 {
+        plug::unplug(Some(a.path()), "eth0", &spec_a.host_ifname, &driver, None).await.unwrap();
+    }
+    assert!(!host_link_exists(&spec_a.host_ifname));
+    assert!(!a.ip(&["link", "show", "dev", "eth0"]).0);
+    let b_path = b.path();
+    drop(b);
+    plug::unplug(Some(b_path.clone()), "eth0", &spec_b.host_ifname, &driver, None).await.unwrap();
+    plug::unplug(Some(PathBuf::new()), "eth0", &spec_b.host_ifname, &driver, None).await.unwrap();
+    assert!(!host_link_exists(&spec_b.host_ifname));
+    assert!(matches!(plug::link_exists(Some(b_path), "eth0").await, Err(PlugError::NetnsMissing { .. })));
+}
+
+#[tokio::test]
+async fn an_ifname_already_present_is_refused_and_leaves_nothing() {
+    require_root!();
+    let a = Netns::new();
+    let bridge = unique("ktb");
+    let nets = Subnets::new();
+    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
+    let first = spec(&a, &nets, 20, driver.clone());
+    let second = spec(&a, &nets, 21, driver.clone());
+    let _links = HostLinks(vec![bridge.clone(), first.host_ifname.clone(), second.host_ifname.clone()]);
+    plug::plug(&first, None).await.unwrap();
+
+    let err = plug::plug(&second, None).await.unwrap_err();
+    assert!(matches!(&err, PlugError::IfnameExists { ifname, .. } if ifname == "eth0"), "{err:?}");
+    assert!(err.to_string().contains("eth0"), "{err}");
+    assert!(!host_link_exists(&second.host_ifname), "a host end was left behind");
+    // The first pod is untouched.
+    let observed = plug::inspect(a.path(), "eth0").await.unwrap();
+    assert_eq!(plug::diff(&first, &observed), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn a_missing_netns_is_its_own_error_and_leaves_nothing() {
+    require_root!();
+    let nets = Subnets::new();
+    let gone = Netns::new();
+    let bridge = unique("ktb");
+    let spec = spec(&gone, &nets, 30, BindingDriver::Bridge { bridge: bridge.clone() });
+    let _links = HostLinks(vec![bridge, spec.host_ifname.clone()]);
+    drop(gone);
+
+    let err = plug::plug(&spec, None).await.unwrap_err();
+    assert!(matches!(&err, PlugError::NetnsMissing { netns } if *netns == spec.netns), "{err:?}");
+    assert!(err.is_netns_gone());
+    assert!(!host_link_exists(&spec.host_ifname));
+}
+
+#[tokio::test]
+async fn a_failure_part_way_rolls_everything_back() {
+    require_root!();
+    let a = Netns::new();
+    let bridge = unique("ktb");
+    let not_a_bridge = unique("ktv");
+    let nets = Subnets::new();
+    let mut unreachable = spec(&a, &nets, 40, BindingDriver::Bridge { bridge: bridge.clone() });
+    // A gateway outside every connected subnet: the kernel refuses the route, after the veth,
+    // the addresses and the default routes are in place.
+    unreachable.routes.push(Route { dst: net("198.51.100.0/24"), gw: Some(ip("192.0.2.1")) });
+    let bad_bridge = spec(&a, &nets, 41, BindingDriver::Bridge { bridge: not_a_bridge.clone() });
+    let _links = HostLinks(vec![
+        bridge,
+        not_a_bridge.clone(),
+        format!("{not_a_bridge}p"),
+        unreachable.host_ifname.clone(),
+        bad_bridge.host_ifname.clone(),
+    ]);
+
+    let err = plug::plug(&unreachable, None).await.unwrap_err();
+    assert!(
+        matches!(&err, PlugError::Netlink { op, .. } if op.contains("add route 198.51.100.0/24 via 192.0.2.1")),
+        "{err:?}"
+    );
+    assert!(!host_link_exists(&unreachable.host_ifname), "rollback left the host end");
+    assert!(!a.ip(&["link", "show", "dev", "eth0"]).0, "rollback left the pod end");
+
+    // The last step fails: the "bridge" is a veth.
+    ok("ip", &["link", "add", &not_a_bridge, "type", "veth", "peer", "name", &format!("{not_a_bridge}p")]);
+    let err = plug::plug(&bad_bridge, None).await.unwrap_err();
+    assert!(matches!(&err, PlugError::NotABridge(name) if *name == not_a_bridge), "{err:?}");
+    assert!(!host_link_exists(&bad_bridge.host_ifname), "rollback left the host end");
+    assert!(!a.ip(&["link", "show", "dev", "eth0"]).0, "rollback left the pod end");
+
+    // Invalid requests fail before touching anything.
+    let mut bad_mac = unreachable.clone();
+    bad_mac.mac = "not-a-mac".into();
+    assert!(matches!(plug::plug(&bad_mac, None).await, Err(PlugError::InvalidSpec(_))));
+}
+
+#[tokio::test]
+async fn a_stale_host_end_from_an_interrupted_add_is_replaced() {
+    require_root!();
+    let a = Netns::new();
+    let bridge = unique("ktb");
+    let nets = Subnets::new();
+    let spec = spec(&a, &nets, 50, BindingDriver::Bridge { bridge: bridge.clone() });
+    let _links = HostLinks(vec![bridge, spec.host_ifname.clone(), format!("{}p", spec.host_ifname)]);
+    ok("ip", &["link", "add", &spec.host_ifname, "type", "veth", "peer", "name", &format!("{}p", spec.host_ifname)]);
+
+    plug::plug(&spec, None).await.unwrap();
+    let observed = plug::inspect(a.path(), "eth0").await.unwrap();
+    assert_eq!(plug::diff(&spec, &observed), Vec::<String>::new());
+    assert!(!host_link_exists(&format!("{}p", spec.host_ifname)), "the stale pair was not removed");
+    plug::unplug(Some(a.path()), "eth0", &spec.host_ifname, &spec.driver, None).await.unwrap();
+    assert!(!host_link_exists(&spec.host_ifname));
+}

@@ -138,6 +138,14 @@ async fn add_answers_unknown_pods_and_survives_binder_restarts() {
 
     node.binder.restart().await.unwrap();
     assert_eq!(host_links(&node).await.len(), 1, "the running pod's veth survives");
+    // As kubelet does after a failed RunPodSandbox: stop and remove what is left of it (its DEL
+    // failed while the binder was down), then try again.
+    for sb in node.ctd.cri().list_pod_sandboxes().await.unwrap() {
+        if sb.metadata.as_ref().is_some_and(|m| m.name == "late") {
+            node.ctd.cri().stop_pod_sandbox(&sb.id).await.unwrap();
+            node.ctd.cri().remove_pod_sandbox(&sb.id).await.unwrap();
+        }
+    }
     let late = node.ctd.cri().run_pod_sandbox("late", "default", "uid-late").await.unwrap_or_else(|e| panic!("{e:#}\n{}", node.binder_logs()));
     for id in [id, late] {
         node.ctd.cri().stop_pod_sandbox(&id).await.unwrap();

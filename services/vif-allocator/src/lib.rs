@@ -3,6 +3,9 @@
 //!
 //! It subscribes to the watcher and reports NOT_SERVING while the watcher is unreachable.
 
+pub mod crd;
+pub mod ipam;
+
 use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::{PoolManager, PoolManagerServer};
 use kuryr_proto::allocator::v1::vif_allocator_server::{VifAllocator, VifAllocatorServer};

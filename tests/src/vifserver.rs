@@ -10,7 +10,7 @@ use anyhow::Result;
 use futures::Stream;
 use kuryr_proto::allocator::v1::vif_allocator_server::{VifAllocator, VifAllocatorServer};
 use kuryr_proto::allocator::v1::{
-    Binding, BindingDriver, GetVifRequest, IpConfig, PodRef, ReportPluggedRequest, ReportPluggedResponse, Route, Vif,
+    Binding, BindingDriver, GetVifRequest, IpConfig, NodeRoutes, PodRef, ReportPluggedRequest, ReportPluggedResponse, Route, Vif,
     VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
 use tokio::sync::{broadcast, oneshot};
@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 #[derive(Default)]
 struct State {
     vifs: BTreeMap<String, Vif>,
+    node_routes: BTreeMap<String, NodeRoutes>,
     revision: u64,
     reports: Vec<ReportPluggedRequest>,
     /// When set, a plugged report makes the VIF READY at once (as the embedded backend does).
@@ -123,6 +124,33 @@ impl ScriptedAllocator {
         }
     }
 
+    /// Announces (or changes) another node's pod blocks.
+    pub fn upsert_node_routes(&self, routes: NodeRoutes) {
+        let mut s = self.lock();
+        s.node_routes.insert(routes.node_name.clone(), routes.clone());
+        s.revision += 1;
+        let _ = self.events.send(WatchVifsResponse {
+            resume_point: s.revision.to_string(),
+            r#type: VifEventType::NodeRoutesApplied as i32,
+            vif: None,
+            node_routes: Some(routes),
+        });
+    }
+
+    /// Withdraws a node's pod blocks.
+    pub fn delete_node_routes(&self, node: &str) {
+        let mut s = self.lock();
+        if let Some(r) = s.node_routes.remove(node) {
+            s.revision += 1;
+            let _ = self.events.send(WatchVifsResponse {
+                resume_point: s.revision.to_string(),
+                r#type: VifEventType::NodeRoutesDeleted as i32,
+                vif: None,
+                node_routes: Some(r),
+            });
+        }
+    }
+
     /// Every plugged/unplugged report received.
     pub fn reports(&self) -> Vec<ReportPluggedRequest> {
         self.lock().reports.clone()
@@ -147,11 +175,12 @@ impl VifAllocator for ScriptedAllocator {
         }
         let node = req.node_name.clone();
         let mut rx = self.events.subscribe();
-        let (snapshot, revision) = {
+        let (snapshot, routes, revision) = {
             let s = self.lock();
             let vifs: Vec<Vif> =
                 s.vifs.values().filter(|v| v.pod.as_ref().is_some_and(|p| p.node_name == node)).cloned().collect();
-            (vifs, s.revision)
+            let routes: Vec<NodeRoutes> = s.node_routes.values().filter(|r| r.node_name != node).cloned().collect();
+            (vifs, routes, s.revision)
         };
         let resumed = !req.resume_from.is_empty();
         let stream = async_stream::stream! {
@@ -162,12 +191,17 @@ impl VifAllocator for ScriptedAllocator {
             for v in snapshot {
                 yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::VifApplied as i32, vif: Some(v), node_routes: None });
             }
+            for r in routes {
+                yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::NodeRoutesApplied as i32, vif: None, node_routes: Some(r) });
+            }
             yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::SnapshotComplete as i32, vif: None, node_routes: None });
             loop {
                 match rx.recv().await {
                     Ok(ev) => {
                         if ev.resume_point.parse::<u64>().unwrap_or(0) <= revision { continue; }
-                        if ev.vif.as_ref().and_then(|v| v.pod.as_ref()).is_some_and(|p| p.node_name == node) {
+                        let for_node = ev.vif.as_ref().and_then(|v| v.pod.as_ref()).is_some_and(|p| p.node_name == node)
+                            || ev.node_routes.as_ref().is_some_and(|r| r.node_name != node);
+                        if for_node {
                             yield Ok(ev);
                         }
                     }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::services::{ServiceProcess, grpcurl, wait_until};
 use kuryr_tests::util::free_port;
+use kuryr_tests::vifserver::ScriptedAllocator;
 
 struct Svc {
     bin: &'static str,
@@ -97,6 +98,9 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
     let dead = format!("127.0.0.1:{}", free_port().unwrap());
     for svc in SERVICES {
         let mut extra = Vec::new();
+        if svc.bin == "kuryr-binder" {
+            extra.extend(["--state-dir".to_string(), dir.path().join("binder-state").display().to_string()]);
+        }
         match svc.dep_flag {
             Some(flag) => extra.extend([flag.to_string(), dead.clone()]),
             None => extra.extend(["--kubeconfig".to_string(), dir.path().join("missing-kubeconfig").display().to_string()]),
@@ -175,7 +179,22 @@ async fn services_become_serving_once_their_dependencies_are() {
     let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig]).unwrap();
     let allocator = start(&SERVICES[1], dir.path(), &["--watcher".into(), watcher.unix.replace("unix://", "unix:")]).unwrap();
     let lbaas = start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
-    let binder = start(&SERVICES[3], dir.path(), &["--allocator".into(), allocator.tcp.clone(), "--node-name".into(), "n1".into()]).unwrap();
+    // The binder serves once its VIF stream is live; the allocator's stream is served here by a
+    // scripted allocator (the real one is covered by the end-to-end suite).
+    let scripted = ScriptedAllocator::new(true).serve_unix(&dir.path().join("alloc.sock")).await.unwrap();
+    let binder = start(
+        &SERVICES[3],
+        dir.path(),
+        &[
+            "--allocator".into(),
+            scripted.target.clone(),
+            "--node-name".into(),
+            "n1".into(),
+            "--state-dir".into(),
+            dir.path().join("binder-state").display().to_string(),
+        ],
+    )
+    .unwrap();
     for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder]) {
         wait_until(&format!("{} SERVING", svc.bin), Duration::from_secs(30), || async {
             let h = health(&r.tcp, svc.api).await?;

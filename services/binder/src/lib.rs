@@ -10,6 +10,7 @@ pub mod attachments;
 pub mod cni;
 pub mod metrics;
 pub mod netns;
+pub mod noderoutes;
 pub mod plug;
 pub mod spec;
 pub mod vifs;
@@ -96,6 +97,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         service_names::CNI,
         rt.shutdown(),
     ));
+    tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
     let service = cni::CniService {
         node,
         vifs,

@@ -76,6 +76,11 @@ impl VifCache {
         self.lock().vifs.values().cloned().collect()
     }
 
+    /// A receiver that sees a new value after every change of the cache.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
     /// Other nodes' pod address blocks.
     pub fn node_routes(&self) -> Vec<NodeRoutes> {
         self.lock().node_routes.values().cloned().collect()

@@ -20,6 +20,7 @@ mod attach;
 mod check;
 mod nl;
 mod ovs;
+pub mod routes;
 
 use std::fmt;
 use std::net::IpAddr;

@@ -200,6 +200,52 @@ impl Nl {
         }
     }
 
+    /// Adds or replaces a main-table route to `dst` via `gw`, marked with `protocol` so that its
+    /// owner can find its routes again (after a restart, say) without touching anyone else's.
+    pub(crate) async fn replace_route_via(&self, dst: IpNet, gw: IpAddr, protocol: u8) -> Result<(), PlugError> {
+        let dst = dst.trunc();
+        let proto = RouteProtocol::from(protocol);
+        let msg = match (dst, gw) {
+            (IpNet::V4(d), IpAddr::V4(g)) => RouteMessageBuilder::<Ipv4Addr>::new()
+                .destination_prefix(d.addr(), d.prefix_len())
+                .gateway(g)
+                .protocol(proto)
+                .build(),
+            (IpNet::V6(d), IpAddr::V6(g)) => RouteMessageBuilder::<Ipv6Addr>::new()
+                .destination_prefix(d.addr(), d.prefix_len())
+                .gateway(g)
+                .protocol(proto)
+                .build(),
+            _ => return Err(PlugError::InvalidSpec(format!("route {dst} via {gw}: address families differ"))),
+        };
+        self.handle.route().add(msg).replace().execute().await.map_err(self.fail(format!("replace route {dst} via {gw}")))
+    }
+
+    /// Main-table routes carrying `protocol`, with their raw messages for deletion.
+    pub(crate) async fn routes_with_protocol(&self, protocol: u8) -> Result<Vec<(Route, RouteMessage)>, PlugError> {
+        let mut out = Vec::new();
+        for query in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()] {
+            let msgs: Vec<RouteMessage> =
+                self.handle.route().get(query).execute().try_collect().await.map_err(self.fail("list routes".into()))?;
+            for m in msgs {
+                if m.header.protocol == RouteProtocol::from(protocol)
+                    && let Some(r) = route_of(&m)
+                {
+                    out.push((r, m));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes a route given its message; gone already is fine.
+    pub(crate) async fn delete_route(&self, msg: RouteMessage, what: &Route) -> Result<(), PlugError> {
+        match self.handle.route().del(msg).execute().await {
+            Err(e) if errno(&e) != Some(Errno::ESRCH) => Err(self.fail(format!("delete route {what}"))(e)),
+            _ => Ok(()),
+        }
+    }
+
     /// The routes out of the link that someone configured: main table, unicast, not added by
     /// the kernel itself (connected subnets, fe80::/64, multicast live in other tables or carry
     /// `proto kernel`).

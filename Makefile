@@ -41,7 +41,7 @@ clean:
 
 ## bench: CNI ADD latency of kuryr-cni vs the reference bridge+host-local plugins, sizes, RSS
 bench: tools
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release -p kuryr-binder -p kuryr-tests --bin kuryr-binder --bin cni-bench
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)

@@ -78,7 +78,10 @@ impl Attachments {
         self.dir.join(format!("{}__{}.json", clean(container_id), clean(ifname)))
     }
 
-    /// Writes a record (atomically: temporary file, fsync, rename).
+    /// Writes a record atomically (temporary file, then rename), so a crash never leaves half a
+    /// record. There is deliberately no fsync on this hot path: what a record describes (veths,
+    /// pod namespaces) lives in the kernel and does not survive a machine crash either, while a
+    /// binder crash cannot lose a renamed file.
     pub fn put(&self, a: &Attachment) -> io::Result<()> {
         let path = self.path(&a.container_id, &a.ifname);
         let tmp = path.with_extension("tmp");
@@ -87,7 +90,6 @@ impl Attachments {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&bytes)?;
-            f.sync_all()?;
         }
         std::fs::rename(&tmp, &path)?;
         self.lock().insert(a.key(), a.clone());

@@ -3,7 +3,9 @@
 //! Every failure is a gRPC status whose details carry a `CniError` with the CNI code the shim
 //! prints, so codes are decided here, where the cause is known, not guessed from status codes.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
@@ -12,6 +14,7 @@ use kuryr_proto::binder::v1 as pb;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
+use ipnet::IpNet;
 use kuryr_cni_types::{CniError, code};
 
 use crate::attachments::{Attachment, Attachments};
@@ -23,6 +26,9 @@ use crate::vifs::{self, VifCache, Wait};
 pub const ATTACHMENT_DIFFERS: u32 = code::PLUGIN_SPECIFIC_MIN;
 
 type CniResult<T> = Result<T, CniError>;
+
+/// A bridge and the gateway addresses it holds.
+type BridgeKey = (String, Vec<IpNet>);
 
 /// The binder's CNI service.
 #[derive(Clone, Debug)]
@@ -36,6 +42,9 @@ pub struct CniService {
     /// The OVS database to talk to (ovs-vsctl --db), for the `ovs` binding.
     pub ovs_db: Option<String>,
     pub metrics: CniMetrics,
+    /// Bridges already made ready with these gateway addresses, so that ADD does not redo it
+    /// (a netlink round on a thread of its own) for every pod.
+    pub bridges_ready: Arc<Mutex<HashSet<BridgeKey>>>,
 }
 
 fn required<'a>(var: &str, value: &'a str) -> CniResult<&'a str> {
@@ -222,10 +231,28 @@ impl CniService {
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
         let mut guard = AddGuard { svc: Some(self.clone()), att: att.clone(), netns: netns.clone(), driver: driver.clone(), plugged: false, reported: false };
 
-        if let BindingDriver::Bridge { bridge } = &driver {
-            plug::ensure_bridge(bridge, &spec.gateway_addresses()).await.map_err(|e| plug_failure(e, "preparing the node bridge"))?;
+        let t_plug = Instant::now();
+        let bridge_key = match &driver {
+            BindingDriver::Bridge { bridge } => Some((bridge.clone(), spec.gateway_addresses())),
+            BindingDriver::Ovs { .. } => None,
+        };
+        if let Some(key) = &bridge_key
+            && !self.bridges_ready.lock().unwrap_or_else(PoisonError::into_inner).contains(key)
+        {
+            plug::ensure_bridge(&key.0, &key.1).await.map_err(|e| plug_failure(e, "preparing the node bridge"))?;
+            self.bridges_ready.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone());
         }
-        let plugged = plug::plug(&spec, self.ovs_db.as_deref()).await.map_err(|e| plug_failure(e, "plugging"))?;
+        let plugged = match plug::plug(&spec, self.ovs_db.as_deref()).await {
+            Ok(p) => p,
+            Err(e) => {
+                // The bridge may be what is wrong (deleted behind our back): check it next time.
+                if let Some(key) = &bridge_key {
+                    self.bridges_ready.lock().unwrap_or_else(PoisonError::into_inner).remove(key);
+                }
+                return Err(plug_failure(e, "plugging"));
+            }
+        };
+        let plug_took = t_plug.elapsed();
         guard.plugged = true;
         guard.reported = true;
         self.report_plugged(&att, deadline).await?;
@@ -243,7 +270,14 @@ impl CniService {
         };
         guard.disarm();
         self.metrics.observe_vif_wait(vif_known);
-        tracing::info!(pod, container = container_id, took_ms = start.elapsed().as_millis() as u64, "ADD done");
+        tracing::info!(
+            pod,
+            container = container_id,
+            took_ms = start.elapsed().as_secs_f64() * 1e3,
+            vif_wait_ms = vif_known.as_secs_f64() * 1e3,
+            plug_ms = plug_took.as_secs_f64() * 1e3,
+            "ADD done"
+        );
         Ok(result_for(&vif, ifname, &netns, &plugged))
     }
 

@@ -106,6 +106,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         vif_wait: config.vif_wait_timeout,
         ovs_db: config.ovs_db.clone(),
         metrics: metrics::CniMetrics::register(rt.registry()),
+        bridges_ready: Default::default(),
     };
     let routes = tonic::service::Routes::new(CniServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await

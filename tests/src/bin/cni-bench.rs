@@ -188,6 +188,24 @@ async fn run() -> Result<()> {
         println!("kuryr-binder RSS with 100 pods: {:.1} MiB", r as f64 / 1024.0);
     }
 
+    // Where the time goes, from the binder's own per-ADD log fields.
+    let logs = binder.logs();
+    let field = |name: &str| -> Vec<Duration> {
+        logs.lines()
+            .filter(|l| l.contains("ADD done"))
+            .filter_map(|l| {
+                let v = l.split(&format!("{name}=")).nth(1)?.split(|c: char| c == ' ' || c == '\u{1b}').next()?;
+                v.parse::<f64>().ok().map(|ms| Duration::from_secs_f64(ms / 1000.0))
+            })
+            .collect()
+    };
+    for (name, label) in [("took_ms", "binder: ADD total"), ("plug_ms", "binder: plugging (netlink)")] {
+        let v = field(name);
+        if !v.is_empty() {
+            summary(label, v);
+        }
+    }
+
     // Clean up: DEL everything through the plugins themselves.
     for (_, env) in &pod_ns {
         let mut env = env.clone();

@@ -194,7 +194,7 @@ async fn run() -> Result<()> {
         logs.lines()
             .filter(|l| l.contains("ADD done"))
             .filter_map(|l| {
-                let v = l.split(&format!("{name}=")).nth(1)?.split(|c: char| c == ' ' || c == '\u{1b}').next()?;
+                let v = l.split(&format!("{name}=")).nth(1)?.split([' ', '\u{1b}']).next()?;
                 v.parse::<f64>().ok().map(|ms| Duration::from_secs_f64(ms / 1000.0))
             })
             .collect()

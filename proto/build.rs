@@ -20,9 +20,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let fds = protox::compile(PROTOS, [&root])?;
     std::fs::write(out.join("kuryr_descriptor.bin"), fds.encode_to_vec())?;
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
     Ok(())
 }

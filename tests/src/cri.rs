@@ -26,13 +26,11 @@ use hyper_util::rt::TokioIo;
 use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
-    ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
-    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, ListContainersRequest, ListImagesRequest, ListPodSandboxRequest,
-    NamespaceMode, NamespaceOption, PodSandbox, PodSandboxConfig, PodSandboxMetadata,
-    PodSandboxState, PodSandboxStatusRequest, RemoveContainerRequest, RemovePodSandboxRequest,
-    RunPodSandboxRequest, StartContainerRequest, StatusRequest, StopContainerRequest,
-    StopPodSandboxRequest,
+    ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec, LinuxContainerConfig,
+    LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext, ListContainersRequest,
+    ListImagesRequest, ListPodSandboxRequest, NamespaceMode, NamespaceOption, PodSandbox, PodSandboxConfig,
+    PodSandboxMetadata, PodSandboxState, PodSandboxStatusRequest, RemoveContainerRequest, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StatusRequest, StopContainerRequest, StopPodSandboxRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -91,32 +89,22 @@ impl Containerd {
     /// RuntimeReady (NetworkReady needs a conflist: see [`Cri::wait_network_ready`]).
     pub async fn start(opts: ContainerdOptions) -> Result<Self> {
         // Short, because it is part of unix socket paths (107 bytes at most).
-        let dir = tempfile::Builder::new()
-            .prefix("kuryr-ctd-")
-            .tempdir_in("/tmp")
-            .context("creating the state directory")?;
+        let dir =
+            tempfile::Builder::new().prefix("kuryr-ctd-").tempdir_in("/tmp").context("creating the state directory")?;
         let netns = fresh_netns_name();
         let state_dir = dir.path().join("state");
-        let cni_bin_dir = opts
-            .cni_bin_dir
-            .unwrap_or_else(|| dir.path().join("cni/bin"));
-        let cni_conf_dir = opts
-            .cni_conf_dir
-            .unwrap_or_else(|| dir.path().join("cni/conf"));
+        let cni_bin_dir = opts.cni_bin_dir.unwrap_or_else(|| dir.path().join("cni/bin"));
+        let cni_conf_dir = opts.cni_conf_dir.unwrap_or_else(|| dir.path().join("cni/conf"));
         for d in [&cni_bin_dir, &cni_conf_dir] {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
         let scratch_dir = dir.path().to_path_buf();
         // From here on, dropping the guard undoes whatever the script got to.
-        let mut teardown = Teardown {
-            dir: Some(dir),
-            state_dir: state_dir.clone(),
-            address: None,
-        };
+        let mut teardown = Teardown { dir: Some(dir), state_dir: state_dir.clone(), address: None };
 
         let t0 = Instant::now();
-        let args = [&state_dir, Path::new(&netns), &cni_bin_dir, &cni_conf_dir]
-            .map(|p| p.to_string_lossy().into_owned());
+        let args =
+            [&state_dir, Path::new(&netns), &cni_bin_dir, &cni_conf_dir].map(|p| p.to_string_lossy().into_owned());
         tokio::task::spawn_blocking(move || {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             run_script("containerd-up.sh", &args)
@@ -128,16 +116,10 @@ impl Containerd {
         let env_text = std::fs::read_to_string(state_dir.join("env"))
             .context("reading the env file written by containerd-up.sh")?;
         let env: HashMap<String, String> = parse_env_file(&env_text).into_iter().collect();
-        let get = |k: &str| {
-            env.get(k)
-                .cloned()
-                .ok_or_else(|| anyhow!("env file lacks {k}"))
-        };
+        let get = |k: &str| env.get(k).cloned().ok_or_else(|| anyhow!("env file lacks {k}"));
         let address = PathBuf::from(get("CONTAINERD_ADDRESS")?);
         teardown.address = Some(address.clone());
-        let ms = |k: &str| -> Duration {
-            Duration::from_millis(env.get(k).and_then(|v| v.parse().ok()).unwrap_or(0))
-        };
+        let ms = |k: &str| -> Duration { Duration::from_millis(env.get(k).and_then(|v| v.parse().ok()).unwrap_or(0)) };
         let mut this = Self {
             teardown,
             scratch_dir,
@@ -221,9 +203,8 @@ impl Containerd {
             .map_err(|_| anyhow!("CRI clean-up took longer than {CLEANUP_TIMEOUT:?}"))
             .and_then(|r| r);
         let mut teardown = std::mem::take(&mut self.teardown);
-        let down_result = tokio::task::spawn_blocking(move || teardown.run_down())
-            .await
-            .context("containerd-down.sh task")?;
+        let down_result =
+            tokio::task::spawn_blocking(move || teardown.run_down()).await.context("containerd-down.sh task")?;
         cri_result.context("removing sandboxes through CRI")?;
         down_result
     }
@@ -247,10 +228,7 @@ impl Teardown {
         };
         let result = run_script("containerd-down.sh", &[&self.state_dir.to_string_lossy()]);
         if std::env::var_os("KURYR_KEEP_STATE").is_some_and(|v| v == "1") {
-            eprintln!(
-                "KURYR_KEEP_STATE=1: keeping containerd state in {}",
-                dir.keep().display()
-            );
+            eprintln!("KURYR_KEEP_STATE=1: keeping containerd state in {}", dir.keep().display());
         }
         result.map(drop)
     }
@@ -265,9 +243,7 @@ impl Drop for Teardown {
             // A fresh runtime on a fresh thread: the test's runtime may be single-threaded and is
             // blocked in this drop, so nothing connected to it can make progress here.
             let cleanup = std::thread::spawn(move || -> Result<()> {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
                 rt.block_on(async {
                     let cri = Cri::connect(&address, Defaults::default()).await?;
                     tokio::time::timeout(CLEANUP_TIMEOUT, cri.remove_all()).await?
@@ -355,33 +331,17 @@ impl Cri {
 
     /// Image references CRI knows (the imported pause and busybox images among them).
     pub async fn list_image_tags(&self) -> Result<Vec<String>> {
-        let resp = self
-            .images()
-            .list_images(ListImagesRequest { filter: None })
-            .await?;
-        Ok(resp
-            .into_inner()
-            .images
-            .into_iter()
-            .flat_map(|i| i.repo_tags)
-            .collect())
+        let resp = self.images().list_images(ListImagesRequest { filter: None }).await?;
+        Ok(resp.into_inner().images.into_iter().flat_map(|i| i.repo_tags).collect())
     }
 
     /// Waits until CRI's Status reports the condition (`RuntimeReady` or `NetworkReady`) true.
     pub async fn wait_condition(&self, condition: &str) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
-            let last = match self
-                .runtime()
-                .status(StatusRequest { verbose: false })
-                .await
-            {
+            let last = match self.runtime().status(StatusRequest { verbose: false }).await {
                 Ok(resp) => {
-                    let conds = resp
-                        .into_inner()
-                        .status
-                        .map(|s| s.conditions)
-                        .unwrap_or_default();
+                    let conds = resp.into_inner().status.map(|s| s.conditions).unwrap_or_default();
                     match conds.into_iter().find(|c| c.r#type == condition) {
                         Some(c) if c.status => return Ok(()),
                         Some(c) => format!("{}: {}", c.reason, c.message),
@@ -407,10 +367,7 @@ impl Cri {
     pub fn pod_sandbox_config(&self, name: &str, namespace: &str, uid: &str) -> PodSandboxConfig {
         let labels = HashMap::from([
             ("io.kubernetes.pod.name".to_string(), name.to_string()),
-            (
-                "io.kubernetes.pod.namespace".to_string(),
-                namespace.to_string(),
-            ),
+            ("io.kubernetes.pod.namespace".to_string(), namespace.to_string()),
             ("io.kubernetes.pod.uid".to_string(), uid.to_string()),
         ]);
         PodSandboxConfig {
@@ -442,8 +399,7 @@ impl Cri {
 
     /// RunPodSandbox for a pod (see [`Cri::pod_sandbox_config`]); returns the sandbox id.
     pub async fn run_pod_sandbox(&self, name: &str, namespace: &str, uid: &str) -> Result<String> {
-        self.run_pod_sandbox_with(self.pod_sandbox_config(name, namespace, uid))
-            .await
+        self.run_pod_sandbox_with(self.pod_sandbox_config(name, namespace, uid)).await
     }
 
     /// RunPodSandbox with a config of the caller's (e.g. with annotations or port mappings).
@@ -453,33 +409,17 @@ impl Cri {
             std::fs::create_dir_all(&config.log_directory)
                 .with_context(|| format!("creating {}", config.log_directory))?;
         }
-        let req = RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: String::new(),
-        };
-        let id = self
-            .runtime()
-            .run_pod_sandbox(req)
-            .await?
-            .into_inner()
-            .pod_sandbox_id;
-        self.sandboxes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(id.clone(), config);
+        let req = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
+        let id = self.runtime().run_pod_sandbox(req).await?.into_inner().pod_sandbox_id;
+        self.sandboxes.lock().unwrap_or_else(PoisonError::into_inner).insert(id.clone(), config);
         Ok(id)
     }
 
     /// PodSandboxStatus (verbose), with the IPs parsed and the network namespace path extracted.
     pub async fn pod_sandbox_status(&self, id: &str) -> Result<SandboxStatus> {
-        let req = PodSandboxStatusRequest {
-            pod_sandbox_id: id.to_string(),
-            verbose: true,
-        };
+        let req = PodSandboxStatusRequest { pod_sandbox_id: id.to_string(), verbose: true };
         let resp = self.runtime().pod_sandbox_status(req).await?.into_inner();
-        let status = resp
-            .status
-            .ok_or_else(|| anyhow!("PodSandboxStatus without status"))?;
+        let status = resp.status.ok_or_else(|| anyhow!("PodSandboxStatus without status"))?;
         let mut ips = Vec::new();
         if let Some(net) = &status.network {
             for ip in std::iter::once(net.ip.as_str())
@@ -512,32 +452,22 @@ impl Cri {
 
     /// StopPodSandbox: stops its containers and tears its network down (CNI DEL).
     pub async fn stop_pod_sandbox(&self, id: &str) -> Result<()> {
-        let req = StopPodSandboxRequest {
-            pod_sandbox_id: id.to_string(),
-        };
+        let req = StopPodSandboxRequest { pod_sandbox_id: id.to_string() };
         self.runtime().stop_pod_sandbox(req).await?;
         Ok(())
     }
 
     /// RemovePodSandbox (CRI sends a second CNI DEL, without netns).
     pub async fn remove_pod_sandbox(&self, id: &str) -> Result<()> {
-        let req = RemovePodSandboxRequest {
-            pod_sandbox_id: id.to_string(),
-        };
+        let req = RemovePodSandboxRequest { pod_sandbox_id: id.to_string() };
         self.runtime().remove_pod_sandbox(req).await?;
-        self.sandboxes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(id);
+        self.sandboxes.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
         Ok(())
     }
 
     /// ListPodSandbox, unfiltered.
     pub async fn list_pod_sandboxes(&self) -> Result<Vec<PodSandbox>> {
-        let resp = self
-            .runtime()
-            .list_pod_sandbox(ListPodSandboxRequest { filter: None })
-            .await?;
+        let resp = self.runtime().list_pod_sandbox(ListPodSandboxRequest { filter: None }).await?;
         Ok(resp.into_inner().items)
     }
 
@@ -552,12 +482,7 @@ impl Cri {
 
     /// Creates and starts a busybox container running `command` in a sandbox made by
     /// [`Cri::run_pod_sandbox`]; returns the container id.
-    pub async fn run_busybox(
-        &self,
-        sandbox_id: &str,
-        name: &str,
-        command: &[&str],
-    ) -> Result<String> {
+    pub async fn run_busybox(&self, sandbox_id: &str, name: &str, command: &[&str]) -> Result<String> {
         let sandbox_config = self
             .sandboxes
             .lock()
@@ -566,14 +491,8 @@ impl Cri {
             .cloned()
             .ok_or_else(|| anyhow!("sandbox {sandbox_id} was not run through this client"))?;
         let config = ContainerConfig {
-            metadata: Some(ContainerMetadata {
-                name: name.to_string(),
-                attempt: 0,
-            }),
-            image: Some(ImageSpec {
-                image: self.defaults.busybox_image.clone(),
-                ..Default::default()
-            }),
+            metadata: Some(ContainerMetadata { name: name.to_string(), attempt: 0 }),
+            image: Some(ImageSpec { image: self.defaults.busybox_image.clone(), ..Default::default() }),
             command: command.iter().map(|s| s.to_string()).collect(),
             log_path: format!("{name}/0.log"),
             linux: Some(LinuxContainerConfig {
@@ -590,17 +509,8 @@ impl Cri {
             config: Some(config),
             sandbox_config: Some(sandbox_config),
         };
-        let id = self
-            .runtime()
-            .create_container(req)
-            .await?
-            .into_inner()
-            .container_id;
-        self.runtime()
-            .start_container(StartContainerRequest {
-                container_id: id.clone(),
-            })
-            .await?;
+        let id = self.runtime().create_container(req).await?.into_inner().container_id;
+        self.runtime().start_container(StartContainerRequest { container_id: id.clone() }).await?;
         Ok(id)
     }
 
@@ -627,30 +537,15 @@ impl Cri {
     /// StopContainer (with a grace period in seconds) and RemoveContainer.
     pub async fn remove_container(&self, container_id: &str, grace_secs: i64) -> Result<()> {
         let id = container_id.to_string();
-        self.runtime()
-            .stop_container(StopContainerRequest {
-                container_id: id.clone(),
-                timeout: grace_secs,
-            })
-            .await?;
-        self.runtime()
-            .remove_container(RemoveContainerRequest { container_id: id })
-            .await?;
+        self.runtime().stop_container(StopContainerRequest { container_id: id.clone(), timeout: grace_secs }).await?;
+        self.runtime().remove_container(RemoveContainerRequest { container_id: id }).await?;
         Ok(())
     }
 
     /// ListContainers, unfiltered: ids.
     pub async fn list_container_ids(&self) -> Result<Vec<String>> {
-        let resp = self
-            .runtime()
-            .list_containers(ListContainersRequest { filter: None })
-            .await?;
-        Ok(resp
-            .into_inner()
-            .containers
-            .into_iter()
-            .map(|c| c.id)
-            .collect())
+        let resp = self.runtime().list_containers(ListContainersRequest { filter: None }).await?;
+        Ok(resp.into_inner().containers.into_iter().map(|c| c.id).collect())
     }
 
     /// Runs a host program inside a sandbox's network namespace (`nsenter --net=<path>`), e.g.
@@ -663,41 +558,24 @@ impl Cri {
     ) -> Result<std::process::Output> {
         let (program, args) = argv.split_first().ok_or_else(|| anyhow!("empty command"))?;
         let status = self.pod_sandbox_status(sandbox_id).await?;
-        let netns = status
-            .netns_path
-            .ok_or_else(|| anyhow!("sandbox {sandbox_id} reports no network namespace"))?;
+        let netns = status.netns_path.ok_or_else(|| anyhow!("sandbox {sandbox_id} reports no network namespace"))?;
         let mut cmd = tokio::process::Command::new("nsenter");
-        cmd.arg(format!("--net={}", netns.display()))
-            .arg("--")
-            .arg(program)
-            .args(args);
+        cmd.arg(format!("--net={}", netns.display())).arg("--").arg(program).args(args);
         cmd.kill_on_drop(true);
         tokio::time::timeout(timeout, cmd.output())
             .await
-            .map_err(|_| {
-                anyhow!(
-                    "{argv:?} in {} took longer than {timeout:?}",
-                    netns.display()
-                )
-            })?
+            .map_err(|_| anyhow!("{argv:?} in {} took longer than {timeout:?}", netns.display()))?
             .with_context(|| format!("running nsenter {argv:?}"))
     }
 
     /// Pings `dst` from a sandbox's network namespace (`count` echo requests, 0.2 s apart, waiting
     /// 1 s for the last reply);
     /// `Ok(true)` if replies came back.
-    pub async fn ping_from_sandbox(
-        &self,
-        sandbox_id: &str,
-        dst: IpAddr,
-        count: u32,
-    ) -> Result<bool> {
+    pub async fn ping_from_sandbox(&self, sandbox_id: &str, dst: IpAddr, count: u32) -> Result<bool> {
         let count = count.max(1).to_string();
         let dst = dst.to_string();
         let argv = ["ping", "-n", "-c", &count, "-W", "1", "-i", "0.2", &dst];
-        let out = self
-            .exec_in_sandbox_netns(sandbox_id, &argv, Duration::from_secs(30))
-            .await?;
+        let out = self.exec_in_sandbox_netns(sandbox_id, &argv, Duration::from_secs(30)).await?;
         Ok(out.status.success())
     }
 }

@@ -65,21 +65,12 @@ impl KubeEnv {
             .keep();
 
         let mut cmd = Command::new("bash");
-        cmd.arg(env_script("kube-up.sh"))
-            .arg(&state_dir)
-            .env("KUBE_UP_OWNER_PID", std::process::id().to_string());
+        cmd.arg(env_script("kube-up.sh")).arg(&state_dir).env("KUBE_UP_OWNER_PID", std::process::id().to_string());
         // Constructed before the script runs so that a failure below still cleans up via Drop.
-        let mut env = KubeEnv {
-            kubeconfig: state_dir.join("kubeconfig"),
-            state_dir,
-            env: Vec::new(),
-            keep_state,
-        };
-        run(cmd, None, KUBE_UP_TIMEOUT)
-            .await
-            .context("starting the Kubernetes API server (tests/env/kube-up.sh)")?;
-        let text = std::fs::read_to_string(env.state_dir.join("env"))
-            .context("reading the env file written by kube-up.sh")?;
+        let mut env = KubeEnv { kubeconfig: state_dir.join("kubeconfig"), state_dir, env: Vec::new(), keep_state };
+        run(cmd, None, KUBE_UP_TIMEOUT).await.context("starting the Kubernetes API server (tests/env/kube-up.sh)")?;
+        let text =
+            std::fs::read_to_string(env.state_dir.join("env")).context("reading the env file written by kube-up.sh")?;
         env.env = parse_env_file(&text);
         Ok(env)
     }
@@ -96,11 +87,7 @@ impl KubeEnv {
 
     /// A value from the env file (`KUBE_APISERVER_URL`, `KUBE_CA_FILE`, `ETCD_URL`, `*_PID`, ...).
     pub fn env_value(&self, key: &str) -> Option<&str> {
-        self.env
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.env.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
     /// The API server's URL, `https://127.0.0.1:<port>`.
@@ -117,15 +104,9 @@ impl KubeEnv {
     /// ServiceAccount `ns/sa`, creating the namespace and account if missing. The token comes
     /// from the TokenRequest API. Grants nothing by itself.
     pub async fn service_account_kubeconfig(&self, ns: &str, sa: &str) -> Result<PathBuf> {
-        let out = self
-            .state_dir
-            .join("sa")
-            .join(format!("{ns}.{sa}.kubeconfig"));
+        let out = self.state_dir.join("sa").join(format!("{ns}.{sa}.kubeconfig"));
         let mut cmd = Command::new("bash");
-        cmd.arg(env_script("kube-sa.sh"))
-            .arg(&self.state_dir)
-            .args([ns, sa])
-            .arg(&out);
+        cmd.arg(env_script("kube-sa.sh")).arg(&self.state_dir).args([ns, sa]).arg(&out);
         run(cmd, None, KUBECTL_TIMEOUT)
             .await
             .with_context(|| format!("making a kubeconfig for service account {ns}/{sa}"))?;
@@ -142,8 +123,7 @@ impl KubeEnv {
     /// Runs `kubectl` as admin against this cluster and returns its stdout.
     pub async fn kubectl(&self, args: &[&str]) -> Result<String> {
         let mut cmd = Command::new("kubectl");
-        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args);
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display())).args(args);
         run(cmd, None, KUBECTL_TIMEOUT).await
     }
 
@@ -156,8 +136,7 @@ impl KubeEnv {
     /// `kubectl apply -f -` as admin, with the manifests (YAML or JSON) on stdin.
     pub async fn apply_yaml(&self, manifests: &str) -> Result<String> {
         let mut cmd = Command::new("kubectl");
-        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(["apply", "-f", "-"]);
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display())).args(["apply", "-f", "-"]);
         run(cmd, Some(manifests.as_bytes()), KUBECTL_TIMEOUT).await
     }
 }
@@ -189,8 +168,7 @@ impl Drop for KubeEnv {
 /// Builds a client from a kubeconfig file, the way a service run with `--kubeconfig` would.
 pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client> {
     install_crypto_provider();
-    let kubeconfig = Kubeconfig::read_from(path)
-        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+    let kubeconfig = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .with_context(|| format!("loading kubeconfig {}", path.display()))?;
@@ -211,19 +189,13 @@ fn install_crypto_provider() {
 /// streams when it exits non-zero. The child is killed if the deadline passes.
 async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Result<String> {
     let what = format!("{:?}", cmd.as_std());
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .kill_on_drop(true);
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
     let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
     if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input)
-            .await
-            .with_context(|| format!("writing stdin of {what}"))?;
+        pipe.write_all(input).await.with_context(|| format!("writing stdin of {what}"))?;
     }
     let out = tokio::time::timeout(timeout, child.wait_with_output())
         .await

@@ -33,7 +33,8 @@ impl Netns {
 
     /// Runs a command inside the namespace and returns its stdout.
     pub fn exec(&self, argv: &[&str]) -> Result<String> {
-        let out = Command::new("nsenter").arg(format!("--net={}", self.path().display())).arg("--").args(argv).output()?;
+        let out =
+            Command::new("nsenter").arg(format!("--net={}", self.path().display())).arg("--").args(argv).output()?;
         if !out.status.success() {
             bail!(
                 "{argv:?} in {}: {}{}",

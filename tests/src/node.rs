@@ -2,11 +2,12 @@
 //! plugin and a `kuryr-binder` running in that namespace — what a Kubernetes node runs.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::cri::{Containerd, ContainerdOptions};
 use crate::binder::Binder;
+use crate::cri::{Containerd, ContainerdOptions};
 use crate::services::bin_path;
 
 /// The CNI network name of the kuryr conflist.
@@ -25,6 +26,17 @@ impl Node {
     /// `allocator` (an address reachable from the node's namespace, e.g. `unix:/path`).
     pub async fn start(name: &str, allocator: &str, extra_binder_args: &[String]) -> Result<Self> {
         let ctd = Containerd::start(ContainerdOptions::default()).await?;
+        Self::with_containerd(ctd, name, allocator, extra_binder_args).await
+    }
+
+    /// Like [`Node::start`], on a containerd the caller started (and may have prepared, e.g. by
+    /// giving its network namespace an uplink before the binder starts there).
+    pub async fn with_containerd(
+        ctd: Containerd,
+        name: &str,
+        allocator: &str,
+        extra_binder_args: &[String],
+    ) -> Result<Self> {
         std::os::unix::fs::symlink(bin_path("kuryr-cni")?, ctd.cni_bin_dir().join("kuryr-cni"))
             .context("installing kuryr-cni")?;
         let binder = Binder::start(name, &ctd.netns_path(), allocator, extra_binder_args).await?;
@@ -43,6 +55,21 @@ impl Node {
             o.remove("name");
         }
         serde_json::json!({ "cniVersion": cni_version, "name": NETWORK, "plugins": [plugin] })
+    }
+
+    /// Stops the node in the order a node drains: every sandbox is stopped and removed through
+    /// CRI while the binder still answers (so CNI DEL unplugs each pod), then the binder stops,
+    /// then containerd-down.sh removes containerd and the node's network namespace. Every step
+    /// runs even if an earlier one failed; the first failure is returned.
+    pub async fn shutdown(mut self) -> Result<()> {
+        let sandboxes = match tokio::time::timeout(Duration::from_secs(60), self.ctd.cri().remove_all()).await {
+            Ok(r) => r.context("removing sandboxes through CRI"),
+            Err(_) => Err(anyhow::anyhow!("removing sandboxes through CRI took over 60 s")),
+        };
+        let binder = self.binder.stop().await.context("stopping the binder");
+        let Node { ctd, .. } = self;
+        let containerd = ctd.shutdown().await.context("stopping containerd");
+        sandboxes.and(binder).and(containerd)
     }
 
     /// What the binder logged.

@@ -33,7 +33,9 @@ pub fn bin_path(name: &str) -> Result<PathBuf> {
 
 /// The path of a test tool built by `tests/env/tools.sh` (grpcurl, cnitool, ...).
 pub fn tool_path(name: &str) -> Result<PathBuf> {
-    let dir = std::env::var_os("KURYR_TOOLS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/kuryr-rs/bin"));
+    let dir = std::env::var_os("KURYR_TOOLS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/kuryr-rs/bin"));
     let p = dir.join(name);
     if p.is_file() {
         return Ok(p);

@@ -9,10 +9,7 @@ use anyhow::{Context, Result, bail};
 
 /// The repository root (the workspace directory).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
 
 /// A path inside `tests/env/`.
@@ -39,11 +36,8 @@ pub fn free_port() -> Result<u16> {
 /// Runs a `tests/env` script with arguments, failing with its output when it exits non-zero.
 pub fn run_script(name: &str, args: &[&str]) -> Result<String> {
     let path = env_script(name);
-    let out = Command::new("bash")
-        .arg(&path)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {}", path.display()))?;
+    let out =
+        Command::new("bash").arg(&path).args(args).output().with_context(|| format!("running {}", path.display()))?;
     if !out.status.success() {
         bail!(
             "{} {:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",

@@ -10,8 +10,8 @@ use anyhow::Result;
 use futures::Stream;
 use kuryr_proto::allocator::v1::vif_allocator_server::{VifAllocator, VifAllocatorServer};
 use kuryr_proto::allocator::v1::{
-    Binding, BindingDriver, GetVifRequest, IpConfig, NodeRoutes, PodRef, ReportPluggedRequest, ReportPluggedResponse, Route, Vif,
-    VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
+    Binding, BindingDriver, GetVifRequest, IpConfig, NodeRoutes, PodRef, ReportPluggedRequest, ReportPluggedResponse,
+    Route, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
 use tokio::sync::{broadcast, oneshot};
 use tonic::{Request, Response, Status};
@@ -216,7 +216,10 @@ impl VifAllocator for ScriptedAllocator {
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn report_plugged(&self, req: Request<ReportPluggedRequest>) -> Result<Response<ReportPluggedResponse>, Status> {
+    async fn report_plugged(
+        &self,
+        req: Request<ReportPluggedRequest>,
+    ) -> Result<Response<ReportPluggedResponse>, Status> {
         let r = req.into_inner();
         let mut s = self.lock();
         s.reports.push(r.clone());
@@ -225,7 +228,10 @@ impl VifAllocator for ScriptedAllocator {
             return Err(Status::not_found(format!("no VIF for pod {}", r.pod_uid)));
         };
         if v.vif_id != r.vif_id {
-            return Err(Status::failed_precondition(format!("pod {} has VIF {}, not {}", r.pod_uid, v.vif_id, r.vif_id)));
+            return Err(Status::failed_precondition(format!(
+                "pod {} has VIF {}, not {}",
+                r.pod_uid, v.vif_id, r.vif_id
+            )));
         }
         if r.plugged {
             v.state = if auto { VifState::Ready } else { VifState::Plugged } as i32;
@@ -239,12 +245,25 @@ impl VifAllocator for ScriptedAllocator {
 
     async fn get_vif(&self, req: Request<GetVifRequest>) -> Result<Response<Vif>, Status> {
         let uid = req.into_inner().pod_uid;
-        self.lock().vifs.get(&uid).cloned().map(Response::new).ok_or_else(|| Status::not_found(format!("no VIF for pod {uid}")))
+        self.lock()
+            .vifs
+            .get(&uid)
+            .cloned()
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no VIF for pod {uid}")))
     }
 }
 
 /// A VIF for the bridge driver with one IPv4 address (and optionally IPv6).
-pub fn bridge_vif(node: &str, ns: &str, name: &str, uid: &str, ipv4: (&str, &str), ipv6: Option<(&str, &str)>, bridge: &str) -> Vif {
+pub fn bridge_vif(
+    node: &str,
+    ns: &str,
+    name: &str,
+    uid: &str,
+    ipv4: (&str, &str),
+    ipv6: Option<(&str, &str)>,
+    bridge: &str,
+) -> Vif {
     let mut ips = vec![IpConfig { address: ipv4.0.into(), gateway: ipv4.1.into() }];
     if let Some((a, g)) = ipv6 {
         ips.push(IpConfig { address: a.into(), gateway: g.into() });
@@ -259,7 +278,11 @@ pub fn bridge_vif(node: &str, ns: &str, name: &str, uid: &str, ipv4: (&str, &str
         mtu: 1400,
         ips,
         routes: vec![Route { destination: "198.18.0.0/15".into(), gateway: ipv4.1.into() }],
-        binding: Some(Binding { driver: BindingDriver::Bridge as i32, bridge: bridge.into(), host_ifname: String::new() }),
+        binding: Some(Binding {
+            driver: BindingDriver::Bridge as i32,
+            bridge: bridge.into(),
+            host_ifname: String::new(),
+        }),
         state: VifState::Allocated as i32,
         backend: "scripted".into(),
         ..Default::default()

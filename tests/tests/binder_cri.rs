@@ -62,17 +62,38 @@ async fn cri_pods_get_their_vif_reach_each_other_and_leave_nothing_behind() {
         let want: IpAddr = v.ips[0].address.split('/').next().unwrap().parse().unwrap();
         assert_eq!(st.ips.first(), Some(&want), "sandbox IPs {:?}", st.ips);
         // eth0 has the VIF's MAC, MTU, addresses and routes.
-        let link = String::from_utf8(cri.exec_in_sandbox_netns(id, &["ip", "-o", "link", "show", "eth0"], Duration::from_secs(10)).await.unwrap().stdout).unwrap();
+        let link = String::from_utf8(
+            cri.exec_in_sandbox_netns(id, &["ip", "-o", "link", "show", "eth0"], Duration::from_secs(10))
+                .await
+                .unwrap()
+                .stdout,
+        )
+        .unwrap();
         assert!(link.contains(&v.mac), "MAC {} not on eth0: {link}", v.mac);
         assert!(link.contains("mtu 1400"), "MTU: {link}");
-        let addrs = String::from_utf8(cri.exec_in_sandbox_netns(id, &["ip", "-o", "addr", "show", "eth0"], Duration::from_secs(10)).await.unwrap().stdout).unwrap();
+        let addrs = String::from_utf8(
+            cri.exec_in_sandbox_netns(id, &["ip", "-o", "addr", "show", "eth0"], Duration::from_secs(10))
+                .await
+                .unwrap()
+                .stdout,
+        )
+        .unwrap();
         for ip in &v.ips {
             assert!(addrs.contains(&ip.address), "{} missing: {addrs}", ip.address);
         }
-        let routes = String::from_utf8(cri.exec_in_sandbox_netns(id, &["ip", "route", "show"], Duration::from_secs(10)).await.unwrap().stdout).unwrap();
+        let routes = String::from_utf8(
+            cri.exec_in_sandbox_netns(id, &["ip", "route", "show"], Duration::from_secs(10)).await.unwrap().stdout,
+        )
+        .unwrap();
         assert!(routes.contains(&format!("default via {gw4} dev eth0")), "{routes}");
         assert!(routes.contains(&format!("198.18.0.0/15 via {gw4} dev eth0")), "{routes}");
-        let routes6 = String::from_utf8(cri.exec_in_sandbox_netns(id, &["ip", "-6", "route", "show"], Duration::from_secs(10)).await.unwrap().stdout).unwrap();
+        let routes6 = String::from_utf8(
+            cri.exec_in_sandbox_netns(id, &["ip", "-6", "route", "show"], Duration::from_secs(10))
+                .await
+                .unwrap()
+                .stdout,
+        )
+        .unwrap();
         assert!(routes6.contains(&format!("default via {gw6} dev eth0")), "{routes6}");
     }
     // The binder reported each VIF plugged, and the allocator made them ready.
@@ -86,7 +107,14 @@ async fn cri_pods_get_their_vif_reach_each_other_and_leave_nothing_behind() {
     let p1_ip: IpAddr = vifs[0].ips[0].address.split('/').next().unwrap().parse().unwrap();
     assert!(cri.ping_from_sandbox(&sandboxes[1], p1_ip, 3).await.unwrap(), "p2 cannot ping p1");
     let p1_ip6 = vifs[0].ips[1].address.split('/').next().unwrap().to_string();
-    let out = cri.exec_in_sandbox_netns(&sandboxes[1], &["ping", "-6", "-n", "-c", "2", "-W", "2", &p1_ip6], Duration::from_secs(20)).await.unwrap();
+    let out = cri
+        .exec_in_sandbox_netns(
+            &sandboxes[1],
+            &["ping", "-6", "-n", "-c", "2", "-W", "2", &p1_ip6],
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap();
     assert!(out.status.success(), "p2 cannot ping p1 over IPv6: {}", String::from_utf8_lossy(&out.stdout));
     assert_eq!(host_links(&node).await.len(), 2);
 
@@ -130,7 +158,15 @@ async fn add_answers_unknown_pods_and_survives_binder_restarts() {
     node.binder.stop().await.unwrap();
 
     // While the binder is down, a CNI call fails fast instead of hanging.
-    alloc.upsert(bridge_vif("node-b", "default", "late", "uid-late", (&format!("10.78.{o}.11/24"), &gw), None, "kuryr0"));
+    alloc.upsert(bridge_vif(
+        "node-b",
+        "default",
+        "late",
+        "uid-late",
+        (&format!("10.78.{o}.11/24"), &gw),
+        None,
+        "kuryr0",
+    ));
     let t = Instant::now();
     let err = node.ctd.cri().run_pod_sandbox("late", "default", "uid-late").await.unwrap_err();
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}: {err:#}", t.elapsed());
@@ -146,7 +182,12 @@ async fn add_answers_unknown_pods_and_survives_binder_restarts() {
             node.ctd.cri().remove_pod_sandbox(&sb.id).await.unwrap();
         }
     }
-    let late = node.ctd.cri().run_pod_sandbox("late", "default", "uid-late").await.unwrap_or_else(|e| panic!("{e:#}\n{}", node.binder_logs()));
+    let late = node
+        .ctd
+        .cri()
+        .run_pod_sandbox("late", "default", "uid-late")
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", node.binder_logs()));
     for id in [id, late] {
         node.ctd.cri().stop_pod_sandbox(&id).await.unwrap();
         node.ctd.cri().remove_pod_sandbox(&id).await.unwrap();

@@ -48,19 +48,35 @@ async fn routes_follow_node_routes_events() {
         cidrs: vec!["10.250.0.0/24".into(), "fd00:10:250::/120".into()],
     });
     // The node's own blocks are never routed via itself.
-    alloc.upsert_node_routes(NodeRoutes { node_name: "node-r".into(), node_ips: vec!["172.30.9.1".into()], cidrs: vec!["10.250.9.0/24".into()] });
+    alloc.upsert_node_routes(NodeRoutes {
+        node_name: "node-r".into(),
+        node_ips: vec!["172.30.9.1".into()],
+        cidrs: vec!["10.250.9.0/24".into()],
+    });
     let mut binder = Binder::start("node-r", &node.path(), &server.target, &[]).await.unwrap();
     wait_routes(&node, "routes to node-x", |r| {
-        r.contains("10.250.0.0/24 via 172.30.9.9") && r.contains("fd00:10:250::/120 via fd00:30:9::9") && !r.contains("10.250.9.0")
+        r.contains("10.250.0.0/24 via 172.30.9.9")
+            && r.contains("fd00:10:250::/120 via fd00:30:9::9")
+            && !r.contains("10.250.9.0")
     })
     .await;
     assert_eq!(node.exec(&["cat", "/proc/sys/net/ipv4/ip_forward"]).unwrap().trim(), "1");
 
     // A block moves to a new node address; another node appears.
-    alloc.upsert_node_routes(NodeRoutes { node_name: "node-x".into(), node_ips: vec!["172.30.9.10".into()], cidrs: vec!["10.250.0.0/24".into()] });
-    alloc.upsert_node_routes(NodeRoutes { node_name: "node-y".into(), node_ips: vec!["172.30.9.11".into()], cidrs: vec!["10.250.1.0/24".into()] });
+    alloc.upsert_node_routes(NodeRoutes {
+        node_name: "node-x".into(),
+        node_ips: vec!["172.30.9.10".into()],
+        cidrs: vec!["10.250.0.0/24".into()],
+    });
+    alloc.upsert_node_routes(NodeRoutes {
+        node_name: "node-y".into(),
+        node_ips: vec!["172.30.9.11".into()],
+        cidrs: vec!["10.250.1.0/24".into()],
+    });
     wait_routes(&node, "updated routes", |r| {
-        r.contains("10.250.0.0/24 via 172.30.9.10") && r.contains("10.250.1.0/24 via 172.30.9.11") && !r.contains("fd00:10:250")
+        r.contains("10.250.0.0/24 via 172.30.9.10")
+            && r.contains("10.250.1.0/24 via 172.30.9.11")
+            && !r.contains("fd00:10:250")
     })
     .await;
 
@@ -68,7 +84,10 @@ async fn routes_follow_node_routes_events() {
     binder.stop().await.unwrap();
     alloc.delete_node_routes("node-y");
     binder.restart().await.unwrap();
-    wait_routes(&node, "stale route removed", |r| r.contains("10.250.0.0/24 via 172.30.9.10") && !r.contains("10.250.1.0")).await;
+    wait_routes(&node, "stale route removed", |r| {
+        r.contains("10.250.0.0/24 via 172.30.9.10") && !r.contains("10.250.1.0")
+    })
+    .await;
 
     alloc.delete_node_routes("node-x");
     wait_routes(&node, "all routes withdrawn", |r| r.trim().is_empty()).await;

@@ -33,7 +33,9 @@ fn host_veths(node: &Netns) -> Vec<String> {
 }
 
 fn cni_args(name: &str, uid: &str) -> String {
-    format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};K8S_POD_INFRA_CONTAINER_ID=x;K8S_POD_UID={uid}")
+    format!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};K8S_POD_INFRA_CONTAINER_ID=x;K8S_POD_UID={uid}"
+    )
 }
 
 /// Asserts a CNI error: non-zero exit, the error object alone on stdout, the code, and a message
@@ -55,7 +57,15 @@ async fn every_operation_in_every_cni_version() {
         let pod = Netns::new("kcp").unwrap();
         let uid = format!("uid-conf-{i}-{}", std::process::id());
         let name = format!("conf{i}");
-        let vif = bridge_vif("node-c", "default", &name, &uid, (&format!("10.79.{o}.{}/24", 10 + i), &format!("10.79.{o}.1")), None, "kuryr0");
+        let vif = bridge_vif(
+            "node-c",
+            "default",
+            &name,
+            &uid,
+            (&format!("10.79.{o}.{}/24", 10 + i), &format!("10.79.{o}.1")),
+            None,
+            "kuryr0",
+        );
         e.alloc.upsert(vif.clone());
         let cid = format!("ctr-{i}-{}", std::process::id());
         let netns = pod.path().display().to_string();
@@ -84,7 +94,13 @@ async fn every_operation_in_every_cni_version() {
         if legacy {
             assert_eq!(res["ips"][0]["version"], "4", "{res}");
         }
-        let pod_if = res["interfaces"].as_array().unwrap().iter().find(|i| i["sandbox"] == netns).cloned().unwrap_or_else(|| panic!("{res}"));
+        let pod_if = res["interfaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["sandbox"] == netns)
+            .cloned()
+            .unwrap_or_else(|| panic!("{res}"));
         assert_eq!(pod_if["name"], "eth0");
         assert_eq!(pod_if["mac"], vif.mac);
         let idx = res["ips"][0]["interface"].as_u64().unwrap() as usize;
@@ -145,11 +161,26 @@ async fn every_operation_in_every_cni_version() {
     // GC removes what is not listed as valid.
     let pod = Netns::new("kcp").unwrap();
     let uid = format!("uid-gc-{}", std::process::id());
-    e.alloc.upsert(bridge_vif("node-c", "default", "gc", &uid, (&format!("10.79.{o}.50/24"), &format!("10.79.{o}.1")), None, "kuryr0"));
+    e.alloc.upsert(bridge_vif(
+        "node-c",
+        "default",
+        "gc",
+        &uid,
+        (&format!("10.79.{o}.50/24"), &format!("10.79.{o}.1")),
+        None,
+        "kuryr0",
+    ));
     let netns = pod.path().display().to_string();
     let args = cni_args("gc", &uid);
     let conf = e.binder.netconf("1.1.0", "kuryr");
-    let env = [("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "ctr-gc"), ("CNI_NETNS", netns.as_str()), ("CNI_IFNAME", "eth0"), ("CNI_PATH", "/usr/lib/cni"), ("CNI_ARGS", args.as_str())];
+    let env = [
+        ("CNI_COMMAND", "ADD"),
+        ("CNI_CONTAINERID", "ctr-gc"),
+        ("CNI_NETNS", netns.as_str()),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_PATH", "/usr/lib/cni"),
+        ("CNI_ARGS", args.as_str()),
+    ];
     assert_eq!(run_shim(&env, conf.to_string().as_bytes()).unwrap().code, 0);
     let mut gc = conf.clone();
     gc["cni.dev/valid-attachments"] = serde_json::json!([]);
@@ -165,7 +196,15 @@ async fn bad_input_gets_the_specs_code_and_leaves_nothing() {
     let pod = Netns::new("kcp").unwrap();
     let uid = format!("uid-bad-{}", std::process::id());
     let o = std::process::id() % 200 + 20;
-    e.alloc.upsert(bridge_vif("node-c", "default", "bad", &uid, (&format!("10.80.{o}.10/24"), &format!("10.80.{o}.1")), None, "kuryr0"));
+    e.alloc.upsert(bridge_vif(
+        "node-c",
+        "default",
+        "bad",
+        &uid,
+        (&format!("10.80.{o}.10/24"), &format!("10.80.{o}.1")),
+        None,
+        "kuryr0",
+    ));
     let netns = pod.path().display().to_string();
     let args = cni_args("bad", &uid);
     let conf = e.binder.netconf("1.0.0", "kuryr").to_string();

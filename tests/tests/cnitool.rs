@@ -43,7 +43,15 @@ async fn cnitool_add_check_del() {
     let pod = Netns::new("ktp").unwrap();
     let uid = format!("uid-cnitool-{}", std::process::id());
     let o = std::process::id() % 200 + 20;
-    let vif = bridge_vif("node-t", "default", "tool", &uid, (&format!("10.81.{o}.10/24"), &format!("10.81.{o}.1")), None, "kuryr0");
+    let vif = bridge_vif(
+        "node-t",
+        "default",
+        "tool",
+        &uid,
+        (&format!("10.81.{o}.10/24"), &format!("10.81.{o}.1")),
+        None,
+        "kuryr0",
+    );
     alloc.upsert(vif.clone());
     let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=tool;K8S_POD_UID={uid}");
     let netns = pod.path().display().to_string();

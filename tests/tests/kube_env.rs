@@ -18,10 +18,7 @@ const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn pod(name: &str) -> Pod {
     Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
+        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
         spec: Some(PodSpec {
             // Bound to a node directly: there is no scheduler (and no kubelet; nothing runs it).
             node_name: Some("node-a".into()),
@@ -59,27 +56,15 @@ async fn apiserver_stores_watches_and_enforces_rbac() {
     namespaces
         .create(
             &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some(ns.clone()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
+            &Namespace { metadata: ObjectMeta { name: Some(ns.clone()), ..Default::default() }, ..Default::default() },
         )
         .await
         .unwrap();
 
     // Watch first, then create: the pod must arrive through the stream, with the stored uid.
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
-    let mut stream = watcher(pods.clone(), watcher::Config::default())
-        .default_backoff()
-        .applied_objects()
-        .boxed();
-    let created = pods
-        .create(&PostParams::default(), &pod("p1"))
-        .await
-        .unwrap();
+    let mut stream = watcher(pods.clone(), watcher::Config::default()).default_backoff().applied_objects().boxed();
+    let created = pods.create(&PostParams::default(), &pod("p1")).await.unwrap();
     let uid = created.metadata.uid.clone().unwrap();
     let seen = tokio::time::timeout(WATCH_TIMEOUT, async {
         while let Some(p) = stream.try_next().await.unwrap() {
@@ -102,10 +87,7 @@ async fn apiserver_stores_watches_and_enforces_rbac() {
         .create(
             &PostParams::default(),
             &Role {
-                metadata: ObjectMeta {
-                    name: Some("pod-reader".into()),
-                    ..Default::default()
-                },
+                metadata: ObjectMeta { name: Some("pod-reader".into()), ..Default::default() },
                 rules: Some(vec![PolicyRule {
                     api_groups: Some(vec![String::new()]),
                     resources: Some(vec!["pods".into()]),
@@ -120,10 +102,7 @@ async fn apiserver_stores_watches_and_enforces_rbac() {
         .create(
             &PostParams::default(),
             &RoleBinding {
-                metadata: ObjectMeta {
-                    name: Some("pod-reader".into()),
-                    ..Default::default()
-                },
+                metadata: ObjectMeta { name: Some("pod-reader".into()), ..Default::default() },
                 role_ref: RoleRef {
                     api_group: "rbac.authorization.k8s.io".into(),
                     kind: "Role".into(),
@@ -156,46 +135,21 @@ async fn apiserver_stores_watches_and_enforces_rbac() {
     })
     .await
     .expect("the RoleBinding never took effect");
-    let names: Vec<_> = listed
-        .items
-        .iter()
-        .filter_map(|p| p.metadata.name.as_deref())
-        .collect();
+    let names: Vec<_> = listed.items.iter().filter_map(|p| p.metadata.name.as_deref()).collect();
     assert_eq!(names, ["p1"]);
-    assert_eq!(
-        reader_pods.get("p1").await.unwrap().metadata.uid.as_deref(),
-        Some(uid.as_str())
-    );
+    assert_eq!(reader_pods.get("p1").await.unwrap().metadata.uid.as_deref(), Some(uid.as_str()));
 
     // Refused with 403: writes, other resources, other namespaces.
-    assert_eq!(
-        api_code(reader_pods.create(&PostParams::default(), &pod("p2")).await),
-        403
-    );
-    assert_eq!(
-        api_code(reader_pods.delete("p1", &DeleteParams::default()).await),
-        403
-    );
+    assert_eq!(api_code(reader_pods.create(&PostParams::default(), &pod("p2")).await), 403);
+    assert_eq!(api_code(reader_pods.delete("p1", &DeleteParams::default()).await), 403);
     let reader_secrets: Api<Secret> = Api::namespaced(reader.clone(), &ns);
-    assert_eq!(
-        api_code(reader_secrets.list(&ListParams::default()).await),
-        403
-    );
+    assert_eq!(api_code(reader_secrets.list(&ListParams::default()).await), 403);
     let reader_default_pods: Api<Pod> = Api::namespaced(reader, "default");
-    assert_eq!(
-        api_code(reader_default_pods.list(&ListParams::default()).await),
-        403
-    );
+    assert_eq!(api_code(reader_default_pods.list(&ListParams::default()).await), 403);
 
     // And the refusals changed nothing.
-    let names: Vec<_> = pods
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|p| p.metadata.name)
-        .collect();
+    let names: Vec<_> =
+        pods.list(&ListParams::default()).await.unwrap().items.into_iter().filter_map(|p| p.metadata.name).collect();
     assert_eq!(names, ["p1"]);
 }
 
@@ -203,23 +157,15 @@ async fn apiserver_stores_watches_and_enforces_rbac() {
 async fn environment_is_stopped_and_removed_on_drop() {
     let env = KubeEnv::start().await.unwrap();
     let dir = env.state_dir().to_path_buf();
-    let pids: Vec<i32> = ["ETCD_PID", "APISERVER_PID"]
-        .iter()
-        .map(|k| env.env_value(k).unwrap().parse().unwrap())
-        .collect();
-    let out = env
-        .kubectl(&["get", "namespace", "kube-system", "-o", "name"])
-        .await
-        .unwrap();
+    let pids: Vec<i32> =
+        ["ETCD_PID", "APISERVER_PID"].iter().map(|k| env.env_value(k).unwrap().parse().unwrap()).collect();
+    let out = env.kubectl(&["get", "namespace", "kube-system", "-o", "name"]).await.unwrap();
     assert_eq!(out.trim(), "namespace/kube-system");
     drop(env);
     for pid in pids {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         // Gone, or a zombie waiting for its parent to reap it.
-        assert!(
-            stat.is_empty() || stat.split(' ').nth(2) == Some("Z"),
-            "pid {pid} still runs: {stat}"
-        );
+        assert!(stat.is_empty() || stat.split(' ').nth(2) == Some("Z"), "pid {pid} still runs: {stat}");
     }
     if std::env::var("KURYR_KEEP_STATE").as_deref() != Ok("1") {
         assert!(!dir.exists(), "{} was not removed", dir.display());

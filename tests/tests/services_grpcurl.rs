@@ -103,7 +103,9 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
         }
         match svc.dep_flag {
             Some(flag) => extra.extend([flag.to_string(), dead.clone()]),
-            None => extra.extend(["--kubeconfig".to_string(), dir.path().join("missing-kubeconfig").display().to_string()]),
+            None => {
+                extra.extend(["--kubeconfig".to_string(), dir.path().join("missing-kubeconfig").display().to_string()])
+            }
         }
         let mut r = start(svc, dir.path(), &extra).unwrap();
 
@@ -177,7 +179,8 @@ async fn services_become_serving_once_their_dependencies_are() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = kube.kubeconfig_path().display().to_string();
     let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig]).unwrap();
-    let allocator = start(&SERVICES[1], dir.path(), &["--watcher".into(), watcher.unix.replace("unix://", "unix:")]).unwrap();
+    let allocator =
+        start(&SERVICES[1], dir.path(), &["--watcher".into(), watcher.unix.replace("unix://", "unix:")]).unwrap();
     let lbaas = start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
     // scripted allocator (the real one is covered by the end-to-end suite).

@@ -18,8 +18,13 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Spawns a task that runs `probe` and sets `service` SERVING while it succeeds and NOT_SERVING
 /// while it fails, logging each change once with the cause. Ends at shutdown.
-pub fn spawn_probe<F, Fut>(health: Health, service: &'static str, dependency: &'static str, shutdown: Shutdown, probe: F)
-where
+pub fn spawn_probe<F, Fut>(
+    health: Health,
+    service: &'static str,
+    dependency: &'static str,
+    shutdown: Shutdown,
+    probe: F,
+) where
     F: Fn() -> Fut + Send + 'static,
     Fut: Future<Output = anyhow::Result<()>> + Send,
 {
@@ -44,7 +49,12 @@ where
                 }
                 Err(e) => {
                     if was_ok != Some(false) {
-                        tracing::warn!(service, dependency, error = format!("{e:#}"), "dependency unreachable; not serving");
+                        tracing::warn!(
+                            service,
+                            dependency,
+                            error = format!("{e:#}"),
+                            "dependency unreachable; not serving"
+                        );
                         health.set_not_serving(service).await;
                     }
                     was_ok = Some(false);

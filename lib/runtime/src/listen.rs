@@ -113,10 +113,7 @@ async fn bind_unix(path: &Path) -> io::Result<UnixListener> {
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             if tokio::net::UnixStream::connect(path).await.is_ok() {
-                return Err(ctx(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    "another process is serving on this socket",
-                )));
+                return Err(ctx(io::Error::new(io::ErrorKind::AddrInUse, "another process is serving on this socket")));
             }
             std::fs::remove_file(path).map_err(ctx)?;
         }
@@ -154,10 +151,7 @@ mod tests {
             "unix:/run/kuryr/b.sock".parse::<ListenAddr>().unwrap(),
             ListenAddr::Unix("/run/kuryr/b.sock".into())
         );
-        assert_eq!(
-            "unix:///run/b.sock".parse::<ListenAddr>().unwrap(),
-            ListenAddr::Unix("/run/b.sock".into())
-        );
+        assert_eq!("unix:///run/b.sock".parse::<ListenAddr>().unwrap(), ListenAddr::Unix("/run/b.sock".into()));
         assert_eq!("[::1]:7".parse::<ListenAddr>().unwrap().to_string(), "[::1]:7");
     }
 

@@ -28,8 +28,8 @@ use crate::shutdown::Shutdown;
 
 /// Latency buckets in seconds, from half a millisecond to a minute.
 pub const LATENCY_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0, 60.0,
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
 ];
 
 /// A histogram with [`LATENCY_BUCKETS`].
@@ -149,8 +149,7 @@ impl Drop for Recorder {
         // Dropped before a status was seen: the client cancelled or the connection broke.
         let code = self.code.take().unwrap_or_else(|| "CANCELLED".to_string());
         self.metrics.latency.get_or_create(&self.labels).observe(self.start.elapsed().as_secs_f64());
-        let labels =
-            HandledLabels { service: self.labels.service.clone(), method: self.labels.method.clone(), code };
+        let labels = HandledLabels { service: self.labels.service.clone(), method: self.labels.method.clone(), code };
         self.metrics.handled.get_or_create(&labels).inc();
     }
 }
@@ -174,7 +173,8 @@ impl<B: Body> Body for MetricsBody<B> {
         let res = this.inner.poll_frame(cx);
         match &res {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(code) = frame.trailers_ref().and_then(|t| t.get("grpc-status")).and_then(|v| v.to_str().ok())
+                if let Some(code) =
+                    frame.trailers_ref().and_then(|t| t.get("grpc-status")).and_then(|v| v.to_str().ok())
                     && let Some(r) = this.recorder.as_mut()
                 {
                     r.code = Some(code_name(code));
@@ -231,7 +231,12 @@ struct HttpState {
 }
 
 /// Serves `/metrics`, `/livez` and `/readyz` until shutdown.
-pub async fn serve_http(listener: TcpListener, registry: Arc<Registry>, health: Health, shutdown: Shutdown) -> std::io::Result<()> {
+pub async fn serve_http(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    health: Health,
+    shutdown: Shutdown,
+) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/livez", get(|| async { "ok\n" }))

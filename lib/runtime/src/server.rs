@@ -71,17 +71,24 @@ impl Runtime {
 
     /// Serves `routes` plus grpc.health.v1 and server reflection (v1 and v1alpha) on every
     /// address in `listen`, and metrics on `metrics_listen`, until SIGTERM/SIGINT or the trigger.
-    pub async fn serve(self, routes: Routes, listen: &[ListenAddr], metrics_listen: Option<&ListenAddr>) -> anyhow::Result<()> {
+    pub async fn serve(
+        self,
+        routes: Routes,
+        listen: &[ListenAddr],
+        metrics_listen: Option<&ListenAddr>,
+    ) -> anyhow::Result<()> {
         anyhow::ensure!(!listen.is_empty(), "no --listen address given");
         let mut bound = Vec::with_capacity(listen.len());
         for addr in listen {
             bound.push(addr.bind().await.with_context(|| format!("cannot listen on {addr}"))?);
         }
         let metrics_bound = match metrics_listen {
-            Some(addr @ ListenAddr::Tcp { .. }) => match addr.bind().await.with_context(|| format!("cannot serve metrics on {addr}"))? {
-                Bound::Tcp(l) => Some(l),
-                Bound::Unix(..) => None,
-            },
+            Some(addr @ ListenAddr::Tcp { .. }) => {
+                match addr.bind().await.with_context(|| format!("cannot serve metrics on {addr}"))? {
+                    Bound::Tcp(l) => Some(l),
+                    Bound::Unix(..) => None,
+                }
+            }
             Some(addr) => anyhow::bail!("--metrics-listen {addr}: metrics are served over TCP only"),
             None => None,
         };
@@ -103,13 +110,19 @@ impl Runtime {
             match b {
                 Bound::Tcp(l) => {
                     tasks.spawn(async move {
-                        server.serve_with_incoming_shutdown(TcpListenerStream::new(l), signal).await.map_err(|e| (local, e))
+                        server
+                            .serve_with_incoming_shutdown(TcpListenerStream::new(l), signal)
+                            .await
+                            .map_err(|e| (local, e))
                     });
                 }
                 Bound::Unix(l, path) => {
                     sockets.push(path);
                     tasks.spawn(async move {
-                        server.serve_with_incoming_shutdown(UnixListenerStream::new(l), signal).await.map_err(|e| (local, e))
+                        server
+                            .serve_with_incoming_shutdown(UnixListenerStream::new(l), signal)
+                            .await
+                            .map_err(|e| (local, e))
                     });
                 }
             }

@@ -53,9 +53,10 @@ impl Attachments {
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
-            match std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| {
-                serde_json::from_slice::<Attachment>(&b).map_err(|e| e.to_string())
-            }) {
+            match std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Attachment>(&b).map_err(|e| e.to_string()))
+            {
                 Ok(a) => {
                     map.insert(a.key(), a);
                 }
@@ -74,7 +75,11 @@ impl Attachments {
     }
 
     fn path(&self, container_id: &str, ifname: &str) -> PathBuf {
-        let clean = |s: &str| s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect::<String>();
+        let clean = |s: &str| {
+            s.chars()
+                .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+                .collect::<String>()
+        };
         self.dir.join(format!("{}__{}.json", clean(container_id), clean(ifname)))
     }
 

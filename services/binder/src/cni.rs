@@ -111,7 +111,11 @@ impl Drop for AddGuard {
         let Some(svc) = self.svc.take() else { return };
         let (att, netns, driver, plugged, reported) =
             (self.att.clone(), self.netns.clone(), self.driver.clone(), self.plugged, self.reported);
-        tracing::info!(container = att.container_id, pod = format!("{}/{}", att.pod_namespace, att.pod_name), "rolling back a failed ADD");
+        tracing::info!(
+            container = att.container_id,
+            pod = format!("{}/{}", att.pod_namespace, att.pod_name),
+            "rolling back a failed ADD"
+        );
         // Drop cannot await: finish the rollback in a task of its own.
         tokio::spawn(async move {
             if plugged {
@@ -167,7 +171,13 @@ impl CniService {
                         format!("the allocator no longer has a VIF for pod {}/{}", att.pod_namespace, att.pod_name),
                     ));
                 }
-                Err(s) if Instant::now() + delay < deadline && matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Aborted) => {
+                Err(s)
+                    if Instant::now() + delay < deadline
+                        && matches!(
+                            s.code(),
+                            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Aborted
+                        ) =>
+                {
                     tracing::warn!(pod_uid = att.pod_uid, code = ?s.code(), error = s.message(), "plugged report failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(1));
@@ -191,7 +201,10 @@ impl CniService {
         let args = kuryr_cni_types::CniArgs::parse(&r.cni_args)?;
         let netns = PathBuf::from(netns);
         if !netns.exists() {
-            return Err(CniError::new(code::INVALID_ENVIRONMENT, format!("CNI_NETNS {} does not exist", netns.display())));
+            return Err(CniError::new(
+                code::INVALID_ENVIRONMENT,
+                format!("CNI_NETNS {} does not exist", netns.display()),
+            ));
         }
         let pod_uid = args.pod_uid().map(str::to_string).ok_or_else(|| {
             CniError::new(code::INVALID_ENVIRONMENT, "CNI_ARGS lacks K8S_POD_UID: kuryr matches pods to VIFs by UID")
@@ -201,7 +214,9 @@ impl CniService {
 
         let vif = match self.vifs.wait_for(&pod_uid, self.vif_wait, vifs::pluggable).await {
             Wait::Vif(v) => v,
-            Wait::Gone => return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists"))),
+            Wait::Gone => {
+                return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists")));
+            }
             Wait::TimedOut(_) => {
                 return Err(CniError::new(
                     code::TRY_AGAIN_LATER,
@@ -222,14 +237,27 @@ impl CniService {
             pod_namespace: args.pod_namespace().unwrap_or_default().to_string(),
             pod_name: args.pod_name().unwrap_or_default().to_string(),
             vif_id: vif.vif_id.clone(),
-            driver: match driver { BindingDriver::Bridge { .. } => "bridge", BindingDriver::Ovs { .. } => "ovs" }.into(),
-            bridge: match &driver { BindingDriver::Bridge { bridge } | BindingDriver::Ovs { bridge, .. } => bridge.clone() },
+            driver: match driver {
+                BindingDriver::Bridge { .. } => "bridge",
+                BindingDriver::Ovs { .. } => "ovs",
+            }
+            .into(),
+            bridge: match &driver {
+                BindingDriver::Bridge { bridge } | BindingDriver::Ovs { bridge, .. } => bridge.clone(),
+            },
         };
         // Record first: a crash from here on leaves a record that DEL or GC can act on.
         self.attachments
             .put(&att)
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
-        let mut guard = AddGuard { svc: Some(self.clone()), att: att.clone(), netns: netns.clone(), driver: driver.clone(), plugged: false, reported: false };
+        let mut guard = AddGuard {
+            svc: Some(self.clone()),
+            att: att.clone(),
+            netns: netns.clone(),
+            driver: driver.clone(),
+            plugged: false,
+            reported: false,
+        };
 
         let t_plug = Instant::now();
         let bridge_key = match &driver {
@@ -259,7 +287,9 @@ impl CniService {
         let remaining = deadline.saturating_duration_since(Instant::now());
         let vif = match self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await {
             Wait::Vif(v) => v,
-            Wait::Gone => return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists"))),
+            Wait::Gone => {
+                return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists")));
+            }
             Wait::TimedOut(v) => {
                 let state = v.map(|v| v.state().as_str_name().to_string()).unwrap_or_else(|| "gone".into());
                 return Err(CniError::new(
@@ -289,7 +319,12 @@ impl CniService {
         match self.attachments.get(container_id, ifname) {
             Some(att) => {
                 let driver = match att.driver.as_str() {
-                    "ovs" => BindingDriver::Ovs { bridge: att.bridge.clone(), iface_id: att.vif_id.clone(), attached_mac: String::new(), vm_uuid: att.pod_uid.clone() },
+                    "ovs" => BindingDriver::Ovs {
+                        bridge: att.bridge.clone(),
+                        iface_id: att.vif_id.clone(),
+                        attached_mac: String::new(),
+                        vm_uuid: att.pod_uid.clone(),
+                    },
                     _ => BindingDriver::Bridge { bridge: att.bridge.clone() },
                 };
                 self.teardown(&att, netns, driver, true).await;
@@ -298,7 +333,10 @@ impl CniService {
                 // Never seen (or already deleted): still remove whatever a lost record may have left.
                 let host_ifname = plug::host_ifname(container_id, ifname);
                 let driver = BindingDriver::Bridge { bridge: String::new() };
-                if let Err(e) = plug::unplug(netns.filter(|p| p.exists()), ifname, &host_ifname, &driver, self.ovs_db.as_deref()).await {
+                if let Err(e) =
+                    plug::unplug(netns.filter(|p| p.exists()), ifname, &host_ifname, &driver, self.ovs_db.as_deref())
+                        .await
+                {
                     tracing::debug!(container = container_id, error = %e, "nothing to unplug");
                 }
             }
@@ -311,22 +349,34 @@ impl CniService {
         let netns = required("CNI_NETNS", &r.netns)?;
         let ifname = required("CNI_IFNAME", &r.ifname)?;
         let conf = parse_conf(&r.config)?;
-        let prev = conf.prev_result.as_ref().ok_or_else(|| CniError::new(code::INVALID_CONFIG, "CHECK needs prevResult in the network configuration"))?;
+        let prev = conf.prev_result.as_ref().ok_or_else(|| {
+            CniError::new(code::INVALID_CONFIG, "CHECK needs prevResult in the network configuration")
+        })?;
         let att = self.attachments.get(container_id, ifname).ok_or_else(|| {
-            CniError::new(code::UNKNOWN_CONTAINER, format!("no attachment of container {container_id} interface {ifname}"))
+            CniError::new(
+                code::UNKNOWN_CONTAINER,
+                format!("no attachment of container {container_id} interface {ifname}"),
+            )
         })?;
         let vif = self.vifs.get(&att.pod_uid).ok_or_else(|| {
-            CniError::new(code::UNKNOWN_CONTAINER, format!("pod {}/{} has no VIF any more", att.pod_namespace, att.pod_name))
+            CniError::new(
+                code::UNKNOWN_CONTAINER,
+                format!("pod {}/{} has no VIF any more", att.pod_namespace, att.pod_name),
+            )
         })?;
         let netns = PathBuf::from(netns);
         let driver = driver_of(&vif, &att.pod_uid)?;
         let spec = PlugSpec::from_vif(container_id, &netns, ifname, &vif, driver)
             .map_err(|e| CniError::new(code::IO, format!("the VIF is unusable: {e}")))?;
-        let observed = plug::inspect(netns.clone(), ifname.to_string()).await.map_err(|e| plug_failure(e, "inspecting"))?;
+        let observed =
+            plug::inspect(netns.clone(), ifname.to_string()).await.map_err(|e| plug_failure(e, "inspecting"))?;
         let mut diffs = plug::diff(&spec, &observed);
         diffs.extend(prev_result_diffs(prev, ifname, &observed));
         if !diffs.is_empty() {
-            return Err(CniError::new(ATTACHMENT_DIFFERS, format!("{ifname} in {}: {}", netns.display(), diffs.join("; "))));
+            return Err(CniError::new(
+                ATTACHMENT_DIFFERS,
+                format!("{ifname} in {}: {}", netns.display(), diffs.join("; ")),
+            ));
         }
         Ok(())
     }
@@ -352,7 +402,12 @@ impl CniService {
                 continue;
             }
             let driver = match att.driver.as_str() {
-                "ovs" => BindingDriver::Ovs { bridge: att.bridge.clone(), iface_id: att.vif_id.clone(), attached_mac: String::new(), vm_uuid: att.pod_uid.clone() },
+                "ovs" => BindingDriver::Ovs {
+                    bridge: att.bridge.clone(),
+                    iface_id: att.vif_id.clone(),
+                    attached_mac: String::new(),
+                    vm_uuid: att.pod_uid.clone(),
+                },
                 _ => BindingDriver::Bridge { bridge: att.bridge.clone() },
             };
             self.teardown(&att, netns_path(&att.netns), driver, true).await;
@@ -360,7 +415,8 @@ impl CniService {
         }
         // Host ends with no record at all (a record lost with a crashed disk, say).
         let valid_hosts: Vec<String> = valid.iter().map(|v| plug::host_ifname(&v.container_id, &v.ifname)).collect();
-        let links = plug::list_host_links(plug::HOST_IFNAME_PREFIX).await.map_err(|e| plug_failure(e, "listing host links"))?;
+        let links =
+            plug::list_host_links(plug::HOST_IFNAME_PREFIX).await.map_err(|e| plug_failure(e, "listing host links"))?;
         for l in links {
             if !known_hosts.contains(&l) && !valid_hosts.contains(&l) {
                 let driver = BindingDriver::Bridge { bridge: String::new() };
@@ -378,7 +434,8 @@ impl CniService {
 /// Differences between the prevResult the runtime cached and what the pod has.
 fn prev_result_diffs(prev: &kuryr_cni_types::CniResult, ifname: &str, observed: &plug::Observed) -> Vec<String> {
     let mut diffs = Vec::new();
-    for i in prev.interfaces.iter().filter(|i| i.sandbox.as_deref().is_some_and(|s| !s.is_empty()) && i.name == ifname) {
+    for i in prev.interfaces.iter().filter(|i| i.sandbox.as_deref().is_some_and(|s| !s.is_empty()) && i.name == ifname)
+    {
         if let Some(mac) = &i.mac
             && !mac.eq_ignore_ascii_case(&observed.mac)
         {
@@ -396,10 +453,24 @@ fn prev_result_diffs(prev: &kuryr_cni_types::CniResult, ifname: &str, observed: 
 /// The CNI result of an ADD: the host end, the pod end, addresses and routes.
 fn result_for(vif: &Vif, ifname: &str, netns: &Path, plugged: &plug::Plugged) -> pb::CniResult {
     let interfaces = vec![
-        pb::Interface { name: plugged.host_ifname.clone(), mac: plugged.host_mac.clone(), mtu: vif.mtu, sandbox: String::new() },
-        pb::Interface { name: ifname.to_string(), mac: plugged.sandbox_mac.clone(), mtu: vif.mtu, sandbox: netns.display().to_string() },
+        pb::Interface {
+            name: plugged.host_ifname.clone(),
+            mac: plugged.host_mac.clone(),
+            mtu: vif.mtu,
+            sandbox: String::new(),
+        },
+        pb::Interface {
+            name: ifname.to_string(),
+            mac: plugged.sandbox_mac.clone(),
+            mtu: vif.mtu,
+            sandbox: netns.display().to_string(),
+        },
     ];
-    let ips = vif.ips.iter().map(|ip| pb::IpConfig { address: ip.address.clone(), gateway: ip.gateway.clone(), interface: Some(1) }).collect();
+    let ips = vif
+        .ips
+        .iter()
+        .map(|ip| pb::IpConfig { address: ip.address.clone(), gateway: ip.gateway.clone(), interface: Some(1) })
+        .collect();
     let mut routes = Vec::new();
     for ip in &vif.ips {
         if !ip.gateway.is_empty() {
@@ -446,7 +517,8 @@ impl pb::cni_server::Cni for CniService {
         let t = Instant::now();
         let res = CniService::del(self, &r).await;
         self.metrics.observe("DEL", res.as_ref().err().map(|e| e.code), t.elapsed());
-        res.map(|()| Response::new(pb::DelResponse {})).map_err(|e| Status::from(log_failure("DEL", &r.container_id, e)))
+        res.map(|()| Response::new(pb::DelResponse {}))
+            .map_err(|e| Status::from(log_failure("DEL", &r.container_id, e)))
     }
 
     async fn check(&self, req: Request<pb::CniRequest>) -> Result<Response<pb::CheckResponse>, Status> {
@@ -455,7 +527,8 @@ impl pb::cni_server::Cni for CniService {
         let t = Instant::now();
         let res = CniService::check(self, &r).await;
         self.metrics.observe("CHECK", res.as_ref().err().map(|e| e.code), t.elapsed());
-        res.map(|()| Response::new(pb::CheckResponse {})).map_err(|e| Status::from(log_failure("CHECK", &r.container_id, e)))
+        res.map(|()| Response::new(pb::CheckResponse {}))
+            .map_err(|e| Status::from(log_failure("CHECK", &r.container_id, e)))
     }
 
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

@@ -37,9 +37,21 @@ impl CniMetrics {
             duration: Family::new_with_constructor(latency_histogram),
             vif_wait: latency_histogram(),
         };
-        registry.register("kuryr_cni_requests", "CNI operations by operation and CNI result code (0: success)", m.requests.clone());
-        registry.register("kuryr_cni_request_duration_seconds", "CNI operation duration in the binder", m.duration.clone());
-        registry.register("kuryr_cni_add_vif_wait_seconds", "Time ADD waited for the pod's VIF to be known", m.vif_wait.clone());
+        registry.register(
+            "kuryr_cni_requests",
+            "CNI operations by operation and CNI result code (0: success)",
+            m.requests.clone(),
+        );
+        registry.register(
+            "kuryr_cni_request_duration_seconds",
+            "CNI operation duration in the binder",
+            m.duration.clone(),
+        );
+        registry.register(
+            "kuryr_cni_add_vif_wait_seconds",
+            "Time ADD waited for the pod's VIF to be known",
+            m.vif_wait.clone(),
+        );
         m
     }
 

@@ -21,8 +21,7 @@ pub async fn run(cache: VifCache, node: String, shutdown: Shutdown) {
         // Only program routes from a complete view: during a resync (after RESET) the set is partial.
         if cache.is_live() {
             let others: Vec<_> = nodes.iter().filter(|n| n.node_name != node).collect();
-            let (desired, skipped) =
-                desired_routes(others.iter().map(|n| (n.node_ips.as_slice(), n.cidrs.as_slice())));
+            let (desired, skipped) = desired_routes(others.iter().map(|n| (n.node_ips.as_slice(), n.cidrs.as_slice())));
             for s in skipped {
                 tracing::warn!(route = s, "node route skipped");
             }

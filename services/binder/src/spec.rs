@@ -11,7 +11,13 @@ use crate::plug::{self, BindingDriver, IpConfig, PlugSpec, Route};
 impl PlugSpec {
     /// The plug request for `vif` in the pod `netns`/`ifname`. Fails naming the field when the
     /// VIF carries something unusable (a malformed address), so a bad VIF never half-plugs.
-    pub fn from_vif(container_id: &str, netns: &Path, ifname: &str, vif: &Vif, driver: BindingDriver) -> Result<Self, String> {
+    pub fn from_vif(
+        container_id: &str,
+        netns: &Path,
+        ifname: &str,
+        vif: &Vif,
+        driver: BindingDriver,
+    ) -> Result<Self, String> {
         let mut ips = Vec::with_capacity(vif.ips.len());
         for ip in &vif.ips {
             let address: IpNet = ip.address.parse().map_err(|e| format!("address `{}`: {e}", ip.address))?;
@@ -20,7 +26,8 @@ impl PlugSpec {
         }
         let mut routes = Vec::with_capacity(vif.routes.len());
         for r in &vif.routes {
-            let dst: IpNet = r.destination.parse().map_err(|e| format!("route destination `{}`: {e}", r.destination))?;
+            let dst: IpNet =
+                r.destination.parse().map_err(|e| format!("route destination `{}`: {e}", r.destination))?;
             routes.push(Route { dst, gw: parse_gateway(&r.gateway)? });
         }
         let host_ifname = vif

@@ -166,12 +166,24 @@ impl VifCache {
 
     /// Follows the allocator's stream for `node` until shutdown, reconnecting with backoff and
     /// resuming where it left off. Marks `service` SERVING while the stream is live.
-    pub async fn follow(self, channel: Channel, node: String, binder_id: String, health: Health, service: &'static str, shutdown: Shutdown) {
+    pub async fn follow(
+        self,
+        channel: Channel,
+        node: String,
+        binder_id: String,
+        health: Health,
+        service: &'static str,
+        shutdown: Shutdown,
+    ) {
         health.register(service).await;
         let mut client = VifAllocatorClient::new(channel);
         let mut delay = RETRY_MIN;
         loop {
-            let req = WatchVifsRequest { node_name: node.clone(), resume_from: self.resume_point(), binder_id: binder_id.clone() };
+            let req = WatchVifsRequest {
+                node_name: node.clone(),
+                resume_from: self.resume_point(),
+                binder_id: binder_id.clone(),
+            };
             let res = tokio::select! {
                 r = client.watch_vifs(req) => r,
                 () = shutdown.clone().wait() => return,

@@ -37,9 +37,13 @@ pub struct Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let rt = Runtime::new("kuryr-lbaas", &config.common)?;
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
-    kuryr_runtime::deps::spawn_probe(rt.health(), service_names::LOAD_BALANCERS, "kuryr-watcher", rt.shutdown(), move || {
-        kuryr_runtime::client::check_serving(watcher.clone(), service_names::WATCHER)
-    });
+    kuryr_runtime::deps::spawn_probe(
+        rt.health(),
+        service_names::LOAD_BALANCERS,
+        "kuryr-watcher",
+        rt.shutdown(),
+        move || kuryr_runtime::client::check_serving(watcher.clone(), service_names::WATCHER),
+    );
     let routes = tonic::service::Routes::new(LoadBalancersServer::new(Lbaas));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }

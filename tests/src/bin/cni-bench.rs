@@ -128,7 +128,15 @@ async fn run() -> Result<()> {
     for i in 0..pods {
         let uid = format!("bench-{i}");
         let (a, b) = (i / 250, i % 250 + 2);
-        alloc.upsert(bridge_vif("bench-node", "bench", &uid, &uid, (&format!("10.98.{a}.{b}/16"), "10.98.255.254"), None, "kuryr0"));
+        alloc.upsert(bridge_vif(
+            "bench-node",
+            "bench",
+            &uid,
+            &uid,
+            (&format!("10.98.{a}.{b}/16"), "10.98.255.254"),
+            None,
+            "kuryr0",
+        ));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     for i in 0..pods {
@@ -176,7 +184,11 @@ async fn run() -> Result<()> {
 
     let (k50, k99) = summary("kuryr-cni ADD", kuryr);
     let (r50, r99) = summary("bridge+host-local ADD", reference);
-    println!("ratio kuryr/reference: p50 {:.2}x  p99 {:.2}x   (target: p50 <= 3 ms, p99 <= 10 ms, <= 0.3x)", ms(k50) / ms(r50), ms(k99) / ms(r99));
+    println!(
+        "ratio kuryr/reference: p50 {:.2}x  p99 {:.2}x   (target: p50 <= 3 ms, p99 <= 10 ms, <= 0.3x)",
+        ms(k50) / ms(r50),
+        ms(k99) / ms(r99)
+    );
     let size = std::fs::metadata(&shim)?.len();
     println!("kuryr-cni binary: {} ({:.2} MiB)", shim.display(), size as f64 / 1048576.0);
     match shim_rss {

@@ -218,15 +218,27 @@ impl Nl {
                 .build(),
             _ => return Err(PlugError::InvalidSpec(format!("route {dst} via {gw}: address families differ"))),
         };
-        self.handle.route().add(msg).replace().execute().await.map_err(self.fail(format!("replace route {dst} via {gw}")))
+        self.handle
+            .route()
+            .add(msg)
+            .replace()
+            .execute()
+            .await
+            .map_err(self.fail(format!("replace route {dst} via {gw}")))
     }
 
     /// Main-table routes carrying `protocol`, with their raw messages for deletion.
     pub(crate) async fn routes_with_protocol(&self, protocol: u8) -> Result<Vec<(Route, RouteMessage)>, PlugError> {
         let mut out = Vec::new();
         for query in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()] {
-            let msgs: Vec<RouteMessage> =
-                self.handle.route().get(query).execute().try_collect().await.map_err(self.fail("list routes".into()))?;
+            let msgs: Vec<RouteMessage> = self
+                .handle
+                .route()
+                .get(query)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(self.fail("list routes".into()))?;
             for m in msgs {
                 if m.header.protocol == RouteProtocol::from(protocol)
                     && let Some(r) = route_of(&m)

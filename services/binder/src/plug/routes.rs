@@ -10,8 +10,8 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::nl::in_netns;
 use super::PlugError;
+use super::nl::in_netns;
 
 /// The route protocol marking kuryr's node routes (`ip route show proto 75`). Values up to 4
 /// belong to the kernel and the routing daemons registered in iproute2's rt_protos use others;
@@ -59,7 +59,9 @@ pub fn enable_forwarding() -> Result<(), PlugError> {
 
 /// The route set wanted for other nodes' blocks: each CIDR via the first address of the same
 /// family among that node's addresses. CIDRs with no address of their family are skipped.
-pub fn desired_routes<'a>(nodes: impl IntoIterator<Item = (&'a [String], &'a [String])>) -> (BTreeSet<(IpNet, IpAddr)>, Vec<String>) {
+pub fn desired_routes<'a>(
+    nodes: impl IntoIterator<Item = (&'a [String], &'a [String])>,
+) -> (BTreeSet<(IpNet, IpAddr)>, Vec<String>) {
     let mut out = BTreeSet::new();
     let mut skipped = Vec::new();
     for (node_ips, cidrs) in nodes {
@@ -79,7 +81,6 @@ pub fn desired_routes<'a>(nodes: impl IntoIterator<Item = (&'a [String], &'a [St
     }
     (out, skipped)
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -14,12 +14,12 @@
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
 //! brought up by hand from the command line; the Rust side owns the lifetime (stopped on drop).
 
-pub mod util;
-pub mod kube;
-pub mod cri;
-pub mod services;
-pub mod vifserver;
 pub mod binder;
-pub mod node;
+pub mod cri;
+pub mod kube;
 pub mod netns;
+pub mod node;
+pub mod services;
 pub mod shim;
+pub mod util;
+pub mod vifserver;

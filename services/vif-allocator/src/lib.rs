@@ -47,8 +47,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             kuryr_runtime::client::check_serving(ch.clone(), service_names::WATCHER)
         });
     }
-    let routes = tonic::service::Routes::new(VifAllocatorServer::new(Allocator))
-        .add_service(PoolManagerServer::new(Pools));
+    let routes =
+        tonic::service::Routes::new(VifAllocatorServer::new(Allocator)).add_service(PoolManagerServer::new(Pools));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }
 
@@ -71,7 +71,10 @@ impl VifAllocator for Allocator {
         Err(Status::unimplemented("WatchVifs is not implemented in this version of kuryr-vif-allocator"))
     }
 
-    async fn report_plugged(&self, req: Request<ReportPluggedRequest>) -> Result<Response<ReportPluggedResponse>, Status> {
+    async fn report_plugged(
+        &self,
+        req: Request<ReportPluggedRequest>,
+    ) -> Result<Response<ReportPluggedResponse>, Status> {
         let r = req.get_ref();
         required("pod_uid", &r.pod_uid)?;
         required("vif_id", &r.vif_id)?;
@@ -89,7 +92,8 @@ impl VifAllocator for Allocator {
 #[derive(Debug)]
 struct Pools;
 
-const NO_POOLS: &str = "port pools belong to the Neutron backend, which this version of kuryr-vif-allocator does not have";
+const NO_POOLS: &str =
+    "port pools belong to the Neutron backend, which this version of kuryr-vif-allocator does not have";
 
 #[tonic::async_trait]
 impl PoolManager for Pools {

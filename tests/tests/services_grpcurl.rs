@@ -178,9 +178,29 @@ async fn services_become_serving_once_their_dependencies_are() {
     let kube = KubeEnv::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = kube.kubeconfig_path().display().to_string();
-    let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig]).unwrap();
-    let allocator =
-        start(&SERVICES[1], dir.path(), &["--watcher".into(), watcher.unix.replace("unix://", "unix:")]).unwrap();
+    // The allocator needs its CRDs Established and a PodNetwork (it creates one from --network-cidrs).
+    kube.apply_file(&kuryr_tests::util::repo_root().join("deploy/crds")).await.unwrap();
+    wait_until("CRDs Established", Duration::from_secs(30), || async {
+        let out = kube.kubectl(&["wait", "--for=condition=Established", "crd", "--all", "--timeout=5s"]).await?;
+        anyhow::ensure!(out.contains("condition met"), "{out}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig.clone()]).unwrap();
+    let allocator = start(
+        &SERVICES[1],
+        dir.path(),
+        &[
+            "--watcher".into(),
+            watcher.unix.replace("unix://", "unix:"),
+            "--kubeconfig".into(),
+            kubeconfig,
+            "--network-cidrs".into(),
+            "10.244.0.0/16".into(),
+        ],
+    )
+    .unwrap();
     let lbaas = start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
     // scripted allocator (the real one is covered by the end-to-end suite).

@@ -1,0 +1,370 @@
+//! The reconcile loop: per pod uid, serially (the [`WorkQueue`]), bring the cluster and the VIF
+//! index in line with what the pod should have ([`Desired`]), reading the pod's latest state
+//! from the [`PodView`] when the run starts.
+//!
+//! **Apply** (scheduled, not host network, not deleting, not finished), each step idempotent:
+//! 1. our finalizer on the pod, first — from then on the pod cannot disappear before cleanup;
+//! 2. the PodVif (named after the pod, owned by it, spec only);
+//! 3. the addresses from the IPAM (idempotent per pod uid);
+//! 4. the PodVif status `{vif, state}` — the record;
+//! 5. only then the VIF into the index, which streams VIF_APPLIED to the pod's node.
+//!
+//! **Cleanup** (being deleted, gone, or finished), tolerating any step never having run:
+//! VIF_DELETED to the node, release the addresses, delete the PodVif, then remove the finalizer.
+//!
+//! Failures are retried by the queue with capped exponential backoff, and each is logged once,
+//! counted in `kuryr_allocator_failures_total{op,reason}` and told to the pod's users as a
+//! Warning Event (`VifAllocationFailed` / `VifReleaseFailed`).
+//!
+//! ReportPlugged changes a VIF's state under the same per-pod lock as reconciles: persisted to
+//! the PodVif status first, then streamed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use kuryr_proto::allocator::v1::Vif;
+use kuryr_runtime::Shutdown;
+use tokio::sync::OwnedMutexGuard;
+use tracing::Instrument as _;
+
+use crate::cluster::{Cluster, ClusterError, chain};
+use crate::convert::{state_from_proto, state_to_proto, to_proto};
+use crate::crd::VifState;
+use crate::index::{SharedIndex, lock, vif_node};
+use crate::ipam::store::PodKey;
+use crate::metrics::Metrics;
+use crate::pods::{Desired, FINALIZER, PodEntry, PodView};
+use crate::queue::{Outcome, WorkQueue};
+
+/// Event reasons, as `kubectl describe pod` shows them.
+pub const REASON_ALLOCATION_FAILED: &str = "VifAllocationFailed";
+/// See [`REASON_ALLOCATION_FAILED`].
+pub const REASON_RELEASE_FAILED: &str = "VifReleaseFailed";
+
+/// Reads and patches of the finalizer before a conflict counts as a failure.
+const FINALIZER_ATTEMPTS: u32 = 3;
+
+/// The view shared by the watcher follower and the workers.
+pub type SharedView = Arc<Mutex<PodView>>;
+
+/// Locks the pod view; it holds plain collections, so a poisoned lock is still consistent.
+pub fn view_lock(view: &SharedView) -> MutexGuard<'_, PodView> {
+    view.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A failed reconcile.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} of pod {}/{} failed while {step}", pod.namespace, pod.name)]
+pub struct ReconcileError {
+    /// `apply` or `cleanup`.
+    pub op: &'static str,
+    /// What was being done.
+    pub step: &'static str,
+    /// The pod.
+    pub pod: PodKey,
+    /// The pod is gone from the API (no Event can be shown on it).
+    pub gone: bool,
+    /// Why.
+    #[source]
+    pub source: ClusterError,
+}
+
+/// Why a ReportPlugged was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PlugError {
+    /// No VIF for the pod.
+    #[error("{0}")]
+    NotFound(String),
+    /// The report names another VIF or node than the pod's.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The state could not be recorded; try again.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Per pod uid async locks, dropped when nobody holds or waits for them.
+#[derive(Debug, Default)]
+struct PodLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+struct PodLockGuard<'a> {
+    locks: &'a PodLocks,
+    key: String,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl PodLocks {
+    async fn lock(&self, key: &str) -> PodLockGuard<'_> {
+        let m = self.0.lock().unwrap_or_else(PoisonError::into_inner).entry(key.to_string()).or_default().clone();
+        PodLockGuard { locks: self, key: key.to_string(), guard: Some(m.lock_owned().await) }
+    }
+}
+
+impl Drop for PodLockGuard<'_> {
+    fn drop(&mut self) {
+        self.guard.take();
+        let mut map = self.locks.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.get(&self.key).is_some_and(|m| Arc::strong_count(m) == 1) {
+            map.remove(&self.key);
+        }
+    }
+}
+
+/// The controller.
+#[derive(Debug)]
+pub struct Controller<C> {
+    cluster: C,
+    network: String,
+    view: SharedView,
+    index: SharedIndex,
+    queue: Arc<WorkQueue>,
+    locks: PodLocks,
+    metrics: Metrics,
+}
+
+impl<C: Cluster> Controller<C> {
+    /// A controller for `network`, working through `cluster`.
+    pub fn new(
+        cluster: C,
+        network: &str,
+        view: SharedView,
+        index: SharedIndex,
+        queue: Arc<WorkQueue>,
+        metrics: Metrics,
+    ) -> Self {
+        Self { cluster, network: network.to_string(), view, index, queue, locks: PodLocks::default(), metrics }
+    }
+
+    /// The pod view.
+    pub fn view(&self) -> &SharedView {
+        &self.view
+    }
+
+    /// Queues a pod uid for reconciling.
+    pub fn enqueue(&self, uid: &str) {
+        self.queue.add(uid);
+        self.gauge_queue();
+    }
+
+    fn gauge_queue(&self) {
+        self.metrics.queue_depth.set(i64::try_from(self.queue.depth()).unwrap_or(i64::MAX));
+        self.metrics.queue_failing.set(i64::try_from(self.queue.failing()).unwrap_or(i64::MAX));
+    }
+
+    /// Recovery found a PodVif for `key` on `node`: if the pod is unknown once the watcher's
+    /// snapshot is in, it is gone, and its cleanup is queued.
+    pub fn adopt_orphan(&self, key: PodKey, node: &str) {
+        let uid = key.uid.clone();
+        if view_lock(&self.view).adopt_orphan(key, node) {
+            self.enqueue(&uid);
+        }
+    }
+
+    /// Runs `workers` workers until shutdown.
+    pub fn spawn_workers(self: &Arc<Self>, workers: usize, shutdown: Shutdown) {
+        for i in 0..workers.max(1) {
+            let this = self.clone();
+            tokio::spawn(async move { this.work().await }.instrument(tracing::info_span!("worker", id = i)));
+        }
+        let queue = self.queue.clone();
+        tokio::spawn(async move {
+            shutdown.wait().await;
+            queue.close();
+        });
+    }
+
+    async fn work(&self) {
+        while let Some(uid) = self.queue.next().await {
+            self.gauge_queue();
+            let outcome = match self.reconcile(&uid).await {
+                Ok(()) => Outcome::Done,
+                Err(e) => {
+                    self.report(&e).await;
+                    Outcome::Retry
+                }
+            };
+            self.queue.done(&uid, outcome);
+            self.gauge_queue();
+        }
+    }
+
+    async fn report(&self, e: &ReconcileError) {
+        let reason = e.source.reason();
+        self.metrics.failed(e.op, reason);
+        let error = chain(e);
+        tracing::warn!(pod = %format!("{}/{}", e.pod.namespace, e.pod.name), uid = %e.pod.uid, op = e.op, reason,
+            error, "reconcile failed; retrying with backoff");
+        if !e.gone {
+            let why = if e.op == "apply" { REASON_ALLOCATION_FAILED } else { REASON_RELEASE_FAILED };
+            self.cluster.warn(&e.pod, why, error).await;
+        }
+    }
+
+    /// Brings one pod uid in line with its latest state.
+    pub async fn reconcile(&self, uid: &str) -> Result<(), ReconcileError> {
+        let _guard = self.locks.lock(uid).await;
+        let Some(entry) = view_lock(&self.view).get(uid).cloned() else {
+            return Ok(());
+        };
+        match entry.desired() {
+            Desired::Vif { node } => self.apply(&entry, &node).await,
+            Desired::NoVif => self.cleanup(&entry).await,
+        }
+    }
+
+    async fn apply(&self, entry: &PodEntry, node: &str) -> Result<(), ReconcileError> {
+        let key = &entry.info.key;
+        let fail = |step: &'static str| {
+            move |source| ReconcileError { op: "apply", step, pod: key.clone(), gone: false, source }
+        };
+        let current = lock(&self.index).get(&key.uid);
+        if entry.info.has_finalizer && current.as_ref().is_some_and(|v| vif_node(v) == node) {
+            return Ok(());
+        }
+        if !entry.info.has_finalizer && !self.ensure_finalizer(key).await.map_err(fail("adding the finalizer"))? {
+            return Ok(());
+        }
+        let recorded = match self.cluster.ensure_pod_vif(key, node).await {
+            Err(ClusterError::StalePodVif { namespace, name, other_uid, node: other_node }) => {
+                // Clean the earlier pod's up first; this pod is retried after.
+                let stale = PodKey::new(&namespace, &name, &other_uid);
+                self.adopt_orphan(stale, &other_node);
+                let source = ClusterError::StalePodVif { namespace, name, other_uid, node: other_node };
+                return Err(fail("creating the PodVif")(source));
+            }
+            other => other.map_err(fail("creating the PodVif"))?,
+        };
+        let record = self.cluster.allocate(key, node).await.map_err(fail("allocating addresses"))?;
+        let state = match &recorded {
+            Some((r, s)) if *r == record && *s != VifState::Failed => *s,
+            _ => VifState::Allocated,
+        };
+        if recorded.as_ref().is_none_or(|(r, s)| *r != record || *s != state) {
+            self.cluster.record_vif(key, &record, state).await.map_err(fail("recording the VIF"))?;
+        }
+        let vif = to_proto(key, node, &self.network, &record, state);
+        let (fresh, held) = {
+            let mut idx = lock(&self.index);
+            let fresh = idx.get(&key.uid).is_none();
+            idx.upsert_vif(vif);
+            (fresh, idx.len())
+        };
+        self.metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
+        if fresh {
+            self.metrics.allocations.inc();
+            if let Some(seen) = entry.first_scheduled {
+                self.metrics.vif_latency.observe(seen.elapsed().as_secs_f64());
+            }
+            let ips: Vec<&str> = record.ips.iter().map(|i| i.address.as_str()).collect();
+            tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = %key.uid, node, vif = %record.vif_id,
+                ?ips, "VIF handed out");
+        }
+        Ok(())
+    }
+
+    /// Puts our finalizer on the pod unless it is there. Returns false when the pod is gone or
+    /// being deleted (its next event says so; no finalizer may be added then). A conflict
+    /// (someone else edited the finalizers since the read, another replica perhaps) is settled
+    /// by reading again at once rather than after a backoff.
+    async fn ensure_finalizer(&self, key: &PodKey) -> Result<bool, ClusterError> {
+        let mut attempts = 0;
+        loop {
+            let Some(meta) = self.cluster.pod(key).await? else { return Ok(false) };
+            if meta.deleting {
+                return Ok(false);
+            }
+            if meta.finalizers.iter().any(|f| f == FINALIZER) {
+                return Ok(true);
+            }
+            attempts += 1;
+            match self.cluster.add_finalizer(key, &meta.finalizers).await {
+                Ok(()) => return Ok(true),
+                Err(ClusterError::Conflict(_)) if attempts < FINALIZER_ATTEMPTS => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn cleanup(&self, entry: &PodEntry) -> Result<(), ReconcileError> {
+        let key = &entry.info.key;
+        let gone = entry.gone;
+        let fail =
+            |step: &'static str| move |source| ReconcileError { op: "cleanup", step, pod: key.clone(), gone, source };
+        let had = lock(&self.index).get(&key.uid).is_some();
+        if entry.info.has_finalizer || had || entry.orphan {
+            // The binder hears first, so that it stops using the address before it is reused.
+            let held = {
+                let mut idx = lock(&self.index);
+                idx.remove_vif(&key.uid);
+                idx.len()
+            };
+            self.metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
+            let released =
+                self.cluster.release(key, &entry.info.node).await.map_err(fail("releasing the addresses"))?;
+            self.cluster.delete_pod_vif(key).await.map_err(fail("deleting the PodVif"))?;
+            if !gone
+                && let Some(meta) = self.cluster.pod(key).await.map_err(fail("reading the pod"))?
+                && meta.finalizers.iter().any(|f| f == FINALIZER)
+            {
+                self.cluster.remove_finalizer(key, &meta.finalizers).await.map_err(fail("removing the finalizer"))?;
+            }
+            if released {
+                self.metrics.releases.inc();
+            }
+            if released || had {
+                tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = %key.uid, released, "VIF released");
+            }
+        }
+        if gone {
+            view_lock(&self.view).forget(&key.uid);
+        }
+        Ok(())
+    }
+
+    /// The VIF of a pod.
+    pub fn get_vif(&self, pod_uid: &str) -> Option<Arc<Vif>> {
+        lock(&self.index).get(pod_uid)
+    }
+
+    /// The binder plugged (or unplugged) a VIF: with the embedded backend a plugged VIF is
+    /// READY at once, an unplugged one ALLOCATED again (its addresses stay with the pod).
+    pub async fn report_plugged(
+        &self,
+        pod_uid: &str,
+        vif_id: &str,
+        node: &str,
+        plugged: bool,
+    ) -> Result<Arc<Vif>, PlugError> {
+        let _guard = self.locks.lock(pod_uid).await;
+        let Some(vif) = lock(&self.index).get(pod_uid) else {
+            return Err(PlugError::NotFound(format!("no VIF for pod {pod_uid}")));
+        };
+        if vif.vif_id != vif_id {
+            return Err(PlugError::FailedPrecondition(format!("pod {pod_uid} has VIF {}, not {vif_id}", vif.vif_id)));
+        }
+        if vif_node(&vif) != node {
+            return Err(PlugError::FailedPrecondition(format!(
+                "pod {pod_uid} is on node {}, not {node}",
+                vif_node(&vif)
+            )));
+        }
+        let want = if plugged { VifState::Ready } else { VifState::Allocated };
+        if state_from_proto(vif.state()) == Some(want) {
+            return Ok(vif);
+        }
+        let pod = vif.pod.clone().unwrap_or_default();
+        let key = PodKey::new(pod.namespace, pod.name, pod.uid);
+        self.cluster.record_state(&key, vif_id, want).await.map_err(|e| match e {
+            ClusterError::NotFound(m) => PlugError::NotFound(m),
+            ClusterError::Conflict(m) => PlugError::FailedPrecondition(m),
+            other => PlugError::Unavailable(chain(&other)),
+        })?;
+        let after = lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(want));
+        tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = pod_uid, vif = vif_id, state = ?want, "plug reported");
+        after.ok_or_else(|| PlugError::NotFound(format!("the VIF of pod {pod_uid} was released meanwhile")))
+    }
+}
+
+#[cfg(test)]
+#[path = "controller_tests.rs"]
+pub(crate) mod tests;

@@ -1,0 +1,439 @@
+//! The reconcile logic against an in-memory cluster: order of the steps, idempotency, cleanup of
+//! what never was, failures, and plug reports.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kuryr_proto::allocator::v1::VifState as PbState;
+use kuryr_proto::watcher::v1::object::Body;
+use kuryr_proto::watcher::v1::{EventType, Kind, Object, Pod, SubscribeResponse};
+
+use super::*;
+use crate::cluster::{PodMeta, Recorded};
+use crate::crd::{VifIp, VifRecord};
+use crate::index::{Change, Epoch, VifIndex};
+
+#[derive(Debug, Default)]
+pub(crate) struct FakeState {
+    /// uid → (pod, metadata).
+    pods: HashMap<String, (PodKey, PodMeta)>,
+    /// (namespace, name) → (pod uid, node, status).
+    podvifs: HashMap<(String, String), (String, String, Recorded)>,
+    /// uid → address index.
+    allocations: HashMap<String, u32>,
+    next_address: u32,
+    /// Every call, in order.
+    calls: Vec<String>,
+    /// Calls that fail, by name, and how many more times.
+    fail: HashMap<&'static str, u32>,
+    events: Vec<(String, &'static str)>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Fake(Arc<Mutex<FakeState>>);
+
+impl Fake {
+    pub(crate) fn s(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.0.lock().unwrap()
+    }
+
+    fn call(&self, name: &'static str, pod: &PodKey) -> Result<(), ClusterError> {
+        let mut s = self.s();
+        s.calls.push(format!("{name} {}", pod.name));
+        match s.fail.get_mut(name) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                Err(ClusterError::Api { action: format!("{name} (injected)"), source: "boom".into() })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.s().calls)
+    }
+
+    pub(crate) fn add_pod(&self, key: &PodKey) {
+        self.s().pods.insert(key.uid.clone(), (key.clone(), PodMeta::default()));
+    }
+
+    fn meta(&self, uid: &str) -> Option<PodMeta> {
+        self.s().pods.get(uid).map(|p| p.1.clone())
+    }
+}
+
+fn record(i: u32) -> VifRecord {
+    VifRecord {
+        vif_id: format!("net/10.0.0.{i}"),
+        mac: format!("0a:58:0a:00:00:{i:02x}"),
+        mtu: 1500,
+        ips: vec![VifIp { address: format!("10.0.0.{i}/24"), gateway: Some("10.0.0.1".into()) }],
+        routes: Vec::new(),
+        bridge: "kuryr0".into(),
+    }
+}
+
+impl Cluster for Fake {
+    async fn pod(&self, pod: &PodKey) -> Result<Option<PodMeta>, ClusterError> {
+        self.call("pod", pod)?;
+        Ok(self.meta(&pod.uid))
+    }
+    async fn add_finalizer(&self, pod: &PodKey, current: &[String]) -> Result<(), ClusterError> {
+        self.call("add_finalizer", pod)?;
+        let mut s = self.s();
+        if let Some(n) = s.fail.get_mut("finalizer_conflict").filter(|n| **n > 0) {
+            *n -= 1;
+            return Err(ClusterError::Conflict("another writer".into()));
+        }
+        let (_, meta) = s.pods.get_mut(&pod.uid).ok_or_else(|| ClusterError::NotFound("pod".into()))?;
+        if meta.finalizers != current {
+            return Err(ClusterError::Conflict("finalizers changed".into()));
+        }
+        meta.finalizers.push(FINALIZER.into());
+        Ok(())
+    }
+    async fn remove_finalizer(&self, pod: &PodKey, _: &[String]) -> Result<(), ClusterError> {
+        self.call("remove_finalizer", pod)?;
+        let mut s = self.s();
+        let deleting = match s.pods.get_mut(&pod.uid) {
+            Some((_, meta)) => {
+                meta.finalizers.retain(|f| f != FINALIZER);
+                meta.deleting && meta.finalizers.is_empty()
+            }
+            None => false,
+        };
+        if deleting {
+            s.pods.remove(&pod.uid);
+        }
+        Ok(())
+    }
+    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Recorded, ClusterError> {
+        self.call("ensure_pod_vif", pod)?;
+        let mut s = self.s();
+        let name = (pod.namespace.clone(), pod.name.clone());
+        match s.podvifs.get(&name) {
+            Some((uid, _, recorded)) if *uid == pod.uid => Ok(recorded.clone()),
+            Some((uid, node, _)) => Err(ClusterError::StalePodVif {
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+                other_uid: uid.clone(),
+                node: node.clone(),
+            }),
+            None => {
+                s.podvifs.insert(name, (pod.uid.clone(), node.to_string(), None));
+                Ok(None)
+            }
+        }
+    }
+    async fn record_vif(&self, pod: &PodKey, record: &VifRecord, state: VifState) -> Result<(), ClusterError> {
+        self.call("record_vif", pod)?;
+        let mut s = self.s();
+        let (_, _, status) = s
+            .podvifs
+            .get_mut(&(pod.namespace.clone(), pod.name.clone()))
+            .ok_or_else(|| ClusterError::NotFound("podvif".into()))?;
+        *status = Some((record.clone(), state));
+        Ok(())
+    }
+    async fn record_state(&self, pod: &PodKey, vif_id: &str, state: VifState) -> Result<(), ClusterError> {
+        self.call("record_state", pod)?;
+        let mut s = self.s();
+        let Some((_, _, Some((r, st)))) = s.podvifs.get_mut(&(pod.namespace.clone(), pod.name.clone())) else {
+            return Err(ClusterError::NotFound("podvif".into()));
+        };
+        if r.vif_id != vif_id {
+            return Err(ClusterError::Conflict("another VIF".into()));
+        }
+        *st = state;
+        Ok(())
+    }
+    async fn delete_pod_vif(&self, pod: &PodKey) -> Result<(), ClusterError> {
+        self.call("delete_pod_vif", pod)?;
+        let mut s = self.s();
+        let name = (pod.namespace.clone(), pod.name.clone());
+        if s.podvifs.get(&name).is_some_and(|p| p.0 == pod.uid) {
+            s.podvifs.remove(&name);
+        }
+        Ok(())
+    }
+    async fn allocate(&self, pod: &PodKey, _node: &str) -> Result<VifRecord, ClusterError> {
+        self.call("allocate", pod)?;
+        let mut s = self.s();
+        if let Some(i) = s.allocations.get(&pod.uid) {
+            return Ok(record(*i));
+        }
+        s.next_address += 1;
+        let i = s.next_address + 1;
+        s.allocations.insert(pod.uid.clone(), i);
+        Ok(record(i))
+    }
+    async fn release(&self, pod: &PodKey, _node: &str) -> Result<bool, ClusterError> {
+        self.call("release", pod)?;
+        Ok(self.s().allocations.remove(&pod.uid).is_some())
+    }
+    async fn warn(&self, pod: &PodKey, reason: &'static str, _note: String) {
+        self.s().events.push((pod.uid.clone(), reason));
+    }
+}
+
+pub(crate) struct Setup {
+    pub(crate) fake: Fake,
+    pub(crate) ctl: Arc<Controller<Fake>>,
+    pub(crate) index: SharedIndex,
+    pub(crate) metrics: Metrics,
+}
+
+pub(crate) fn setup() -> Setup {
+    let fake = Fake::default();
+    let mut idx = VifIndex::new(Epoch::fixed("e"), 64);
+    idx.set_ready();
+    let index = idx.shared();
+    let metrics = Metrics::default();
+    let queue = Arc::new(WorkQueue::new(Duration::from_millis(100), Duration::from_secs(1)));
+    let view = SharedView::default();
+    let ctl = Arc::new(Controller::new(fake.clone(), "net", view, index.clone(), queue, metrics.clone()));
+    Setup { fake, ctl, index, metrics }
+}
+
+pub(crate) fn key(name: &str) -> PodKey {
+    PodKey::new("ns", name, format!("uid-{name}"))
+}
+
+/// Feeds the view a pod event as the watcher would send it.
+pub(crate) fn see(ctl: &Controller<Fake>, fake: &Fake, name: &str, node: &str, phase: &str, t: EventType) {
+    let k = key(name);
+    let meta = fake.meta(&k.uid).unwrap_or_default();
+    let obj = Object {
+        kind: Kind::Pod as i32,
+        namespace: k.namespace.clone(),
+        name: k.name.clone(),
+        uid: k.uid.clone(),
+        deleting: meta.deleting,
+        body: Some(Body::Pod(Pod {
+            node_name: node.into(),
+            phase: phase.into(),
+            finalizers: meta.finalizers,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(obj) };
+    view_lock(ctl.view()).apply(&ev, Instant::now());
+}
+
+fn deltas(index: &SharedIndex) -> Vec<String> {
+    lock(index)
+        .since(0, 1000)
+        .unwrap()
+        .iter()
+        .map(|d| match &d.change {
+            Change::VifApplied(v) => format!("+{} {:?}", v.pod.as_ref().unwrap().name, v.state()),
+            Change::VifDeleted(v) => format!("-{}", v.pod.as_ref().unwrap().name),
+            other => format!("{other:?}"),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn apply_puts_the_finalizer_first_and_publishes_only_what_is_recorded() {
+    let Setup { fake, ctl, index, metrics } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(
+        fake.calls(),
+        ["pod a", "add_finalizer a", "ensure_pod_vif a", "allocate a", "record_vif a"],
+        "finalizer first, VIF recorded before it is streamed"
+    );
+    assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
+    let vif = ctl.get_vif("uid-a").unwrap();
+    assert_eq!((vif.state(), vif.ips[0].address.as_str(), vif_node(&vif)), (PbState::Allocated, "10.0.0.2/24", "n1"));
+    assert_eq!(vif.binding.as_ref().unwrap().bridge, "kuryr0");
+    assert_eq!(deltas(&index), ["+a Allocated"]);
+    assert_eq!(metrics.allocations.get(), 1);
+
+    // The watcher reports the finalizer: nothing more to do, no API call.
+    see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert!(fake.calls().is_empty());
+
+    // Unscheduled pods get nothing and cost nothing.
+    fake.add_pod(&key("u"));
+    see(&ctl, &fake, "u", "", "Pending", EventType::Applied);
+    ctl.reconcile("uid-u").await.unwrap();
+    assert!(fake.calls().is_empty());
+    assert!(ctl.get_vif("uid-u").is_none());
+}
+
+#[tokio::test]
+async fn a_finalizer_conflict_is_settled_by_reading_again_at_once() {
+    let Setup { fake, ctl, .. } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    fake.s().fail.insert("finalizer_conflict", 1);
+    ctl.reconcile("uid-a").await.unwrap();
+    let calls = fake.calls();
+    assert_eq!(calls[..4], ["pod a", "add_finalizer a", "pod a", "add_finalizer a"]);
+    // Conflicts without end are a failure, retried by the queue.
+    fake.add_pod(&key("b"));
+    see(&ctl, &fake, "b", "n1", "Pending", EventType::Applied);
+    fake.s().fail.insert("finalizer_conflict", 100);
+    let err = ctl.reconcile("uid-b").await.unwrap_err();
+    assert_eq!((err.step, err.source.reason()), ("adding the finalizer", "conflict"));
+}
+
+#[tokio::test]
+async fn a_failed_record_hands_nothing_out_and_a_retry_finishes_the_job() {
+    let Setup { fake, ctl, index, .. } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    fake.s().fail.insert("record_vif", 1);
+    let err = ctl.reconcile("uid-a").await.unwrap_err();
+    assert_eq!((err.op, err.step, err.source.reason()), ("apply", "recording the VIF", "api"));
+    assert!(ctl.get_vif("uid-a").is_none(), "a VIF was streamed before it was recorded");
+    assert!(deltas(&index).is_empty());
+    fake.calls();
+    ctl.reconcile("uid-a").await.unwrap();
+    // The finalizer is there now (read again, not added twice); same address.
+    assert_eq!(fake.calls(), ["pod a", "ensure_pod_vif a", "allocate a", "record_vif a"]);
+    assert_eq!(ctl.get_vif("uid-a").unwrap().ips[0].address, "10.0.0.2/24");
+}
+
+#[tokio::test]
+async fn deletion_streams_then_releases_then_deletes_then_unblocks_the_pod() {
+    let Setup { fake, ctl, index, metrics } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    fake.calls();
+    fake.s().pods.get_mut("uid-a").unwrap().1.deleting = true;
+    see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "pod a", "remove_finalizer a"]);
+    assert_eq!(deltas(&index), ["+a Allocated", "-a"]);
+    assert!(fake.meta("uid-a").is_none(), "the pod, unblocked, is gone");
+    assert!(fake.s().podvifs.is_empty() && fake.s().allocations.is_empty());
+    assert_eq!(metrics.releases.get(), 1);
+
+    // The DELETED event: nothing left to do; the tombstone is forgotten.
+    see(&ctl, &fake, "a", "n1", "Running", EventType::Deleted);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert!(fake.calls().is_empty());
+    assert!(view_lock(ctl.view()).get("uid-a").is_none());
+}
+
+#[tokio::test]
+async fn cleanup_tolerates_what_never_happened() {
+    let Setup { fake, ctl, .. } = setup();
+    // Finalizer added, then the allocator died before the PodVif: the pod is deleted.
+    fake.add_pod(&key("a"));
+    {
+        let mut s = fake.s();
+        let meta = &mut s.pods.get_mut("uid-a").unwrap().1;
+        meta.finalizers = vec![FINALIZER.into()];
+        meta.deleting = true;
+    }
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "pod a", "remove_finalizer a"]);
+    // A finished pod gets its VIF released and its finalizer removed, and stays.
+    fake.add_pod(&key("b"));
+    see(&ctl, &fake, "b", "n1", "Running", EventType::Applied);
+    ctl.reconcile("uid-b").await.unwrap();
+    see(&ctl, &fake, "b", "n1", "Running", EventType::Applied);
+    see(&ctl, &fake, "b", "n1", "Succeeded", EventType::Applied);
+    fake.calls();
+    ctl.reconcile("uid-b").await.unwrap();
+    assert_eq!(fake.calls(), ["release b", "delete_pod_vif b", "pod b", "remove_finalizer b"]);
+    assert!(fake.meta("uid-b").unwrap().finalizers.is_empty());
+    assert!(ctl.get_vif("uid-b").is_none());
+}
+
+#[tokio::test]
+async fn a_stale_pod_vif_of_the_same_name_is_cleaned_first() {
+    let Setup { fake, ctl, .. } = setup();
+    fake.s()
+        .podvifs
+        .insert(("ns".into(), "a".into()), ("uid-old".into(), "n1".into(), Some((record(9), VifState::Ready))));
+    fake.s().allocations.insert("uid-old".into(), 9);
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    let err = ctl.reconcile("uid-a").await.unwrap_err();
+    assert_eq!(err.source.reason(), "stale_podvif");
+    // The earlier pod is a tombstone now; its cleanup releases it and deletes its PodVif.
+    ctl.reconcile("uid-old").await.unwrap();
+    assert!(fake.s().podvifs.is_empty());
+    assert!(!fake.s().allocations.contains_key("uid-old"));
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Allocated);
+}
+
+#[tokio::test]
+async fn a_recorded_state_survives_a_re_apply() {
+    let Setup { fake, ctl, .. } = setup();
+    let mut meta = PodMeta::default();
+    meta.finalizers.push(FINALIZER.into());
+    fake.s().pods.insert("uid-a".into(), (key("a"), meta));
+    fake.s()
+        .podvifs
+        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(2), VifState::Ready))));
+    fake.s().allocations.insert("uid-a".into(), 2);
+    see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a"], "nothing to write");
+    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Ready);
+}
+
+#[tokio::test]
+async fn plug_reports_are_checked_persisted_then_streamed() {
+    let Setup { fake, ctl, index, .. } = setup();
+    let err = ctl.report_plugged("uid-a", "x", "n1", true).await.unwrap_err();
+    assert!(matches!(err, PlugError::NotFound(_)), "{err:?}");
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    let id = ctl.get_vif("uid-a").unwrap().vif_id.clone();
+    let err = ctl.report_plugged("uid-a", "net/other", "n1", true).await.unwrap_err();
+    assert!(matches!(err, PlugError::FailedPrecondition(_)), "{err:?}");
+    let err = ctl.report_plugged("uid-a", &id, "n2", true).await.unwrap_err();
+    assert!(matches!(err, PlugError::FailedPrecondition(_)), "{err:?}");
+    fake.s().fail.insert("record_state", 1);
+    let err = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap_err();
+    assert!(matches!(err, PlugError::Unavailable(_)), "{err:?}");
+    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Allocated, "streamed before it was recorded");
+
+    let v = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    assert_eq!(v.state(), PbState::Ready);
+    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
+    // Again: nothing to do.
+    fake.calls();
+    ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    assert!(fake.calls().is_empty());
+    // Unplugged: back to ALLOCATED, addresses kept.
+    let v = ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap();
+    assert_eq!(v.state(), PbState::Allocated);
+    assert!(fake.s().allocations.contains_key("uid-a"));
+    assert_eq!(deltas(&index), ["+a Allocated", "+a Ready", "+a Allocated"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn workers_retry_failures_and_say_so() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    let (_trigger, shutdown) = kuryr_runtime::shutdown::channel();
+    ctl.spawn_workers(2, shutdown);
+    fake.add_pod(&key("a"));
+    fake.s().fail.insert("allocate", 2);
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.enqueue("uid-a");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while ctl.get_vif("uid-a").is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "never allocated");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let events = fake.s().events.clone();
+    assert_eq!(events, vec![("uid-a".to_string(), REASON_ALLOCATION_FAILED); 2]);
+    let failed = metrics.failures.get_or_create(&crate::metrics::FailureLabels { op: "apply", reason: "api" }).get();
+    assert_eq!(failed, 2);
+}

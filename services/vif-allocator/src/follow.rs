@@ -1,0 +1,140 @@
+//! Following the watcher: one Subscribe stream of pods (not on the host network) and nodes, fed
+//! into the [`PodView`](crate::pods::PodView); changed pods are queued for reconciling, node
+//! addresses go to the VIF index (for node routes).
+//!
+//! The stream is resumed after a break with the point of the last event handled; when the
+//! watcher cannot resume (another replica, a restart) it sends RESET and a snapshot, which the
+//! view treats as a re-list. Reconnects back off from 100 ms to 5 s. The watcher condition of
+//! readiness holds while the stream is live (its snapshot complete).
+//!
+//! At the first SNAPSHOT_COMPLETE the PodVifs found at recovery whose pod the snapshot did not
+//! name are queued for cleanup: their pods were deleted while no allocator was running.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
+use kuryr_proto::watcher::v1::{Filter, Kind, SubscribeRequest};
+use kuryr_runtime::Shutdown;
+use tonic::transport::Channel;
+
+use crate::cluster::Cluster;
+use crate::controller::{Controller, view_lock};
+use crate::index::{SharedIndex, lock};
+use crate::ipam::store::PodKey;
+use crate::metrics::Metrics;
+use crate::pods::Effect;
+use crate::ready::Readiness;
+
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// What the follower works with.
+#[derive(Debug)]
+pub struct Follower<C> {
+    /// The watcher.
+    pub channel: Channel,
+    /// Queues pods and adopts orphans.
+    pub controller: Arc<Controller<C>>,
+    /// Receives node addresses.
+    pub index: SharedIndex,
+    /// PodVifs found at recovery: (pod, node).
+    pub recovered: Vec<(PodKey, String)>,
+    /// The watcher condition.
+    pub readiness: Readiness,
+    /// Reconnects.
+    pub metrics: Metrics,
+    /// How this allocator names itself to the watcher.
+    pub subscriber: String,
+}
+
+impl<C: Cluster> Follower<C> {
+    /// Follows the watcher until shutdown.
+    pub async fn run(self, shutdown: Shutdown) {
+        let mut client = WatcherClient::new(self.channel.clone());
+        let mut recovered = Some(self.recovered.clone());
+        let mut resume = String::new();
+        let mut delay = RETRY_MIN;
+        let mut logged_down = false;
+        loop {
+            let req = SubscribeRequest {
+                kinds: vec![Kind::Pod as i32, Kind::Node as i32],
+                filter: Some(Filter { exclude_host_network: true, ..Default::default() }),
+                resume_from: resume.clone(),
+                subscriber: self.subscriber.clone(),
+            };
+            let opened = tokio::select! {
+                r = client.subscribe(req) => r,
+                () = shutdown.clone().wait() => return,
+            };
+            let why = match opened {
+                Ok(resp) => {
+                    let mut stream = resp.into_inner();
+                    loop {
+                        let msg = tokio::select! {
+                            m = stream.message() => m,
+                            () = shutdown.clone().wait() => return,
+                        };
+                        match msg {
+                            Ok(Some(ev)) => {
+                                if !ev.resume_point.is_empty() {
+                                    resume.clone_from(&ev.resume_point);
+                                }
+                                let effects = view_lock(self.controller.view()).apply(&ev, Instant::now());
+                                for e in effects {
+                                    if self.effect(e, &mut recovered) {
+                                        delay = RETRY_MIN;
+                                        logged_down = false;
+                                    }
+                                }
+                            }
+                            Ok(None) => break "the watcher ended the stream".to_string(),
+                            Err(s) => break format!("the stream broke: {}: {}", s.code(), s.message()),
+                        }
+                    }
+                }
+                Err(s) => format!("cannot subscribe: {}: {}", s.code(), s.message()),
+            };
+            self.metrics.watcher_reconnects.inc();
+            self.readiness.set_watcher(false);
+            if logged_down {
+                tracing::debug!(error = why, retry_in = ?delay, "watcher still unavailable");
+            } else {
+                tracing::warn!(error = why, "watcher unavailable; reconnecting with backoff");
+                logged_down = true;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = shutdown.clone().wait() => return,
+            }
+            delay = (delay * 2).min(RETRY_MAX);
+        }
+    }
+
+    /// Acts on one effect; returns true when the stream became live.
+    fn effect(&self, e: Effect, recovered: &mut Option<Vec<(PodKey, String)>>) -> bool {
+        match e {
+            Effect::Pod(uid) => self.controller.enqueue(&uid),
+            Effect::NodeIps(node, ips) => lock(&self.index).set_node_ips(&node, ips),
+            Effect::Resync => {
+                tracing::info!("the watcher sent RESET; re-listing from its snapshot");
+                self.readiness.set_watcher(false);
+            }
+            Effect::Live => {
+                if let Some(found) = recovered.take() {
+                    let total = found.len();
+                    for (pod, node) in found {
+                        self.controller.adopt_orphan(pod, &node);
+                    }
+                    let pods = view_lock(self.controller.view()).len();
+                    tracing::info!(pods, recovered = total, "watcher snapshot complete");
+                } else {
+                    tracing::info!("watcher stream live again");
+                }
+                self.readiness.set_watcher(true);
+                return true;
+            }
+        }
+        false
+    }
+}

@@ -1,0 +1,313 @@
+//! The gRPC edge: validates requests (naming the offending field), serves `WatchVifs` streams
+//! from the VIF index, and hands `ReportPlugged` to the controller.
+//!
+//! A stream reads deltas from the index's history by revision (like the watcher's Subscribe):
+//! the history is the one ordered log, so between snapshot and live nothing is lost or
+//! duplicated (the snapshot and its cursor are taken under one lock), and memory does not grow
+//! with the number of binders. A stream so far behind that its cursor left the history gets
+//! RESET and a fresh snapshot in place. At shutdown every stream ends with UNAVAILABLE, telling
+//! binders to reconnect (to another replica, or to this one once it is back).
+
+use std::convert::Infallible;
+use std::sync::{Arc, OnceLock};
+
+use kuryr_proto::allocator::v1::pool_manager_server::PoolManager;
+use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocator;
+use kuryr_proto::allocator::v1::{
+    FreePoolRequest, FreePoolResponse, GetVifRequest, ListPoolsRequest, ListPoolsResponse, Pool, PoolKey,
+    PopulatePoolRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest,
+    WatchVifsResponse,
+};
+use kuryr_runtime::Shutdown;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+
+use crate::cluster::Cluster;
+use crate::controller::{Controller, PlugError};
+use crate::index::{Change, Epoch, Lagged, SharedIndex, Start, lock};
+use crate::metrics::Metrics;
+
+/// Responses buffered per stream before the stream task waits for the binder to read.
+const STREAM_BUFFER: usize = 128;
+/// Deltas copied out of the history per lock.
+const BATCH: usize = 256;
+/// Bounds on request fields: a resume point is ~40 bytes, names are DNS names.
+const MAX_RESUME_FROM: usize = 128;
+const MAX_NAME: usize = 253;
+
+/// The controller, once the Kubernetes client exists (the server starts before that).
+pub type ControllerCell<C> = Arc<OnceLock<Arc<Controller<C>>>>;
+
+/// The VifAllocator service.
+#[derive(Debug)]
+pub struct AllocatorService<C> {
+    index: SharedIndex,
+    controller: ControllerCell<C>,
+    metrics: Metrics,
+    shutdown: Shutdown,
+}
+
+impl<C> AllocatorService<C> {
+    /// Serves `index`; plug reports go to the controller once it is in `controller`.
+    pub fn new(index: SharedIndex, controller: ControllerCell<C>, metrics: Metrics, shutdown: Shutdown) -> Self {
+        Self { index, controller, metrics, shutdown }
+    }
+}
+
+fn required(field: &str, value: &str) -> Result<(), Status> {
+    if value.trim().is_empty() {
+        return Err(Status::invalid_argument(format!("{field}: required")));
+    }
+    Ok(())
+}
+
+/// An RFC 1123 label.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// An RFC 1123 subdomain: node names.
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= MAX_NAME && s.split('.').all(is_dns_label)
+}
+
+fn node_name(field: &str, value: &str) -> Result<(), Status> {
+    required(field, value)?;
+    if !is_dns_subdomain(value) {
+        return Err(Status::invalid_argument(format!("{field}: `{value}` is not a valid node name")));
+    }
+    Ok(())
+}
+
+/// Checks a WatchVifs request, naming the offending field.
+pub fn validate_watch(req: &WatchVifsRequest) -> Result<(), Status> {
+    node_name("node_name", &req.node_name)?;
+    if req.resume_from.len() > MAX_RESUME_FROM {
+        return Err(Status::invalid_argument(format!(
+            "resume_from: longer than {MAX_RESUME_FROM} bytes; pass a resume_point back exactly as received"
+        )));
+    }
+    if req.binder_id.len() > MAX_NAME || req.binder_id.chars().any(char::is_control) {
+        return Err(Status::invalid_argument(format!("binder_id: at most {MAX_NAME} bytes of printable text")));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
+    type WatchVifsStream = ReceiverStream<Result<WatchVifsResponse, Status>>;
+
+    async fn watch_vifs(&self, req: Request<WatchVifsRequest>) -> Result<Response<Self::WatchVifsStream>, Status> {
+        let peer = req.remote_addr().map_or_else(|| "local".to_string(), |a| a.to_string());
+        let req = req.into_inner();
+        validate_watch(&req)?;
+        let (start, epoch, revisions) = {
+            let idx = lock(&self.index);
+            let start = idx.start(&req.node_name, &req.resume_from).map_err(|e| Status::unavailable(e.to_string()))?;
+            (start, idx.epoch().clone(), idx.revisions())
+        };
+        let binder = if req.binder_id.is_empty() { peer.clone() } else { req.binder_id.clone() };
+        let span = tracing::info_span!("binder", node = %req.node_name, binder = %binder, peer = %peer);
+        span.in_scope(|| {
+            let how = match &start {
+                Start::Resume { cursor } => format!("resuming after revision {cursor}"),
+                Start::Snapshot { reset, items, cursor } => {
+                    format!(
+                        "{}snapshot of {} items at revision {cursor}",
+                        if *reset { "RESET + " } else { "" },
+                        items.len()
+                    )
+                }
+            };
+            tracing::info!(resume_from = %req.resume_from, "WatchVifs: {how}");
+        });
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        let stream = Stream {
+            index: self.index.clone(),
+            node: req.node_name,
+            epoch,
+            tx,
+            revisions,
+            metrics: self.metrics.clone(),
+        };
+        tokio::spawn(stream.run(start, self.shutdown.clone()).instrument(span));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn report_plugged(
+        &self,
+        req: Request<ReportPluggedRequest>,
+    ) -> Result<Response<ReportPluggedResponse>, Status> {
+        let r = req.into_inner();
+        required("pod_uid", &r.pod_uid)?;
+        required("vif_id", &r.vif_id)?;
+        node_name("node_name", &r.node_name)?;
+        let Some(ctl) = self.controller.get() else {
+            return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
+        };
+        let vif = ctl.report_plugged(&r.pod_uid, &r.vif_id, &r.node_name, r.plugged).await.map_err(|e| match e {
+            PlugError::NotFound(m) => Status::not_found(m),
+            PlugError::FailedPrecondition(m) => Status::failed_precondition(m),
+            PlugError::Unavailable(m) => Status::unavailable(m),
+        })?;
+        Ok(Response::new(ReportPluggedResponse { vif: Some(Vif::clone(&vif)) }))
+    }
+
+    async fn get_vif(&self, req: Request<GetVifRequest>) -> Result<Response<Vif>, Status> {
+        let uid = req.into_inner().pod_uid;
+        required("pod_uid", &uid)?;
+        let idx = lock(&self.index);
+        if !idx.is_ready() {
+            return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
+        }
+        idx.get(&uid)
+            .map(|v| Response::new(Vif::clone(&v)))
+            .ok_or_else(|| Status::not_found(format!("no VIF for pod {uid}")))
+    }
+}
+
+/// Why a stream ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The binder went away.
+    ClientGone,
+    /// The index was dropped: the process is ending.
+    IndexGone,
+}
+
+/// One WatchVifs stream.
+struct Stream {
+    index: SharedIndex,
+    node: String,
+    epoch: Epoch,
+    tx: mpsc::Sender<Result<WatchVifsResponse, Status>>,
+    revisions: watch::Receiver<u64>,
+    metrics: Metrics,
+}
+
+impl Stream {
+    async fn run(mut self, start: Start, shutdown: Shutdown) {
+        self.metrics.subscribers.inc();
+        let ended = tokio::select! {
+            res = self.serve(start) => match res {
+                Ok(never) => match never {},
+                Err(ended) => Some(ended),
+            },
+            () = shutdown.wait() => None,
+        };
+        match ended {
+            None => {
+                let status = Status::unavailable("kuryr-vif-allocator is shutting down; reconnect with resume_from");
+                let _ = self.tx.try_send(Err(status));
+                tracing::info!("stream ended: shutting down");
+            }
+            Some(why) => tracing::info!(?why, "stream ended"),
+        }
+        self.metrics.subscribers.dec();
+    }
+
+    async fn serve(&mut self, start: Start) -> Result<Infallible, Ended> {
+        let mut cursor = match start {
+            Start::Resume { cursor } => {
+                self.metrics.started("resume");
+                cursor
+            }
+            Start::Snapshot { reset, items, cursor } => {
+                self.metrics.started(if reset { "reset" } else { "snapshot" });
+                self.send_snapshot(reset, items, cursor).await?;
+                cursor
+            }
+        };
+        loop {
+            // Marked seen before reading, so a delta recorded after this read wakes the wait.
+            self.revisions.borrow_and_update();
+            let batch = lock(&self.index).since(cursor, BATCH);
+            match batch {
+                Ok(deltas) if deltas.is_empty() => {
+                    tokio::select! {
+                        changed = self.revisions.changed() => changed.map_err(|_| Ended::IndexGone)?,
+                        () = self.tx.closed() => return Err(Ended::ClientGone),
+                    }
+                }
+                Ok(deltas) => {
+                    for d in deltas {
+                        cursor = d.revision;
+                        if d.change.concerns(&self.node) {
+                            self.send(response(self.epoch.point(d.revision), &d.change)).await?;
+                        }
+                    }
+                }
+                Err(Lagged(at)) => {
+                    tracing::warn!(cursor = at, "stream fell out of the history; sending RESET and a new snapshot");
+                    self.metrics.started("lagged");
+                    let (items, now) = lock(&self.index).snapshot(&self.node);
+                    self.send_snapshot(true, items, now).await?;
+                    cursor = now;
+                }
+            }
+        }
+    }
+
+    async fn send_snapshot(&self, reset: bool, items: Vec<Change>, cursor: u64) -> Result<(), Ended> {
+        let point = self.epoch.snapshot_point();
+        if reset {
+            self.send(marker(point.clone(), VifEventType::Reset)).await?;
+        }
+        for item in &items {
+            self.send(response(point.clone(), item)).await?;
+        }
+        self.send(marker(self.epoch.point(cursor), VifEventType::SnapshotComplete)).await
+    }
+
+    async fn send(&self, resp: WatchVifsResponse) -> Result<(), Ended> {
+        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)
+    }
+}
+
+fn marker(resume_point: String, t: VifEventType) -> WatchVifsResponse {
+    WatchVifsResponse { resume_point, r#type: t as i32, vif: None, node_routes: None }
+}
+
+/// The response streaming `change`.
+pub fn response(resume_point: String, change: &Change) -> WatchVifsResponse {
+    let (t, vif, node_routes) = match change {
+        Change::VifApplied(v) => (VifEventType::VifApplied, Some(Vif::clone(v)), None),
+        Change::VifDeleted(v) => (VifEventType::VifDeleted, Some(Vif::clone(v)), None),
+        Change::RoutesApplied(r) => (VifEventType::NodeRoutesApplied, None, Some((**r).clone())),
+        Change::RoutesDeleted(r) => (VifEventType::NodeRoutesDeleted, None, Some((**r).clone())),
+    };
+    WatchVifsResponse { resume_point, r#type: t as i32, vif, node_routes }
+}
+
+/// Port pools belong to the Neutron backend; until it exists every call says so.
+#[derive(Debug)]
+pub struct Pools;
+
+const NO_POOLS: &str =
+    "port pools belong to the Neutron backend; this kuryr-vif-allocator runs the embedded IPAM, which has none";
+
+#[tonic::async_trait]
+impl PoolManager for Pools {
+    async fn list_pools(&self, _: Request<ListPoolsRequest>) -> Result<Response<ListPoolsResponse>, Status> {
+        Err(Status::unimplemented(NO_POOLS))
+    }
+    async fn show_pool(&self, _: Request<PoolKey>) -> Result<Response<Pool>, Status> {
+        Err(Status::unimplemented(NO_POOLS))
+    }
+    async fn populate_pool(&self, _: Request<PopulatePoolRequest>) -> Result<Response<Pool>, Status> {
+        Err(Status::unimplemented(NO_POOLS))
+    }
+    async fn free_pool(&self, _: Request<FreePoolRequest>) -> Result<Response<FreePoolResponse>, Status> {
+        Err(Status::unimplemented(NO_POOLS))
+    }
+}
+
+#[cfg(test)]
+#[path = "grpc_tests.rs"]
+mod tests;

@@ -1,0 +1,115 @@
+//! The allocator's own Prometheus metrics, registered on the runtime's registry next to the gRPC
+//! call metrics.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Why a reconcile failed.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabels {
+    /// `apply` (giving a pod its VIF) or `cleanup` (releasing it).
+    pub op: &'static str,
+    /// The error's kind, e.g. `ipam_exhausted`, `api`, `conflict` (see `ClusterError::reason`).
+    pub reason: &'static str,
+}
+
+/// How a WatchVifs stream began.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StartLabels {
+    /// `snapshot`, `resume`, `reset` (a resume point that could not be honoured) or `lagged`.
+    pub start: &'static str,
+}
+
+/// The metrics; cheap to clone (each is a handle to shared state).
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    /// VIFs handed out (recorded and published for a pod that had none).
+    pub allocations: Counter,
+    /// Pods whose addresses were released.
+    pub releases: Counter,
+    /// Failed reconciles, each retried with backoff.
+    pub failures: Family<FailureLabels, Counter>,
+    /// Pod uids waiting for a worker.
+    pub queue_depth: Gauge,
+    /// Pod uids whose last reconcile failed.
+    pub queue_failing: Gauge,
+    /// VIFs held (and streamed).
+    pub vifs: Gauge,
+    /// From a pod first seen scheduled to its VIF published.
+    pub vif_latency: Histogram,
+    /// Open WatchVifs streams.
+    pub subscribers: Gauge,
+    /// WatchVifs streams begun, by how.
+    pub subscriptions: Family<StartLabels, Counter>,
+    /// Times the watcher's stream broke or could not be opened.
+    pub watcher_reconnects: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            allocations: Counter::default(),
+            releases: Counter::default(),
+            failures: Family::default(),
+            queue_depth: Gauge::default(),
+            queue_failing: Gauge::default(),
+            vifs: Gauge::default(),
+            vif_latency: kuryr_runtime::metrics::latency_histogram(),
+            subscribers: Gauge::default(),
+            subscriptions: Family::default(),
+            watcher_reconnects: Counter::default(),
+        }
+    }
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register("kuryr_allocator_allocations", "VIFs handed out", m.allocations.clone());
+        registry.register("kuryr_allocator_releases", "Pods whose addresses were released", m.releases.clone());
+        registry.register(
+            "kuryr_allocator_failures",
+            "Failed reconciles by operation and reason (each retried with backoff)",
+            m.failures.clone(),
+        );
+        registry.register("kuryr_allocator_queue_depth", "Pods waiting for a worker", m.queue_depth.clone());
+        registry.register(
+            "kuryr_allocator_queue_failing",
+            "Pods whose last reconcile failed and is being retried",
+            m.queue_failing.clone(),
+        );
+        registry.register("kuryr_allocator_vifs", "VIFs held and streamed to binders", m.vifs.clone());
+        registry.register(
+            "kuryr_allocator_vif_ready_seconds",
+            "Time from a pod first seen scheduled to its VIF published to its node's stream",
+            m.vif_latency.clone(),
+        );
+        registry.register("kuryr_allocator_watchvifs_subscribers", "Open WatchVifs streams", m.subscribers.clone());
+        registry.register(
+            "kuryr_allocator_watchvifs_subscriptions",
+            "WatchVifs streams begun, by how they began (snapshot, resume, reset, lagged)",
+            m.subscriptions.clone(),
+        );
+        registry.register(
+            "kuryr_allocator_watcher_reconnects",
+            "Times the watcher's Subscribe stream broke or could not be opened",
+            m.watcher_reconnects.clone(),
+        );
+        m
+    }
+
+    /// Counts a failed reconcile.
+    pub fn failed(&self, op: &'static str, reason: &'static str) {
+        self.failures.get_or_create(&FailureLabels { op, reason }).inc();
+    }
+
+    /// Counts a stream start.
+    pub fn started(&self, start: &'static str) {
+        self.subscriptions.get_or_create(&StartLabels { start }).inc();
+    }
+}

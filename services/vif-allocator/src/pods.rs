@@ -1,0 +1,363 @@
+//! The allocator's view of pods and nodes, fed by the watcher's Subscribe stream, and what each
+//! pod should have.
+//!
+//! Free of kube and tonic (it reads the watcher's reduced `Object`s). Keyed by pod uid: a pod
+//! deleted and re-created under the same name is two pods, each with its own VIF. A pod that
+//! disappears stays in the view as a tombstone until its cleanup has run, so the worker knows
+//! its namespace, name and node.
+//!
+//! A snapshot (the first one, or one after RESET) is a re-list: at SNAPSHOT_COMPLETE every pod
+//! and node it did not name is gone, so a deletion missed while disconnected still releases.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use kuryr_proto::watcher::v1::object::Body;
+use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeResponse};
+
+use crate::ipam::store::PodKey;
+
+/// The finalizer the allocator puts on every pod it gives a VIF: the pod cannot disappear before
+/// its address is released.
+pub const FINALIZER: &str = "kuryr.openstack.org/vif";
+
+/// What the allocator reads of a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodInfo {
+    /// Namespace, name, uid.
+    pub key: PodKey,
+    /// spec.nodeName; empty while unscheduled.
+    pub node: String,
+    /// status.phase.
+    pub phase: String,
+    /// metadata.deletionTimestamp is set.
+    pub deleting: bool,
+    /// spec.hostNetwork (the subscription leaves these out; kept for safety).
+    pub host_network: bool,
+    /// Our finalizer is on the pod (as last seen).
+    pub has_finalizer: bool,
+}
+
+/// What a pod should have.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Desired {
+    /// A VIF on this node.
+    Vif {
+        /// spec.nodeName.
+        node: String,
+    },
+    /// No VIF: unscheduled, host network, finished, being deleted, or gone.
+    NoVif,
+}
+
+impl PodInfo {
+    /// Reads a pod object of the watcher; `None` for other kinds.
+    pub fn from_object(o: &Object) -> Option<PodInfo> {
+        let Some(Body::Pod(p)) = &o.body else { return None };
+        Some(PodInfo {
+            key: PodKey::new(&o.namespace, &o.name, &o.uid),
+            node: p.node_name.clone(),
+            phase: p.phase.clone(),
+            deleting: o.deleting,
+            host_network: p.host_network,
+            has_finalizer: p.finalizers.iter().any(|f| f == FINALIZER),
+        })
+    }
+
+    /// What the pod should have while it exists.
+    pub fn desired(&self) -> Desired {
+        let finished = matches!(self.phase.as_str(), "Succeeded" | "Failed");
+        if self.node.is_empty() || self.host_network || self.deleting || finished {
+            Desired::NoVif
+        } else {
+            Desired::Vif { node: self.node.clone() }
+        }
+    }
+}
+
+/// One pod of the view.
+#[derive(Clone, Debug)]
+pub struct PodEntry {
+    /// The pod as last seen.
+    pub info: PodInfo,
+    /// Gone from the API (or from the latest snapshot); removed once cleaned up.
+    pub gone: bool,
+    /// A PodVif may exist for it without our finalizer on the pod (found by recovery):
+    /// cleanup must run in full even if nothing else says so.
+    pub orphan: bool,
+    /// When the pod was first seen scheduled, for the VIF latency metric.
+    pub first_scheduled: Option<Instant>,
+}
+
+impl PodEntry {
+    /// What the pod should have now.
+    pub fn desired(&self) -> Desired {
+        if self.gone { Desired::NoVif } else { self.info.desired() }
+    }
+}
+
+/// What an event changed, for the caller to act on.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Reconcile this pod uid.
+    Pod(String),
+    /// A node's InternalIPs (empty when the Node is gone).
+    NodeIps(String, Vec<String>),
+    /// The stream's snapshot is complete; it is live.
+    Live,
+    /// RESET: a new snapshot follows.
+    Resync,
+}
+
+/// The view.
+#[derive(Debug)]
+pub struct PodView {
+    pods: HashMap<String, PodEntry>,
+    nodes: BTreeMap<String, Vec<String>>,
+    /// While a snapshot is being received: the pod uids and node names it named.
+    resync: Option<(HashSet<String>, HashSet<String>)>,
+}
+
+impl Default for PodView {
+    fn default() -> Self {
+        // The first snapshot is a re-list like any other.
+        Self { pods: HashMap::new(), nodes: BTreeMap::new(), resync: Some(Default::default()) }
+    }
+}
+
+impl PodView {
+    /// The entry of a pod uid.
+    pub fn get(&self, uid: &str) -> Option<&PodEntry> {
+        self.pods.get(uid)
+    }
+
+    /// How many pods (tombstones included) are held.
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// Whether no pod is held.
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+
+    /// Forgets a pod whose cleanup finished, if it is still gone.
+    pub fn forget(&mut self, uid: &str) {
+        if self.pods.get(uid).is_some_and(|e| e.gone) {
+            self.pods.remove(uid);
+        }
+    }
+
+    /// Records that a PodVif exists for `key` on `node` although the pod may not. Returns true
+    /// when the pod is unknown (and so now a tombstone to clean up).
+    pub fn adopt_orphan(&mut self, key: PodKey, node: &str) -> bool {
+        if let Some(e) = self.pods.get_mut(&key.uid) {
+            e.orphan = true;
+            return false;
+        }
+        let info = PodInfo {
+            key: key.clone(),
+            node: node.to_string(),
+            phase: String::new(),
+            deleting: true,
+            host_network: false,
+            has_finalizer: false,
+        };
+        self.pods.insert(key.uid, PodEntry { info, gone: true, orphan: true, first_scheduled: None });
+        true
+    }
+
+    /// Applies one event of the watcher's stream.
+    pub fn apply(&mut self, ev: &SubscribeResponse, now: Instant) -> Vec<Effect> {
+        match ev.r#type() {
+            EventType::Reset => {
+                self.resync = Some(Default::default());
+                vec![Effect::Resync]
+            }
+            EventType::SnapshotComplete => {
+                let mut effects = Vec::new();
+                if let Some((pods, nodes)) = self.resync.take() {
+                    for (uid, e) in &mut self.pods {
+                        if !e.gone && !pods.contains(uid) {
+                            e.gone = true;
+                            effects.push(Effect::Pod(uid.clone()));
+                        }
+                    }
+                    let gone: Vec<String> = self.nodes.keys().filter(|n| !nodes.contains(*n)).cloned().collect();
+                    for n in gone {
+                        self.nodes.remove(&n);
+                        effects.push(Effect::NodeIps(n, Vec::new()));
+                    }
+                }
+                effects.push(Effect::Live);
+                effects
+            }
+            EventType::Applied => ev.object.as_ref().map(|o| self.applied(o, now)).unwrap_or_default(),
+            EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
+            EventType::Unspecified => Vec::new(),
+        }
+    }
+
+    fn applied(&mut self, o: &Object, now: Instant) -> Vec<Effect> {
+        match o.kind() {
+            Kind::Pod => {
+                let Some(info) = PodInfo::from_object(o) else { return Vec::new() };
+                if let Some((pods, _)) = &mut self.resync {
+                    pods.insert(info.key.uid.clone());
+                }
+                let uid = info.key.uid.clone();
+                let scheduled = (!info.node.is_empty()).then_some(now);
+                match self.pods.get_mut(&uid) {
+                    Some(e) if !e.gone && e.info == info => return Vec::new(),
+                    Some(e) => {
+                        e.first_scheduled = e.first_scheduled.or(scheduled);
+                        e.info = info;
+                        e.gone = false;
+                    }
+                    None => {
+                        let entry = PodEntry { info, gone: false, orphan: false, first_scheduled: scheduled };
+                        self.pods.insert(uid.clone(), entry);
+                    }
+                }
+                vec![Effect::Pod(uid)]
+            }
+            Kind::Node => {
+                let Some(Body::Node(n)) = &o.body else { return Vec::new() };
+                if let Some((_, nodes)) = &mut self.resync {
+                    nodes.insert(o.name.clone());
+                }
+                let mut ips = n.internal_ips.clone();
+                ips.sort();
+                if self.nodes.get(&o.name) == Some(&ips) {
+                    return Vec::new();
+                }
+                self.nodes.insert(o.name.clone(), ips.clone());
+                vec![Effect::NodeIps(o.name.clone(), ips)]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn deleted(&mut self, o: &Object) -> Vec<Effect> {
+        match o.kind() {
+            Kind::Pod => {
+                let Some(e) = self.pods.get_mut(&o.uid) else {
+                    return Vec::new();
+                };
+                if let Some(info) = PodInfo::from_object(o) {
+                    e.info = info;
+                }
+                e.gone = true;
+                vec![Effect::Pod(o.uid.clone())]
+            }
+            Kind::Node => match self.nodes.remove(&o.name) {
+                Some(_) => vec![Effect::NodeIps(o.name.clone(), Vec::new())],
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kuryr_proto::watcher::v1::{Node, Pod};
+
+    use super::*;
+
+    fn pod(name: &str, node: &str, phase: &str) -> Object {
+        Object {
+            kind: Kind::Pod as i32,
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            body: Some(Body::Pod(Pod { node_name: node.into(), phase: phase.into(), ..Default::default() })),
+            ..Default::default()
+        }
+    }
+
+    fn node(name: &str, ip: &str) -> Object {
+        Object {
+            kind: Kind::Node as i32,
+            name: name.into(),
+            body: Some(Body::Node(Node { internal_ips: vec![ip.into()], ..Default::default() })),
+            ..Default::default()
+        }
+    }
+
+    fn ev(t: EventType, o: Option<Object>) -> SubscribeResponse {
+        SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: o }
+    }
+
+    #[test]
+    fn what_a_pod_should_have() {
+        let base = PodInfo::from_object(&pod("a", "n1", "Pending")).unwrap();
+        assert_eq!(base.desired(), Desired::Vif { node: "n1".into() });
+        for (change, why) in [
+            (PodInfo { node: String::new(), ..base.clone() }, "unscheduled"),
+            (PodInfo { phase: "Succeeded".into(), ..base.clone() }, "succeeded"),
+            (PodInfo { phase: "Failed".into(), ..base.clone() }, "failed"),
+            (PodInfo { deleting: true, ..base.clone() }, "deleting"),
+            (PodInfo { host_network: true, ..base.clone() }, "host network"),
+        ] {
+            assert_eq!(change.desired(), Desired::NoVif, "{why}");
+        }
+        assert_eq!(PodInfo { phase: "Running".into(), ..base }.desired(), Desired::Vif { node: "n1".into() });
+        let mut with = pod("b", "n1", "");
+        if let Some(Body::Pod(p)) = &mut with.body {
+            p.finalizers = vec!["other".into(), FINALIZER.into()];
+        }
+        assert!(PodInfo::from_object(&with).unwrap().has_finalizer);
+    }
+
+    #[test]
+    fn changes_reconcile_and_snapshots_relist() {
+        let now = Instant::now();
+        let mut v = PodView::default();
+        assert_eq!(
+            v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), now),
+            [Effect::Pod("uid-a".into())]
+        );
+        assert_eq!(v.apply(&ev(EventType::Applied, Some(pod("b", "", "Pending"))), now), [Effect::Pod("uid-b".into())]);
+        assert_eq!(
+            v.apply(&ev(EventType::Applied, Some(node("n1", "192.168.0.1"))), now),
+            [Effect::NodeIps("n1".into(), vec!["192.168.0.1".into()])]
+        );
+        assert_eq!(v.apply(&ev(EventType::SnapshotComplete, None), now), [Effect::Live]);
+        assert!(v.get("uid-a").unwrap().first_scheduled.is_some());
+        assert!(v.get("uid-b").unwrap().first_scheduled.is_none());
+        // The same content again is no work.
+        assert!(v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), now).is_empty());
+        assert_eq!(
+            v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Running"))), now),
+            [Effect::Pod("uid-a".into())]
+        );
+        // Deletion keeps a tombstone until cleanup.
+        assert_eq!(v.apply(&ev(EventType::Deleted, Some(pod("b", "", "Pending"))), now), [Effect::Pod("uid-b".into())]);
+        assert!(v.get("uid-b").unwrap().gone);
+        v.forget("uid-b");
+        v.forget("uid-a");
+        assert!(v.get("uid-b").is_none());
+        assert!(v.get("uid-a").is_some(), "only tombstones are forgotten");
+
+        // RESET + a snapshot that no longer names a nor n1: both are gone.
+        assert_eq!(v.apply(&ev(EventType::Reset, None), now), [Effect::Resync]);
+        v.apply(&ev(EventType::Applied, Some(pod("c", "n2", "Pending"))), now);
+        let effects = v.apply(&ev(EventType::SnapshotComplete, None), now);
+        assert_eq!(effects, [Effect::Pod("uid-a".into()), Effect::NodeIps("n1".into(), Vec::new()), Effect::Live]);
+        assert_eq!(v.get("uid-a").unwrap().desired(), Desired::NoVif);
+    }
+
+    #[test]
+    fn orphans_from_recovery() {
+        let mut v = PodView::default();
+        v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), Instant::now());
+        assert!(!v.adopt_orphan(PodKey::new("ns", "a", "uid-a"), "n1"), "a exists");
+        assert!(v.adopt_orphan(PodKey::new("ns", "old", "uid-old"), "n1"));
+        let e = v.get("uid-old").unwrap();
+        assert!(e.gone && e.orphan && e.desired() == Desired::NoVif);
+        assert_eq!(e.info.node, "n1");
+    }
+}

@@ -1,0 +1,691 @@
+//! kuryr-vif-allocator as users run it: its own process under the `kuryr-vif-allocator`
+//! ServiceAccount with exactly the rights of `deploy/rbac/vif-allocator.yaml`, fed by a real
+//! kuryr-watcher (under its own account), against a real kube-apiserver with the CRDs of
+//! `deploy/crds/`. A tonic WatchVifs client plays the binder.
+//!
+//! 1. The life of a pod: finalizer, PodVif, address in its node's block, VIF_APPLIED on its
+//!    node's stream with the other node's routes, READY after ReportPlugged, and on deletion
+//!    VIF_DELETED, address released, PodVif gone, finalizer removed, pod gone; a finished pod
+//!    loses its VIF; kill -9 and restart: the same VIFs without re-allocation, and pods created
+//!    or deleted meanwhile are handled once it is back.
+//! 2. Two allocators against the same API while 100 pods are created at once: no address twice.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec, Secret};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_proto::allocator::v1::{
+    GetVifRequest, NodeRoutes, ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
+};
+use kuryr_proto::service_names::VIF_ALLOCATOR;
+use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root};
+use kuryr_vif_allocator::crd::{self, AddressBlock, PodNetwork, PodVif, PodVifSpec, VifState as CrdState};
+use serde_json::json;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+/// Bound on one expected change; a healthy allocator delivers in milliseconds.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Bound on becoming SERVING and on bulk phases.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(60);
+const FINALIZER: &str = "kuryr.openstack.org/vif";
+const NETWORK: &str = "pods";
+
+/// The API server with the CRDs and both services' accounts and rights.
+struct Cluster {
+    /// Kept for its lifetime: dropping it stops the API server.
+    _env: KubeEnv,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    allocator_kubeconfig: PathBuf,
+}
+
+async fn cluster(ns: &str) -> Cluster {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let pp = PostParams::default();
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for n in ["kuryr-system", ns] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        namespaces.create(&pp, &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
+    }
+    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/vif-allocator.yaml")).await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    for (_, c) in crd::crds() {
+        let name = c.metadata.name.unwrap();
+        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
+            let c = crds.get(&name).await?;
+            let established = c
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            anyhow::ensure!(established, "not yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
+    let allocator_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-vif-allocator").await.unwrap();
+    let nodes: Api<Node> = Api::all(admin.clone());
+    for (n, ip) in [("n1", "192.168.0.1"), ("n2", "192.168.0.2")] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        nodes.create(&pp, &Node { metadata: meta, ..Default::default() }).await.unwrap();
+        let status = json!({"status": {"addresses": [{"type": "InternalIP", "address": ip}]}});
+        nodes.patch_status(n, &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
+    }
+    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, allocator_kubeconfig }
+}
+
+/// A service process with its gRPC and metrics addresses.
+struct Svc {
+    proc: ServiceProcess,
+    addr: String,
+    metrics_url: String,
+}
+
+/// Starts `bin` listening on `addr` (a free port when `None`).
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, addr: Option<&str>) -> Svc {
+    let mport = free_port().unwrap();
+    let addr = addr.map_or_else(|| format!("127.0.0.1:{}", free_port().unwrap()), str::to_string);
+    args.extend([
+        "--listen".into(),
+        addr.clone(),
+        "--metrics-listen".into(),
+        format!("127.0.0.1:{mport}"),
+        "--shutdown-grace".into(),
+        "3s".into(),
+    ]);
+    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+}
+
+impl Cluster {
+    /// A watcher on `addr` (a free port when `None`).
+    fn watcher(&self, addr: Option<&str>) -> Svc {
+        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
+        spawn("kuryr-watcher", args, self.dir.path(), addr)
+    }
+
+    fn allocator(&self, watcher: &Svc, instance: &str) -> Svc {
+        let args = [
+            "--kubeconfig",
+            &self.allocator_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--network",
+            NETWORK,
+            "--network-cidrs",
+            "10.244.0.0/16",
+            "--ipv4-block-prefix",
+            "26",
+            "--instance",
+            instance,
+            "--log",
+            "info,kuryr_vif_allocator=debug",
+        ];
+        spawn("kuryr-vif-allocator", args.iter().map(ToString::to_string).collect(), self.dir.path(), None)
+    }
+
+    fn pods(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.admin.clone(), ns)
+    }
+
+    /// Every allocation in the network's blocks, address → pod uid; fails on any duplicate.
+    async fn recorded(&self) -> BTreeMap<IpAddr, String> {
+        let blocks = Api::<AddressBlock>::all(self.admin.clone()).list(&ListParams::default()).await.unwrap();
+        let mut by_ip = BTreeMap::new();
+        let mut uids = BTreeSet::new();
+        for b in blocks.items.into_iter().filter(|b| b.spec.network == NETWORK) {
+            let status = b.status.unwrap_or_default();
+            assert_eq!(status.used as usize, status.allocations.len(), "used is off in {}", b.spec.cidr);
+            for (ip, holder) in status.allocations {
+                assert!(uids.insert(holder.uid.clone()), "{} holds two addresses", holder.uid);
+                assert!(by_ip.insert(ip.parse().unwrap(), holder.uid).is_none(), "{ip} recorded twice");
+            }
+        }
+        by_ip
+    }
+
+    /// The network's blocks by node.
+    async fn blocks(&self) -> BTreeMap<String, Vec<String>> {
+        let blocks = Api::<AddressBlock>::all(self.admin.clone()).list(&ListParams::default()).await.unwrap();
+        let mut by_node: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for b in blocks.items.into_iter().filter(|b| b.spec.network == NETWORK) {
+            by_node.entry(b.spec.node).or_default().push(b.spec.cidr);
+        }
+        by_node.values_mut().for_each(|v| v.sort());
+        by_node
+    }
+}
+
+impl Svc {
+    fn client(&self) -> VifAllocatorClient<Channel> {
+        VifAllocatorClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    }
+
+    async fn wait_serving(&self, service: &str) {
+        wait_until(&format!("{service} SERVING"), PHASE_TIMEOUT, || async {
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, service).await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+    }
+
+    async fn metrics(&self) -> String {
+        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
+        assert!(out.status.success(), "GET {} failed", self.metrics_url);
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    async fn watch(&self, node: &str, resume_from: &str) -> NodeStream {
+        let req = WatchVifsRequest {
+            node_name: node.into(),
+            resume_from: resume_from.into(),
+            binder_id: format!("test/{node}"),
+        };
+        let stream = self
+            .client()
+            .watch_vifs(req)
+            .await
+            .unwrap_or_else(|s| panic!("WatchVifs({node}): {s}\n{}", self.proc.logs()))
+            .into_inner();
+        NodeStream {
+            stream,
+            vifs: BTreeMap::new(),
+            routes: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            resets: 0,
+            live: false,
+            last: String::new(),
+        }
+    }
+}
+
+/// How a stream stopped delivering.
+#[derive(Debug)]
+enum End {
+    /// It ended cleanly.
+    Ended,
+    /// It failed with a status (or a broken connection).
+    Failed(tonic::Status),
+    /// Nothing arrived within [`EVENT_TIMEOUT`].
+    Silent,
+}
+
+/// A node's stream, applied the way the binder applies it.
+struct NodeStream {
+    stream: Streaming<WatchVifsResponse>,
+    /// By pod name.
+    vifs: BTreeMap<String, Vif>,
+    routes: BTreeMap<String, NodeRoutes>,
+    /// Pod names whose VIF was deleted.
+    deleted: BTreeSet<String>,
+    resets: usize,
+    live: bool,
+    last: String,
+}
+
+impl NodeStream {
+    async fn next(&mut self) -> Result<WatchVifsResponse, End> {
+        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+            Ok(Ok(Some(ev))) => ev,
+            Ok(Ok(None)) => return Err(End::Ended),
+            Ok(Err(s)) => return Err(End::Failed(s)),
+            Err(_) => return Err(End::Silent),
+        };
+        self.last.clone_from(&ev.resume_point);
+        let name =
+            |v: &Option<Vif>| v.as_ref().and_then(|v| v.pod.as_ref()).map(|p| p.name.clone()).unwrap_or_default();
+        match ev.r#type() {
+            VifEventType::Reset => {
+                self.resets += 1;
+                self.live = false;
+                self.vifs.clear();
+                self.routes.clear();
+            }
+            VifEventType::SnapshotComplete => self.live = true,
+            VifEventType::VifApplied => {
+                self.deleted.remove(&name(&ev.vif));
+                self.vifs.insert(name(&ev.vif), ev.vif.clone().unwrap());
+            }
+            VifEventType::VifDeleted => {
+                self.vifs.remove(&name(&ev.vif));
+                self.deleted.insert(name(&ev.vif));
+            }
+            VifEventType::NodeRoutesApplied => {
+                let r = ev.node_routes.clone().unwrap();
+                self.routes.insert(r.node_name.clone(), r);
+            }
+            VifEventType::NodeRoutesDeleted => {
+                self.routes.remove(&ev.node_routes.as_ref().unwrap().node_name);
+            }
+            VifEventType::Unspecified => panic!("unspecified event {ev:?}"),
+        }
+        Ok(ev)
+    }
+
+    /// Reads events until the stream ends (or fails); panics when it stays open.
+    async fn end(&mut self) -> End {
+        loop {
+            match self.next().await {
+                Ok(_) => {}
+                Err(End::Silent) => panic!("the stream stayed open, silent"),
+                Err(e) => return e,
+            }
+        }
+    }
+
+    /// Reads events until `pred` holds.
+    async fn until(&mut self, what: &str, pred: impl Fn(&NodeStream) -> bool) {
+        while !pred(self) {
+            if let Err(e) = self.next().await {
+                panic!(
+                    "waiting for {what}: {e:?}; have vifs {:?}, routes {:?}, deleted {:?}",
+                    self.vifs.keys().collect::<Vec<_>>(),
+                    self.routes,
+                    self.deleted
+                );
+            }
+        }
+    }
+
+    fn vif(&self, pod: &str) -> &Vif {
+        self.vifs.get(pod).unwrap_or_else(|| panic!("no VIF for {pod}"))
+    }
+}
+
+fn pod(name: &str, node: Option<&str>, host_network: bool) -> Pod {
+    Pod {
+        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+        spec: Some(PodSpec {
+            node_name: node.map(Into::into),
+            host_network: Some(host_network),
+            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Default::default() }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn ipv4(v: &Vif) -> (IpAddr, &str) {
+    let c = &v.ips[0];
+    (c.address.split('/').next().unwrap().parse().unwrap(), c.gateway.as_str())
+}
+
+fn in_cidr(ip: IpAddr, cidr: &str) -> bool {
+    let (net, len) = cidr.split_once('/').unwrap();
+    let (IpAddr::V4(ip), IpAddr::V4(net)) = (ip, net.parse::<IpAddr>().unwrap()) else { return false };
+    let mask = u32::MAX << (32 - len.parse::<u32>().unwrap());
+    u32::from(ip) & mask == u32::from(net)
+}
+
+async fn uid(pods: &Api<Pod>, name: &str) -> String {
+    pods.get(name).await.unwrap().metadata.uid.unwrap()
+}
+
+#[tokio::test]
+async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
+    let ns = "alloc";
+    let c = cluster(ns).await;
+    let pods = c.pods(ns);
+    let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
+    let pp = PostParams::default();
+    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+
+    let watcher = c.watcher(None);
+    let mut alloc = c.allocator(&watcher, "a1");
+    alloc.wait_serving(VIF_ALLOCATOR).await;
+    // --network-cidrs created the network.
+    let net = Api::<PodNetwork>::all(c.admin.clone()).get(NETWORK).await.unwrap();
+    assert_eq!((net.spec.cidrs.as_slice(), net.spec.ipv4_block_prefix), (&["10.244.0.0/16".to_string()][..], 26));
+
+    // Its account edits pods' finalizers and nothing else: no listing pods, no secrets.
+    let sa = client_from_kubeconfig(&c.allocator_kubeconfig).await.unwrap();
+    let forbidden = |r: Result<(), kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
+    assert!(forbidden(Api::<Pod>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
+    assert!(forbidden(Api::<Pod>::namespaced(sa.clone(), ns).create(&pp, &pod("nope", None, false)).await.map(drop)));
+    assert!(forbidden(Api::<Secret>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
+    assert!(forbidden(Api::<Node>::all(sa).list(&ListParams::default()).await.map(drop)));
+
+    // Pods on both nodes, one on the host network, one unscheduled.
+    for (name, node, hostnet) in [
+        ("p1", Some("n1"), false),
+        ("p2", Some("n1"), false),
+        ("q1", Some("n2"), false),
+        ("h1", Some("n1"), true),
+        ("u1", None, false),
+    ] {
+        pods.create(&pp, &pod(name, node, hostnet)).await.unwrap();
+    }
+    let mut n1 = alloc.watch("n1", "").await;
+    n1.until("p1, p2 and n2's routes", |s| {
+        s.live && s.vifs.contains_key("p1") && s.vifs.contains_key("p2") && s.routes.contains_key("n2")
+    })
+    .await;
+    let blocks = c.blocks().await;
+    assert_eq!(blocks.keys().collect::<Vec<_>>(), ["n1", "n2"], "{blocks:?}");
+    let n1_block = &blocks["n1"][0];
+    let (a1, gw1) = ipv4(n1.vif("p1"));
+    let (a2, gw2) = ipv4(n1.vif("p2"));
+    assert_ne!(a1, a2);
+    for a in [a1, a2] {
+        assert!(in_cidr(a, n1_block), "{a} is not in n1's block {n1_block}");
+    }
+    // The gateway is the block's first usable address.
+    let net: std::net::Ipv4Addr = n1_block.split_once('/').unwrap().0.parse().unwrap();
+    let gateway = std::net::Ipv4Addr::from(u32::from(net) + 1).to_string();
+    assert_eq!((gw1, gw2), (gateway.as_str(), gateway.as_str()));
+    let v1 = n1.vif("p1").clone();
+    assert_eq!(
+        (v1.state(), v1.mtu, v1.backend.as_str(), v1.network_id.as_str()),
+        (VifState::Allocated, 1500, "embedded", NETWORK)
+    );
+    assert_eq!(v1.binding.as_ref().unwrap().bridge, "kuryr0");
+    assert!(v1.mac.starts_with("0a:58:"), "{}", v1.mac);
+    assert_eq!(v1.pod.as_ref().unwrap().uid, uid(&pods, "p1").await);
+    let r2 = &n1.routes["n2"];
+    assert_eq!(
+        (r2.node_ips.as_slice(), r2.cidrs.as_slice()),
+        (&["192.168.0.2".to_string()][..], blocks["n2"].as_slice())
+    );
+    assert!(!n1.routes.contains_key("n1"), "a node is not sent its own routes");
+
+    // Recorded: finalizer on the pod, PodVif owned by the pod with the VIF in its status.
+    let p1 = pods.get("p1").await.unwrap();
+    assert!(p1.metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER));
+    let pv = pod_vifs.get("p1").await.unwrap();
+    assert_eq!(
+        (pv.spec.pod_uid.as_str(), pv.spec.node_name.as_str(), pv.spec.network.as_str()),
+        (v1.pod.as_ref().unwrap().uid.as_str(), "n1", NETWORK)
+    );
+    assert_eq!(pv.metadata.owner_references.unwrap()[0].uid, pv.spec.pod_uid);
+    let st = pv.status.unwrap();
+    assert_eq!(st.state, Some(CrdState::Allocated));
+    assert_eq!(st.vif.as_ref().unwrap().vif_id, v1.vif_id);
+    assert_eq!(st.vif.unwrap().ips[0].address, v1.ips[0].address);
+    // Host-network and unscheduled pods get nothing.
+    for name in ["h1", "u1"] {
+        assert!(pod_vifs.get_opt(name).await.unwrap().is_none(), "{name} got a PodVif");
+        assert!(pods.get(name).await.unwrap().metadata.finalizers.is_none(), "{name} got a finalizer");
+    }
+
+    // A PodVif left by an earlier pod of the same name (its cleanup never ran): the new pod's
+    // allocation fails, which its users see as an Event, until the stale PodVif is cleaned up.
+    let stale = PodVif::new(
+        "stale",
+        PodVifSpec {
+            pod_uid: "earlier-uid".into(),
+            pod_name: "stale".into(),
+            node_name: "n1".into(),
+            network: NETWORK.into(),
+        },
+    );
+    pod_vifs.create(&pp, &stale).await.unwrap();
+    pods.create(&pp, &pod("stale", Some("n1"), false)).await.unwrap();
+    n1.until("the VIF of the pod named like a stale PodVif", |s| s.vifs.contains_key("stale")).await;
+    assert_eq!(pod_vifs.get("stale").await.unwrap().spec.pod_uid, uid(&pods, "stale").await);
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.admin.clone(), ns);
+    let events = events.list(&ListParams::default()).await.unwrap().items;
+    let warned = events.iter().find(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stale"));
+    let warned = warned.unwrap_or_else(|| panic!("no Event about pod stale: {events:#?}"));
+    assert_eq!((warned.reason.as_deref(), warned.type_.as_deref()), (Some("VifAllocationFailed"), Some("Warning")));
+    assert!(warned.note.as_deref().unwrap_or_default().contains("earlier pod"), "{warned:?}");
+    assert_eq!(warned.reporting_controller.as_deref(), Some("kuryr-vif-allocator"));
+
+    // ReportPlugged: checked, recorded, streamed.
+    let mut client = alloc.client();
+    let report = |uid: &str, vif_id: &str, plugged: bool| ReportPluggedRequest {
+        pod_uid: uid.into(),
+        vif_id: vif_id.into(),
+        node_name: "n1".into(),
+        plugged,
+        host_ifname: "veth0".into(),
+    };
+    let p1_uid = v1.pod.as_ref().unwrap().uid.clone();
+    let err = client.report_plugged(report("no-such-uid", &v1.vif_id, true)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+    let err = client.report_plugged(report(&p1_uid, "pods/10.0.0.1", true)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    let resp = client.report_plugged(report(&p1_uid, &v1.vif_id, true)).await.unwrap().into_inner();
+    assert_eq!(resp.vif.unwrap().state(), VifState::Ready);
+    n1.until("p1 READY", |s| s.vif("p1").state() == VifState::Ready).await;
+    assert_eq!(pod_vifs.get("p1").await.unwrap().status.unwrap().state, Some(CrdState::Ready));
+    let got = client.get_vif(GetVifRequest { pod_uid: p1_uid.clone() }).await.unwrap().into_inner();
+    assert_eq!((got.state(), got.vif_id.as_str()), (VifState::Ready, v1.vif_id.as_str()));
+
+    // Deleting a pod: VIF_DELETED, address released, PodVif gone, finalizer off, pod gone.
+    let p2_uid = uid(&pods, "p2").await;
+    pods.delete("p2", &grace0).await.unwrap();
+    n1.until("p2 deleted", |s| s.deleted.contains("p2")).await;
+    wait_until("p2 gone from the API", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(pods.get_opt("p2").await?.is_none(), "still there");
+        anyhow::ensure!(pod_vifs.get_opt("p2").await?.is_none(), "PodVif still there");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let recorded = c.recorded().await;
+    assert!(!recorded.values().any(|u| *u == p2_uid), "p2's address was not released: {recorded:?}");
+    assert_eq!(recorded.get(&a1), Some(&p1_uid));
+
+    // A finished pod loses its VIF and the finalizer, and stays.
+    pods.create(&pp, &pod("done", Some("n1"), false)).await.unwrap();
+    n1.until("done's VIF", |s| s.vifs.contains_key("done")).await;
+    pods.patch_status("done", &PatchParams::default(), &Patch::Merge(json!({"status": {"phase": "Succeeded"}})))
+        .await
+        .unwrap();
+    n1.until("done deleted", |s| s.deleted.contains("done")).await;
+    wait_until("done's finalizer removed", EVENT_TIMEOUT, || async {
+        let p = pods.get("done").await?;
+        anyhow::ensure!(p.metadata.finalizers.unwrap_or_default().is_empty(), "finalizers left");
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    let m = alloc.metrics().await;
+    for line in [
+        "kuryr_allocator_allocations_total 5",
+        "kuryr_allocator_watchvifs_subscribers 1",
+        "kuryr_allocator_vif_ready_seconds_count 5",
+    ] {
+        assert!(m.contains(line), "metrics lack `{line}`:\n{m}");
+    }
+
+    // kill -9. Meanwhile a pod is created on n1 and q1 is deleted: its finalizer holds it.
+    let before = c.recorded().await;
+    let last = n1.last.clone();
+    alloc.proc.kill().await.unwrap();
+    assert!(matches!(n1.end().await, End::Failed(_)), "the stream outlived the allocator");
+    pods.create(&pp, &pod("p3", Some("n1"), false)).await.unwrap();
+    let q1_uid = uid(&pods, "q1").await;
+    pods.delete("q1", &grace0).await.unwrap();
+    assert!(pods.get("q1").await.unwrap().metadata.deletion_timestamp.is_some(), "the finalizer should hold q1");
+
+    let alloc = c.allocator(&watcher, "a1");
+    // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot holding
+    // the recorded VIFs at once (recovery), READY state included, then p3's new VIF.
+    let mut n1 = wait_until("WatchVifs after the restart", PHASE_TIMEOUT, || async {
+        let req = WatchVifsRequest { node_name: "n1".into(), resume_from: last.clone(), binder_id: "test/n1".into() };
+        Ok(alloc.client().watch_vifs(req).await?.into_inner())
+    })
+    .await
+    .map(|stream| NodeStream {
+        stream,
+        vifs: BTreeMap::new(),
+        routes: BTreeMap::new(),
+        deleted: BTreeSet::new(),
+        resets: 0,
+        live: false,
+        last: String::new(),
+    })
+    .unwrap();
+    n1.until("the snapshot", |s| s.live).await;
+    assert_eq!(n1.resets, 1, "a restarted allocator must RESET a binder resuming from its old epoch");
+    let v1_again = n1.vif("p1");
+    assert_eq!((v1_again.vif_id.as_str(), v1_again.state()), (v1.vif_id.as_str(), VifState::Ready));
+    assert_eq!(v1_again.ips, v1.ips, "p1 was re-allocated");
+    // Routes need the watcher's nodes and the blocks: they follow as soon as both are in.
+    n1.until("n2's routes", |s| s.routes.get("n2").is_some_and(|r| r.cidrs == blocks["n2"])).await;
+    n1.until("p3's VIF", |s| s.vifs.contains_key("p3")).await;
+    alloc.wait_serving(VIF_ALLOCATOR).await;
+    // q1, deleted while no allocator ran, is released and goes.
+    wait_until("q1 released and gone", PHASE_TIMEOUT, || async {
+        anyhow::ensure!(pods.get_opt("q1").await?.is_none(), "q1 still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    let after = c.recorded().await;
+    assert!(!after.values().any(|u| *u == q1_uid), "q1's address was not released: {after:?}");
+    // Nothing recorded before the crash was re-allocated.
+    for (ip, holder) in before.iter().filter(|(_, u)| **u != q1_uid) {
+        assert_eq!(after.get(ip), Some(holder), "{ip} changed hands over the restart");
+    }
+    assert_eq!(after.len(), 3, "p1, stale and p3: {after:?}");
+    assert!(!n1.vifs.contains_key("h1") && !n1.deleted.contains("h1"), "the host-network pod got a VIF");
+
+    // Losing the watcher: NOT_SERVING (streams go on); it comes back as a new epoch, so the
+    // allocator re-lists from its RESET snapshot, and a pod created meanwhile gets its VIF.
+    let mut watcher = watcher;
+    watcher.proc.kill().await.unwrap();
+    wait_until("allocator NOT_SERVING without its watcher", EVENT_TIMEOUT, || async {
+        let h = kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&alloc.addr)?, VIF_ALLOCATOR).await;
+        anyhow::ensure!(h.as_ref().is_err_and(|e| e.to_string().contains("NOT_SERVING")), "{h:?}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    pods.create(&pp, &pod("p4", Some("n1"), false)).await.unwrap();
+    let watcher = c.watcher(Some(&watcher.addr));
+    alloc.wait_serving(VIF_ALLOCATOR).await;
+    n1.until("p4's VIF", |s| s.vifs.contains_key("p4")).await;
+    assert_eq!(n1.vif("p1").ips, v1.ips);
+    assert!(alloc.proc.logs().contains("RESET"), "the allocator did not re-list:\n{}", alloc.proc.logs());
+    drop(watcher);
+
+    // SIGTERM ends open streams with UNAVAILABLE, promptly.
+    let mut alloc = alloc;
+    let took = alloc.proc.terminate(Duration::from_secs(10)).await.unwrap();
+    assert!(took < Duration::from_secs(5), "took {took:?} to stop");
+    match n1.end().await {
+        End::Failed(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
+        other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn two_allocators_never_hand_out_an_address_twice() {
+    const PODS: usize = 100;
+    const ON_N1: usize = 30;
+    let ns = "race";
+    let c = cluster(ns).await;
+    let pods = c.pods(ns);
+    let watcher = c.watcher(None);
+    let a = c.allocator(&watcher, "a");
+    let b = c.allocator(&watcher, "b");
+    a.wait_serving(VIF_ALLOCATOR).await;
+    b.wait_serving(VIF_ALLOCATOR).await;
+
+    let node = |i: usize| if i < ON_N1 { "n1" } else { "n2" };
+    let started = Instant::now();
+    let created = join_all((0..PODS).map(|i| {
+        let pods = pods.clone();
+        async move { pods.create(&PostParams::default(), &pod(&format!("pod-{i}"), Some(node(i)), false)).await }
+    }))
+    .await;
+    let uids: HashMap<String, usize> =
+        created.into_iter().enumerate().map(|(i, p)| (p.unwrap().metadata.uid.unwrap(), i)).collect();
+
+    // Every pod gets a recorded VIF.
+    let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
+    let statuses = wait_until("100 PodVifs with a VIF", PHASE_TIMEOUT, || async {
+        let list = pod_vifs.list(&ListParams::default()).await?;
+        let done: Vec<PodVif> =
+            list.items.into_iter().filter(|p| p.status.as_ref().is_some_and(|s| s.vif.is_some())).collect();
+        anyhow::ensure!(done.len() == PODS, "{} of {PODS}", done.len());
+        Ok(done)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\nallocator a:\n{}\nallocator b:\n{}", a.proc.logs(), b.proc.logs()));
+    let took = started.elapsed();
+
+    // Distinct addresses, each in a block of the pod's node, exactly what the blocks record.
+    let blocks = c.blocks().await;
+    let recorded = c.recorded().await;
+    let mut by_pod = HashMap::new();
+    for pv in &statuses {
+        let vif = pv.status.as_ref().unwrap().vif.as_ref().unwrap();
+        let ip: IpAddr = vif.ips[0].address.split('/').next().unwrap().parse().unwrap();
+        let i = uids[&pv.spec.pod_uid];
+        assert!(blocks[node(i)].iter().any(|b| in_cidr(ip, b)), "{ip} of pod-{i} is not in a block of {}", node(i));
+        assert!(by_pod.insert(ip, pv.spec.pod_uid.clone()).is_none(), "{ip} handed out twice");
+    }
+    let by_pod: BTreeMap<IpAddr, String> = by_pod.into_iter().collect();
+    assert_eq!(recorded, by_pod, "the blocks record other allocations than the PodVifs");
+    // 70 pods on n2 need two /26 blocks.
+    assert_eq!((blocks["n1"].len(), blocks["n2"].len()), (1, 2), "{blocks:?}");
+    let mut failures = Vec::new();
+    for svc in [&a, &b] {
+        let m = svc.metrics().await;
+        failures.extend(
+            m.lines()
+                .filter(|l| {
+                    l.starts_with("kuryr_allocator_failures_total")
+                        || l.starts_with("kuryr_allocator_allocations_total")
+                })
+                .map(String::from),
+        );
+    }
+    eprintln!("{PODS} pods by two allocators in {took:?}; {failures:#?}");
+
+    // Both replicas stream the same VIFs, and n2's routes carry both of its blocks.
+    for svc in [&a, &b] {
+        let mut s = svc.watch("n1", "").await;
+        s.until("n1's 30 VIFs and n2's two blocks", |s| {
+            s.vifs.len() == ON_N1 && s.routes.get("n2").is_some_and(|r| r.cidrs.len() == 2)
+        })
+        .await;
+        for v in s.vifs.values() {
+            let (ip, _) = ipv4(v);
+            assert_eq!(recorded.get(&ip), Some(&v.pod.as_ref().unwrap().uid));
+        }
+        assert_eq!(s.routes["n2"].cidrs, blocks["n2"]);
+    }
+
+    // Deleting them all releases everything, and every pod goes.
+    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    for r in join_all((0..PODS).map(|i| {
+        let (pods, grace0) = (pods.clone(), grace0.clone());
+        async move { pods.delete(&format!("pod-{i}"), &grace0).await }
+    }))
+    .await
+    {
+        r.unwrap();
+    }
+    wait_until("every pod gone and every address free", PHASE_TIMEOUT, || async {
+        let left = pods.list(&ListParams::default()).await?.items.len();
+        anyhow::ensure!(left == 0, "{left} pods left");
+        let held = c.recorded().await.len();
+        anyhow::ensure!(held == 0, "{held} addresses held");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\nallocator a:\n{}", a.proc.logs()));
+}

@@ -45,3 +45,17 @@ bench: tools
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
+
+.PHONY: lab lab-down
+
+## lab: build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this
+## machine (real API server, containerd nodes in network namespaces); stays up until `make lab-down`
+lab:
+	$(CARGO) build --release --workspace --bins
+	KURYR_BIN_DIR=$(CURDIR)/target/release ./target/release/kuryr-lab up
+
+## lab-down: stop the lab started by `make lab` and wait until it is gone (also cleans up after a
+## lab that crashed)
+lab-down:
+	@test -x target/release/kuryr-lab || $(CARGO) build --release -p kuryr-tests --bin kuryr-lab
+	./target/release/kuryr-lab down

@@ -8,6 +8,8 @@
 //! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
 //! - [`binder`]: a kuryr-binder process in a node network namespace.
 //! - [`node`]: a test node: containerd + kuryr-cni + kuryr-binder in one network namespace.
+//! - [`cluster`]: a whole embedded-backend cluster: API server, watcher, allocator, an underlay
+//!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
@@ -15,8 +17,10 @@
 //! brought up by hand from the command line; the Rust side owns the lifetime (stopped on drop).
 
 pub mod binder;
+pub mod cluster;
 pub mod cri;
 pub mod kube;
+pub mod kubelet;
 pub mod netns;
 pub mod node;
 pub mod services;

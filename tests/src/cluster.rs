@@ -1,0 +1,545 @@
+//! A whole cluster of the embedded backend on one machine, as a user would deploy it, for the
+//! end-to-end tests and `kuryr-lab`:
+//!
+//! - the real Kubernetes API ([`KubeEnv`]) with the namespace `kuryr-system`, the CRDs of
+//!   `deploy/crds/` (waited for until Established) and the RBAC of `deploy/rbac/`;
+//! - `kuryr-watcher` and `kuryr-vif-allocator` as host processes, each authenticated as its own
+//!   ServiceAccount (so RBAC is exercised exactly as deployed), listening on 127.0.0.1 TCP and on
+//!   unix sockets in the cluster's directory;
+//! - an underlay ([`underlay`]): a private network namespace with a bridge that every node's
+//!   namespace is plugged into — the network between the nodes;
+//! - N nodes, each a [`Node`] (containerd in the node's own network namespace, `kuryr-cni`
+//!   installed with its conflist, `kuryr-binder` in that namespace following the allocator over
+//!   its unix socket), registered as a Node object (InternalIP = its underlay addresses, Ready)
+//!   and run by a [`Kubelet`].
+//!
+//! [`Cluster::shutdown`] stops everything by pid in dependency order and deletes every network
+//! namespace and link it made; dropping a cluster does the same, best effort. What the cluster
+//! made on the host is also written down as it goes ([`Manifest`]), so that another process can
+//! remove it after this one died.
+
+mod manifest;
+pub mod preflight;
+pub mod reach;
+mod register;
+mod underlay;
+
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kube::api::{Api, PostParams};
+use kuryr_proto::service_names;
+use kuryr_vif_allocator::crd::{PodNetwork, PodNetworkSpec};
+
+pub use manifest::{Manifest, NodeRecord, ProcessRecord};
+pub use underlay::NODE_IFNAME;
+
+use crate::cri::{Containerd, ContainerdOptions};
+use crate::kube::KubeEnv;
+use crate::kubelet::{Kubelet, KubeletOptions};
+use crate::node::Node;
+use crate::services::{ServiceProcess, bin_path, wait_until};
+use crate::util::{free_port, repo_root};
+use register::register_node;
+use underlay::Underlay;
+
+/// The namespace of Kuryr's own objects and ServiceAccounts.
+pub const SYSTEM_NAMESPACE: &str = "kuryr-system";
+/// The watcher's ServiceAccount (`deploy/rbac/watcher.yaml`).
+pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
+/// The allocator's ServiceAccount (`deploy/rbac/vif-allocator.yaml`).
+pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
+/// Bound on a service turning SERVING after start.
+const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a service gets to drain after SIGTERM.
+const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Called after each start-up step (from several tasks at once while nodes start in parallel).
+pub type ProgressFn = Arc<dyn Fn(&Step<'_>) + Send + Sync>;
+
+/// One finished start-up step.
+#[derive(Debug)]
+pub struct Step<'a> {
+    /// What is now up, e.g. "node-1: containerd".
+    pub what: &'a str,
+    /// How long the step took.
+    pub took: Duration,
+    /// Since [`Cluster::start`] began.
+    pub elapsed: Duration,
+    /// Everything created so far.
+    pub manifest: &'a Manifest,
+}
+
+/// How to build a cluster.
+#[derive(Clone)]
+pub struct ClusterOptions {
+    /// Nodes to run, named `<node_prefix>-1`, `-2`, ...
+    pub nodes: usize,
+    /// Node name prefix.
+    pub node_prefix: String,
+    /// The PodNetwork the allocator serves (its `--network`).
+    pub network: String,
+    /// The PodNetwork's CIDRs (one IPv4 and optionally one IPv6); created before the allocator
+    /// starts, and passed as `--network-cidrs` too.
+    pub network_cidrs: Vec<String>,
+    /// The underlay subnets are `172.30.<id>.0/24` and `fd00:172:30:<id>::/64`.
+    pub underlay_id: u8,
+    /// Run a [`Kubelet`] per node.
+    pub kubelet: bool,
+    /// Let the kubelets run the pods' containers too (see [`KubeletOptions::containers`]).
+    pub run_containers: bool,
+    /// `--log` of the services.
+    pub service_log: String,
+    /// Start-up progress reports.
+    pub progress: Option<ProgressFn>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            nodes: 2,
+            node_prefix: "node".into(),
+            network: "default".into(),
+            network_cidrs: vec!["10.244.0.0/16".into(), "fd00:10:244::/56".into()],
+            underlay_id: u8::try_from(std::process::id() % 200 + 20).unwrap_or(20),
+            kubelet: true,
+            run_containers: false,
+            service_log: "info".into(),
+            progress: None,
+        }
+    }
+}
+
+impl fmt::Debug for ClusterOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterOptions")
+            .field("nodes", &self.nodes)
+            .field("network", &self.network)
+            .field("network_cidrs", &self.network_cidrs)
+            .field("underlay_id", &self.underlay_id)
+            .field("kubelet", &self.kubelet)
+            .field("run_containers", &self.run_containers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A service process with its addresses.
+#[derive(Debug)]
+pub struct Service {
+    /// `127.0.0.1:<port>`.
+    pub tcp: String,
+    /// Its unix socket.
+    pub socket: PathBuf,
+    /// `127.0.0.1:<port>` of /metrics, /livez, /readyz.
+    pub metrics: String,
+    process: ServiceProcess,
+}
+
+impl Service {
+    /// The unix socket as a gRPC target (`unix:/path`).
+    pub fn unix_target(&self) -> String {
+        format!("unix:{}", self.socket.display())
+    }
+
+    /// What the service logged.
+    pub fn logs(&self) -> String {
+        self.process.logs()
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
+    }
+}
+
+/// One node of the cluster.
+#[derive(Debug)]
+pub struct ClusterNode {
+    /// The Node object's name.
+    pub name: String,
+    /// Its underlay addresses (IPv4, IPv6), also its InternalIPs.
+    pub ips: Vec<IpAddr>,
+    /// containerd + kuryr-cni + kuryr-binder.
+    pub node: Node,
+}
+
+/// A running cluster. Fields drop in declaration order: kubelets first, the API server last.
+pub struct Cluster {
+    kubelets: Vec<Kubelet>,
+    nodes: Vec<ClusterNode>,
+    allocator: Service,
+    watcher: Service,
+    underlay: Underlay,
+    client: kube::Client,
+    manifest: Manifest,
+    network: String,
+    started_in: Duration,
+    dir: tempfile::TempDir,
+    kube: KubeEnv,
+}
+
+impl fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cluster")
+            .field("nodes", &self.nodes)
+            .field("watcher", &self.watcher)
+            .field("allocator", &self.allocator)
+            .field("underlay", &self.underlay)
+            .field("kube", &self.kube)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Shared while starting: what has been made so far, and the progress callback.
+struct Progress {
+    t0: Instant,
+    manifest: Mutex<Manifest>,
+    report: Option<ProgressFn>,
+}
+
+impl Progress {
+    fn record(&self, f: impl FnOnce(&mut Manifest)) {
+        f(&mut self.manifest.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    fn step(&self, what: &str, since: Instant) {
+        if let Some(report) = &self.report {
+            let manifest = self.manifest.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            report(&Step { what, took: since.elapsed(), elapsed: self.t0.elapsed(), manifest: &manifest });
+        }
+    }
+}
+
+impl Cluster {
+    /// Brings the whole cluster up; see the module documentation for what that is.
+    pub async fn start(opts: ClusterOptions) -> Result<Cluster> {
+        let progress = Progress {
+            t0: Instant::now(),
+            manifest: Mutex::new(Manifest { owner_pid: std::process::id(), ..Manifest::default() }),
+            report: opts.progress.clone(),
+        };
+        let dir = tempfile::Builder::new().prefix("kuryr-cluster-").tempdir_in("/tmp")?;
+        progress.record(|m| m.dir = Some(dir.path().to_path_buf()));
+
+        let t = Instant::now();
+        let kube = KubeEnv::start().await?;
+        progress.record(|m| m.kube_state_dir = Some(kube.state_dir().to_path_buf()));
+        progress.step(&format!("Kubernetes API server at {}", kube.apiserver_url()), t);
+
+        let t = Instant::now();
+        let client = kube.client().await?;
+        install_manifests(&kube).await?;
+        progress.step("namespace kuryr-system, CRDs (Established), RBAC", t);
+
+        let t = Instant::now();
+        let networks: Api<PodNetwork> = Api::all(client.clone());
+        let network = PodNetwork::new(&opts.network, PodNetworkSpec::new(opts.network_cidrs.clone()));
+        networks.create(&PostParams::default(), &network).await.context("creating the PodNetwork")?;
+        progress.step(&format!("PodNetwork {} ({})", opts.network, opts.network_cidrs.join(", ")), t);
+
+        let t = Instant::now();
+        let watcher_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
+        let watcher = start_service(
+            "kuryr-watcher",
+            dir.path(),
+            &["--kubeconfig".into(), watcher_config.display().to_string()],
+            &opts.service_log,
+            service_names::WATCHER,
+            &progress,
+        )
+        .await?;
+        progress.step(&format!("kuryr-watcher serving on {} and {}", watcher.tcp, watcher.socket.display()), t);
+
+        let t = Instant::now();
+        let allocator_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, ALLOCATOR_ACCOUNT).await?;
+        let allocator_args = [
+            "--kubeconfig".into(),
+            allocator_config.display().to_string(),
+            "--watcher".into(),
+            watcher.unix_target(),
+            "--network".into(),
+            opts.network.clone(),
+            "--network-cidrs".into(),
+            opts.network_cidrs.join(","),
+        ];
+        let allocator = start_service(
+            "kuryr-vif-allocator",
+            dir.path(),
+            &allocator_args,
+            &opts.service_log,
+            service_names::VIF_ALLOCATOR,
+            &progress,
+        )
+        .await?;
+        progress
+            .step(&format!("kuryr-vif-allocator serving on {} and {}", allocator.tcp, allocator.socket.display()), t);
+
+        let t = Instant::now();
+        let underlay = Underlay::new(opts.underlay_id)?;
+        progress.record(|m| m.underlay_netns = Some(underlay.netns_name().to_string()));
+        progress.step(&format!("underlay network namespace {} (bridge)", underlay.netns_name()), t);
+
+        let starts = (0..opts.nodes).map(|i| {
+            let name = format!("{}-{}", opts.node_prefix, i + 1);
+            start_node(name, i, &client, &underlay, &allocator, &opts, &progress)
+        });
+        let nodes = futures::future::try_join_all(starts).await?;
+
+        let kubelets = if opts.kubelet {
+            nodes
+                .iter()
+                .map(|n| {
+                    let containers = opts.run_containers.then(|| n.node.ctd.env().get("BUSYBOX_IMAGE").cloned());
+                    Kubelet::start(
+                        client.clone(),
+                        n.node.ctd.cri().clone(),
+                        KubeletOptions {
+                            node_name: n.name.clone(),
+                            host_ips: n.ips.clone(),
+                            containers: containers.flatten(),
+                        },
+                    )
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let manifest = progress.manifest.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        Ok(Cluster {
+            kubelets,
+            nodes,
+            allocator,
+            watcher,
+            underlay,
+            client,
+            manifest,
+            network: opts.network,
+            started_in: progress.t0.elapsed(),
+            dir,
+            kube,
+        })
+    }
+
+    /// The API server environment (admin kubeconfig, kubectl).
+    pub fn kube(&self) -> &KubeEnv {
+        &self.kube
+    }
+
+    /// An admin client.
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    /// The admin kubeconfig.
+    pub fn kubeconfig(&self) -> &Path {
+        self.kube.kubeconfig_path()
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[ClusterNode] {
+        &self.nodes
+    }
+
+    /// The node named `name`.
+    pub fn node(&self, name: &str) -> Option<&ClusterNode> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// The node named `name`, to stop or restart its binder.
+    pub fn node_mut(&mut self, name: &str) -> Option<&mut ClusterNode> {
+        self.nodes.iter_mut().find(|n| n.name == name)
+    }
+
+    /// The kubelets (one per node, same order; empty without [`ClusterOptions::kubelet`]).
+    pub fn kubelets(&self) -> &[Kubelet] {
+        &self.kubelets
+    }
+
+    /// The watcher.
+    pub fn watcher(&self) -> &Service {
+        &self.watcher
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &Service {
+        &self.allocator
+    }
+
+    /// The PodNetwork's name.
+    pub fn network(&self) -> &str {
+        &self.network
+    }
+
+    /// The underlay's network namespace.
+    pub fn underlay_netns(&self) -> &str {
+        self.underlay.netns_name()
+    }
+
+    /// The cluster's directory (service sockets and logs).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// What the cluster made on the host.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// How long [`Cluster::start`] took.
+    pub fn started_in(&self) -> Duration {
+        self.started_in
+    }
+
+    /// Every service's log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut out = format!(
+            "==== kuryr-watcher\n{}\n==== kuryr-vif-allocator\n{}\n",
+            self.watcher.logs(),
+            self.allocator.logs()
+        );
+        for n in &self.nodes {
+            out.push_str(&format!("==== kuryr-binder {}\n{}\n", n.name, n.node.binder_logs()));
+        }
+        out
+    }
+
+    /// Stops everything in dependency order — kubelets; each node (sandboxes removed through CRI
+    /// while its binder still answers, then the binder, then containerd and the node's
+    /// namespace); the allocator; the watcher; the underlay namespace; the API server — and
+    /// returns how long it took. Every step runs even if one fails; the errors are combined.
+    pub async fn shutdown(self) -> Result<Duration> {
+        let t = Instant::now();
+        let Cluster { kubelets, nodes, mut allocator, mut watcher, underlay, dir, kube, .. } = self;
+        drop(kubelets);
+        let mut errors = Vec::new();
+        let results = futures::future::join_all(nodes.into_iter().map(|n| async move {
+            let name = n.name.clone();
+            n.node.shutdown().await.with_context(|| format!("stopping node {name}"))
+        }))
+        .await;
+        errors.extend(results.into_iter().filter_map(Result::err));
+        for s in [&mut allocator, &mut watcher] {
+            if let Err(e) = s.process.terminate(STOP_TIMEOUT).await {
+                errors.push(e);
+            }
+        }
+        drop(underlay);
+        drop(kube);
+        if std::env::var_os("KURYR_KEEP_STATE").is_some_and(|v| v == "1") {
+            eprintln!("KURYR_KEEP_STATE=1: keeping {}", dir.keep().display());
+        } else if let Err(e) = dir.close() {
+            errors.push(anyhow::Error::new(e).context("removing the cluster directory"));
+        }
+        match errors.len() {
+            0 => Ok(t.elapsed()),
+            _ => Err(anyhow::anyhow!(
+                "shutting the cluster down: {}",
+                errors.iter().map(|e| format!("{e:#}")).collect::<Vec<_>>().join("; ")
+            )),
+        }
+    }
+}
+
+/// The namespace, the CRDs (until Established) and the RBAC manifests.
+async fn install_manifests(kube: &KubeEnv) -> Result<()> {
+    let deploy = repo_root().join("deploy");
+    kube.apply_yaml(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SYSTEM_NAMESPACE}\n  labels:\n    app.kubernetes.io/part-of: kuryr\n"
+    ))
+    .await?;
+    let crds = deploy.join("crds");
+    kube.apply_file(&crds).await?;
+    let crds = crds.to_str().context("path is not UTF-8")?;
+    kube.kubectl(&["wait", "--for=condition=Established", "--timeout=60s", "-f", crds]).await?;
+    kube.apply_file(&deploy.join("rbac")).await?;
+    Ok(())
+}
+
+/// Starts a service on a free loopback port and a unix socket in `dir`; waits until `service`
+/// is SERVING on its health endpoint.
+async fn start_service(
+    bin: &str,
+    dir: &Path,
+    args: &[String],
+    log: &str,
+    service: &str,
+    progress: &Progress,
+) -> Result<Service> {
+    let short = bin.trim_start_matches("kuryr-").trim_start_matches("vif-");
+    let socket = dir.join(format!("{short}.sock"));
+    let (port, mport) = (free_port()?, free_port()?);
+    let tcp = format!("127.0.0.1:{port}");
+    let metrics = format!("127.0.0.1:{mport}");
+    let mut all = vec![
+        "--listen".to_string(),
+        format!("{tcp},unix:{}", socket.display()),
+        "--metrics-listen".into(),
+        metrics.clone(),
+        "--log".into(),
+        log.into(),
+        "--shutdown-grace".into(),
+        "5s".into(),
+    ];
+    all.extend(args.iter().cloned());
+    let process = ServiceProcess::spawn(bin, &all, dir)?;
+    if let Some(pid) = process.pid() {
+        let exe = bin_path(bin)?;
+        progress.record(|m| m.processes.push(ProcessRecord { name: bin.into(), pid, exe }));
+    }
+    let s = Service { tcp, socket, metrics, process };
+    let channel = kuryr_runtime::client::channel(&s.tcp)?;
+    wait_until(&format!("{bin} to serve {service}"), SERVE_TIMEOUT, || {
+        kuryr_runtime::client::check_serving(channel.clone(), service)
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\n---- {bin} log ----\n{}", s.logs()))?;
+    Ok(s)
+}
+
+/// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
+/// then the shim, its conflist and the binder.
+async fn start_node(
+    name: String,
+    index: usize,
+    client: &kube::Client,
+    underlay: &Underlay,
+    allocator: &Service,
+    opts: &ClusterOptions,
+    progress: &Progress,
+) -> Result<ClusterNode> {
+    let t = Instant::now();
+    let ctd = Containerd::start(ContainerdOptions::default()).await.with_context(|| format!("{name}: containerd"))?;
+    progress.record(|m| {
+        let r = m.node_mut(&name);
+        r.netns = Some(ctd.netns().to_string());
+        r.containerd_dir = Some(ctd.scratch_dir().to_path_buf());
+    });
+    let ips = underlay.attach(index, &ctd.netns_path()).await.with_context(|| format!("{name}: underlay"))?;
+    progress.step(&format!("{name}: containerd in netns {}, {NODE_IFNAME} {}", ctd.netns(), join(&ips)), t);
+
+    let t = Instant::now();
+    register_node(client, &name, &ips).await.with_context(|| format!("{name}: registering the Node"))?;
+    progress.step(&format!("{name}: Node object registered (Ready, InternalIP {})", join(&ips)), t);
+
+    let t = Instant::now();
+    let binder_args = ["--log".to_string(), opts.service_log.clone()];
+    let node = Node::with_containerd(ctd, &name, &allocator.unix_target(), &binder_args)
+        .await
+        .with_context(|| format!("{name}: kuryr-binder"))?;
+    progress.record(|m| {
+        if let (Some(pid), Ok(exe)) = (node.binder.pid(), bin_path("kuryr-binder")) {
+            m.processes.push(ProcessRecord { name: format!("kuryr-binder {name}"), pid, exe });
+        }
+        m.node_mut(&name).binder_dir = node.binder.state_dir.parent().map(Path::to_path_buf);
+    });
+    progress.step(&format!("{name}: kuryr-binder serving on {}, CRI NetworkReady", node.binder.socket.display()), t);
+    Ok(ClusterNode { name, ips, node })
+}
+
+fn join(ips: &[IpAddr]) -> String {
+    ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}

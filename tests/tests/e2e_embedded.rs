@@ -1,0 +1,269 @@
+//! End to end with the embedded backend, everything real: the API server, kuryr-watcher and
+//! kuryr-vif-allocator under their ServiceAccounts, two nodes (containerd + kuryr-cni +
+//! kuryr-binder in their own network namespaces, joined by an underlay bridge) each run by the
+//! test kubelet. Pods created through the API get distinct addresses from the PodNetwork, their
+//! status shows them, they reach each other within and across nodes over IPv4 and IPv6, a pod
+//! whose CNI ADD fails (its node's binder is down) gets a FailedCreatePodSandBox Event and starts
+//! once the binder is back, and deleting them returns everything: pods gone (finalizers removed), no PodVif, no allocation in
+//! any AddressBlock, no host-side veth on any node.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::{Container, Event, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
+use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::kubelet::PodPhase;
+use kuryr_tests::services::wait_until;
+use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
+use kuryr_vif_allocator::ipam::ipnet::IpNet;
+
+const NAMESPACE: &str = "e2e";
+const PODS_PER_NODE: usize = 4;
+const V4_CIDR: &str = "10.244.0.0/16";
+const V6_CIDR: &str = "fd00:10:244::/56";
+/// Bound on all pods Running; each normally takes well under a second.
+const RUNNING_TIMEOUT: Duration = Duration::from_secs(90);
+/// Bound on everything being released after the pods are deleted.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pods_get_pool_addresses_reach_each_other_across_nodes_and_release_everything() {
+    let opts =
+        ClusterOptions { nodes: 2, network_cidrs: vec![V4_CIDR.into(), V6_CIDR.into()], ..ClusterOptions::default() };
+    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    eprintln!("cluster up in {:?}", cluster.started_in());
+    let outcome = scenario(&mut cluster).await;
+    if outcome.is_err() {
+        eprintln!("{}", cluster.logs());
+    }
+    let manifest = cluster.manifest().clone();
+    let shutdown = cluster.shutdown().await;
+    outcome.unwrap_or_else(|e| panic!("{e:#}"));
+    let took = shutdown.unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!("cluster down in {took:?}");
+    let left = manifest.leftovers();
+    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+}
+
+async fn scenario(cluster: &mut Cluster) -> Result<()> {
+    let client = cluster.client();
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
+        ..Namespace::default()
+    };
+    namespaces.create(&PostParams::default(), &ns).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+
+    // Pods bound to their nodes (there is no scheduler), created through the API.
+    let t = Instant::now();
+    let mut wanted = BTreeMap::new();
+    for (n, node) in cluster.nodes().iter().enumerate() {
+        for i in 0..PODS_PER_NODE {
+            let name = format!("p{}-{i}", n + 1);
+            pods.create(&PostParams::default(), &pod(&name, &node.name)).await?;
+            wanted.insert(name, node.name.clone());
+        }
+    }
+    let running = wait_until("every pod Running with its addresses", RUNNING_TIMEOUT, || async {
+        let list = pods.list(&ListParams::default()).await?.items;
+        let ready = list.iter().filter(|p| is_running(p)).count();
+        ensure!(ready == wanted.len(), "{ready}/{} Running", wanted.len());
+        Ok(list)
+    })
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!("{e:#}\nkubelets: {:#?}", cluster.kubelets().iter().map(|k| k.pods()).collect::<Vec<_>>())
+    })?;
+    eprintln!("{} pods Running after {:?}", running.len(), t.elapsed());
+
+    // Addresses: one per family from the PodNetwork, all distinct, as the sandbox has them, and
+    // the node's address as hostIP.
+    let (v4_net, v6_net): (IpNet, IpNet) = (V4_CIDR.parse()?, V6_CIDR.parse()?);
+    let mut seen = HashSet::new();
+    let mut endpoints = Vec::new();
+    for p in &running {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let node = &wanted[&name];
+        let status = p.status.as_ref().context("no status")?;
+        let ips: Vec<IpAddr> = status.pod_ips.iter().flatten().map(|i| i.ip.parse()).collect::<Result<_, _>>()?;
+        ensure!(ips.len() == 2, "{name}: podIPs {ips:?}, want one IPv4 and one IPv6");
+        ensure!(v4_net.contains(&ips[0]) && v6_net.contains(&ips[1]), "{name}: {ips:?} not in {V4_CIDR} / {V6_CIDR}");
+        ensure!(status.pod_ip.as_deref() == Some(&*ips[0].to_string()), "{name}: podIP {:?}", status.pod_ip);
+        for ip in &ips {
+            ensure!(seen.insert(*ip), "{ip} handed out twice (second time to {name})");
+        }
+        let host = cluster.node(node).context("node")?;
+        ensure!(status.host_ip.as_deref() == Some(&*host.ips[0].to_string()), "{name}: hostIP {:?}", status.host_ip);
+        let kubelet = cluster.kubelets().iter().find(|k| k.node() == node).context("kubelet")?;
+        let rec = kubelet.pod(NAMESPACE, &name).context("the kubelet has no record")?;
+        ensure!(rec.ips == ips, "{name}: sandbox has {:?}, status says {ips:?}", rec.ips);
+        eprintln!(
+            "{name} on {node}: {ips:?}, network ready {:?} after first seen (RunPodSandbox {:?}, {} attempt(s))",
+            rec.network_ready.unwrap_or_default(),
+            rec.sandbox_call.unwrap_or_default(),
+            rec.attempts
+        );
+        endpoints.push(PodEndpoint { pod: name, node: node.clone(), netns: rec.netns.context("no netns")?, ips });
+    }
+
+    // The allocator's records agree: a PodVif per pod with the same addresses, and each address
+    // allocated to the pod's uid in an AddressBlock of the pod's node.
+    let vifs: Api<PodVif> = Api::namespaced(client.clone(), NAMESPACE);
+    let blocks: Api<AddressBlock> = Api::all(client.clone());
+    let all_blocks = blocks.list(&ListParams::default()).await?.items;
+    for p in &running {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let uid = p.metadata.uid.clone().unwrap_or_default();
+        let vif = vifs.get(&name).await.with_context(|| format!("PodVif {name}"))?;
+        let vif_ips: Vec<String> = vif
+            .status
+            .and_then(|s| s.vif)
+            .map(|v| v.ips.into_iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect())
+            .unwrap_or_default();
+        let status_ips: Vec<String> =
+            p.status.iter().flat_map(|s| s.pod_ips.iter().flatten()).map(|i| i.ip.clone()).collect();
+        ensure!(vif_ips == status_ips, "{name}: PodVif {vif_ips:?} vs status {status_ips:?}");
+        for ip in &status_ips {
+            let block = all_blocks
+                .iter()
+                .find(|b| b.status.as_ref().is_some_and(|s| s.allocations.get(ip).is_some_and(|a| a.uid == uid)))
+                .with_context(|| format!("{name}: {ip} is allocated to its uid in no AddressBlock"))?;
+            ensure!(
+                block.spec.node == wanted[&name],
+                "{name}: {ip} is in block {} of {}",
+                block.spec.cidr,
+                block.spec.node
+            );
+        }
+    }
+
+    // Reachability: every pod pings every other pod, IPv4 and IPv6, within and across nodes.
+    let t = Instant::now();
+    let pings = reach::ping_all(&endpoints).await;
+    let summary = Summary::of(&pings);
+    eprintln!("{} pings in {:?}: {summary}", pings.len(), t.elapsed());
+    for p in pings.iter().filter(|p| p.first_failure.is_some()) {
+        let (from, to) = (&endpoints[p.from].pod, &endpoints[p.to].pod);
+        eprintln!("{from} → {to} ({}) answered only on a second try: {:?}", p.ip, p.first_failure);
+    }
+    let n = PODS_PER_NODE;
+    let local = 2 * n * (n - 1);
+    let remote = 2 * n * n;
+    ensure!(
+        summary.v4_local.1 == local
+            && summary.v4_remote.1 == remote
+            && summary.v6_local.1 == local
+            && summary.v6_remote.1 == remote,
+        "unexpected ping counts: {summary}"
+    );
+    if let Some(p) = pings.iter().find(|p| !p.ok) {
+        anyhow::bail!(
+            "{summary}; first failure: {} → {} ({}): {}",
+            endpoints[p.from].pod,
+            endpoints[p.to].pod,
+            p.ip,
+            p.output
+        );
+    }
+    // The check can fail: an address of the pool that no pod holds does not answer.
+    let unused: IpAddr = "10.244.255.254".parse()?;
+    ensure!(!seen.contains(&unused), "{unused} is in use");
+    let (answered, _) = reach::ping(&endpoints[0].netns, unused).await;
+    ensure!(!answered, "an unallocated address answered a ping");
+
+    // A failing RunPodSandbox is retried with backoff and reported as an Event carrying the CNI
+    // error: with node-2's binder down, kuryr-cni fails fast; once it is back the pod starts.
+    let node2 = cluster.nodes()[1].name.clone();
+    cluster.node_mut(&node2).context("node-2")?.node.binder.stop().await?;
+    pods.create(&PostParams::default(), &pod("late", &node2)).await?;
+    let events: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
+    let event = wait_until("a FailedCreatePodSandBox event", RUNNING_TIMEOUT, || async {
+        let list = events.list(&ListParams::default().fields("involvedObject.name=late")).await?.items;
+        list.into_iter().find(|e| e.reason.as_deref() == Some("FailedCreatePodSandBox")).context("none yet")
+    })
+    .await?;
+    let message = event.message.unwrap_or_default();
+    ensure!(message.contains(r#"plugin type="kuryr-cni" failed (add)"#), "event message: {message}");
+    ensure!(event.type_.as_deref() == Some("Warning"), "event type {:?}", event.type_);
+    cluster.node_mut(&node2).context("node-2")?.node.binder.restart().await?;
+    wait_until("the late pod Running", RUNNING_TIMEOUT, || async {
+        ensure!(is_running(&pods.get("late").await?), "not Running");
+        Ok(())
+    })
+    .await?;
+    let kubelet2 = cluster.kubelets().iter().find(|k| k.node() == node2).context("kubelet")?;
+    let late = kubelet2.pod(NAMESPACE, "late").context("no record of the late pod")?;
+    ensure!(late.attempts >= 2, "late pod started after {} attempt(s)", late.attempts);
+    eprintln!("late: failed with {message:?}, Running after {} attempts", late.attempts);
+    wanted.insert("late".to_string(), node2);
+
+    // Deletion: the kubelets tear the sandboxes down and delete the pods; the allocator releases
+    // the VIFs and removes its finalizer.
+    let t = Instant::now();
+    for name in wanted.keys() {
+        pods.delete(name, &DeleteParams::default()).await?;
+    }
+    wait_until("every pod gone from the API", RELEASE_TIMEOUT, || async {
+        let left: Vec<_> = pods.list(&ListParams::default()).await?.items.into_iter().map(|p| p.metadata).collect();
+        ensure!(
+            left.is_empty(),
+            "still there: {:?}",
+            left.iter().map(|m| (&m.name, &m.finalizers)).collect::<Vec<_>>()
+        );
+        Ok(())
+    })
+    .await?;
+    eprintln!("pods gone {:?} after deletion", t.elapsed());
+    for k in cluster.kubelets() {
+        let active: Vec<_> = k.pods().into_iter().filter(|r| r.phase != PodPhase::Gone).collect();
+        ensure!(active.is_empty(), "{}: pods not gone for the kubelet: {active:?}", k.node());
+    }
+    let all_vifs: Api<PodVif> = Api::all(client.clone());
+    wait_until("no PodVif and no allocation left", RELEASE_TIMEOUT, || async {
+        let vifs = all_vifs.list(&ListParams::default()).await?.items;
+        ensure!(vifs.is_empty(), "PodVifs left: {:?}", vifs.iter().map(|v| &v.metadata.name).collect::<Vec<_>>());
+        let blocks = blocks.list(&ListParams::default()).await?.items;
+        ensure!(!blocks.is_empty(), "no AddressBlock at all");
+        for b in &blocks {
+            let used = b.status.as_ref().map(|s| s.allocations.len()).unwrap_or(0);
+            ensure!(used == 0, "block {} still has {used} allocations: {:?}", b.spec.cidr, b.status);
+        }
+        Ok(())
+    })
+    .await?;
+    for node in cluster.nodes() {
+        let links = node.node.exec(&["ip", "-o", "link", "show"]).await?;
+        let kv: Vec<&str> =
+            links.lines().filter_map(|l| l.split(": ").nth(1)).filter(|n| n.starts_with("kv")).collect();
+        ensure!(kv.is_empty(), "{}: host veths left: {kv:?}", node.name);
+        let sandboxes = node.node.ctd.cri().list_pod_sandboxes().await?;
+        ensure!(sandboxes.is_empty(), "{}: sandboxes left: {}", node.name, sandboxes.len());
+        ensure!(node.node.binder.attachment_records() == 0, "{}: attachment records left", node.name);
+    }
+    Ok(())
+}
+
+fn pod(name: &str, node: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(NAMESPACE.into()), ..ObjectMeta::default() },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+fn is_running(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ips.as_ref().is_some_and(|v| !v.is_empty()))
+}

@@ -48,9 +48,9 @@ bench: tools
 
 .PHONY: lab lab-down
 
-## lab: build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this
+## lab: install prerequisites (as `make setup`), build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this
 ## machine (real API server, containerd nodes in network namespaces); stays up until `make lab-down`
-lab:
+lab: setup
 	$(CARGO) build --release --workspace --bins
 	KURYR_BIN_DIR=$(CURDIR)/target/release ./target/release/kuryr-lab up
 

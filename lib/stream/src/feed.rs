@@ -1,0 +1,370 @@
+//! Fan-out: one task per subscriber sends a snapshot (or nothing, when resuming), then the
+//! log's history from its cursor on, encoded by the service into its own messages.
+//!
+//! - The snapshot and its cursor are taken under one lock, so between snapshot and live nothing
+//!   is lost or duplicated.
+//! - Each subscriber has a bounded buffer; a subscriber that does not read only holds up its own
+//!   task. When it falls so far behind that its cursor leaves the history, it gets RESET and a
+//!   fresh snapshot in place, on the same stream ([`How::Lagged`]), rather than the server
+//!   keeping an unbounded backlog for it.
+//! - At shutdown the stream ends with [`Subscriber::closing`] (UNAVAILABLE for gRPC), telling the
+//!   subscriber to reconnect — to another replica, or to this one once it is back.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument as _;
+
+use crate::epoch::Epoch;
+use crate::log::{Change, Lagged, NotReady, SharedLog, Start, lock};
+
+/// Deltas copied out of the history per lock.
+const BATCH: usize = 256;
+
+/// What a subscriber is told.
+#[derive(Debug)]
+pub enum Event<'a, K, V> {
+    /// Forget everything received before: a fresh snapshot follows.
+    Reset,
+    /// A key's value (a snapshot item, or a change).
+    Applied(&'a K, &'a Arc<V>),
+    /// A key is gone; its last value.
+    Deleted(&'a K, &'a Arc<V>),
+    /// The snapshot is complete; deltas follow.
+    SnapshotComplete,
+}
+
+/// How a stream began (or began again), for logs and metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// A full snapshot: no resume point was given.
+    Snapshot,
+    /// Only the deltas after the given resume point.
+    Resume,
+    /// The resume point could not be honoured: RESET and a snapshot.
+    Reset,
+    /// The stream fell out of the history: RESET and a snapshot in place.
+    Lagged,
+}
+
+impl How {
+    /// A metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            How::Snapshot => "snapshot",
+            How::Resume => "resume",
+            How::Reset => "reset",
+            How::Lagged => "lagged",
+        }
+    }
+}
+
+/// One subscriber's view of the log: what it wants, and how events are encoded for it.
+pub trait Subscriber<K, V>: Send + Sync + 'static {
+    /// What the stream carries (for gRPC, `Result<Response, Status>`).
+    type Item: Send + 'static;
+
+    /// Whether the subscriber wants `key` (in snapshots and deltas); everything by default.
+    fn wants(&self, _key: &K, _value: &V) -> bool {
+        true
+    }
+
+    /// Encodes one event; `point` is its resume point.
+    fn encode(&self, point: String, event: Event<'_, K, V>) -> Self::Item;
+
+    /// The last item sent when the server shuts down, if any.
+    fn closing(&self) -> Option<Self::Item> {
+        None
+    }
+
+    /// Called when the stream begins, and again each time it falls out of the history.
+    fn started(&self, _how: How) {}
+
+    /// Called once when the stream ends.
+    fn ended(&self) {}
+}
+
+/// A stream opened by [`subscribe`].
+#[derive(Debug)]
+pub struct Opened<T> {
+    /// What the subscriber reads.
+    pub rx: mpsc::Receiver<T>,
+    /// How it begins.
+    pub how: How,
+    /// Items in the initial snapshot (0 when resuming).
+    pub items: usize,
+    /// The revision it starts from.
+    pub cursor: u64,
+}
+
+/// Opens a stream of `log` for `sub`, resuming from `resume_from` when possible. The stream runs
+/// in its own task, inside `span`, until the subscriber goes away, the log is dropped, or
+/// `shutdown` completes. `buffer` items are queued before the task waits for the reader.
+pub fn subscribe<K, V, S, F>(
+    log: &SharedLog<K, V>,
+    resume_from: &str,
+    sub: S,
+    buffer: usize,
+    shutdown: F,
+    span: tracing::Span,
+) -> Result<Opened<S::Item>, NotReady>
+where
+    K: Ord + Clone + Send + Sync + 'static,
+    V: PartialEq + Send + Sync + 'static,
+    S: Subscriber<K, V>,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (start, epoch, revisions) = {
+        let l = lock(log);
+        (l.start(resume_from, |k, v| sub.wants(k, v))?, l.epoch().clone(), l.revisions())
+    };
+    let (how, items, cursor) = match &start {
+        Start::Resume { cursor } => (How::Resume, 0, *cursor),
+        Start::Snapshot { reset, items, cursor } => {
+            (if *reset { How::Reset } else { How::Snapshot }, items.len(), *cursor)
+        }
+    };
+    let (tx, rx) = mpsc::channel(buffer.max(1));
+    let feed = Feed { log: log.clone(), sub, epoch, tx, revisions };
+    tokio::spawn(feed.run(start, how, shutdown).instrument(span));
+    Ok(Opened { rx, how, items, cursor })
+}
+
+/// Why a stream ended.
+#[derive(Debug)]
+enum Ended {
+    /// The subscriber went away.
+    Gone,
+    /// The log was dropped: the process is ending.
+    LogGone,
+}
+
+struct Feed<K, V, S: Subscriber<K, V>> {
+    log: SharedLog<K, V>,
+    sub: S,
+    epoch: Epoch,
+    tx: mpsc::Sender<S::Item>,
+    revisions: watch::Receiver<u64>,
+}
+
+impl<K, V, S> Feed<K, V, S>
+where
+    K: Ord + Clone + Send + Sync + 'static,
+    V: PartialEq + Send + Sync + 'static,
+    S: Subscriber<K, V>,
+{
+    async fn run(mut self, start: Start<K, V>, how: How, shutdown: impl Future<Output = ()>) {
+        self.sub.started(how);
+        let ended = tokio::select! {
+            res = self.serve(start) => match res {
+                Ok(never) => match never {},
+                Err(ended) => Some(ended),
+            },
+            () = shutdown => None,
+        };
+        match ended {
+            None => {
+                if let Some(last) = self.sub.closing() {
+                    let _ = self.tx.try_send(last);
+                }
+                tracing::info!("stream ended: shutting down");
+            }
+            Some(why) => tracing::info!(?why, "stream ended"),
+        }
+        self.sub.ended();
+    }
+
+    async fn serve(&mut self, start: Start<K, V>) -> Result<Infallible, Ended> {
+        let mut cursor = match start {
+            Start::Resume { cursor } => cursor,
+            Start::Snapshot { reset, items, cursor } => {
+                self.send_snapshot(reset, items, cursor).await?;
+                cursor
+            }
+        };
+        loop {
+            // Marked seen before reading, so a delta recorded after this read wakes the wait.
+            self.revisions.borrow_and_update();
+            let batch = lock(&self.log).since(cursor, BATCH);
+            match batch {
+                Ok(deltas) if deltas.is_empty() => {
+                    tokio::select! {
+                        changed = self.revisions.changed() => changed.map_err(|_| Ended::LogGone)?,
+                        () = self.tx.closed() => return Err(Ended::Gone),
+                    }
+                }
+                Ok(deltas) => {
+                    for d in deltas {
+                        cursor = d.revision;
+                        if !self.sub.wants(&d.key, d.change.value()) {
+                            continue;
+                        }
+                        let point = self.epoch.point(d.revision);
+                        let item = match &d.change {
+                            Change::Applied(v) => self.sub.encode(point, Event::Applied(&d.key, v)),
+                            Change::Deleted(v) => self.sub.encode(point, Event::Deleted(&d.key, v)),
+                        };
+                        self.send(item).await?;
+                    }
+                }
+                Err(Lagged(at)) => {
+                    tracing::warn!(cursor = at, "stream fell out of the history; sending RESET and a new snapshot");
+                    self.sub.started(How::Lagged);
+                    let (items, now) = lock(&self.log).snapshot(|k, v| self.sub.wants(k, v));
+                    self.send_snapshot(true, items, now).await?;
+                    cursor = now;
+                }
+            }
+        }
+    }
+
+    async fn send_snapshot(&self, reset: bool, items: Vec<(K, Arc<V>)>, cursor: u64) -> Result<(), Ended> {
+        let point = self.epoch.snapshot_point();
+        if reset {
+            self.send(self.sub.encode(point.clone(), Event::Reset)).await?;
+        }
+        for (k, v) in &items {
+            self.send(self.sub.encode(point.clone(), Event::Applied(k, v))).await?;
+        }
+        self.send(self.sub.encode(self.epoch.point(cursor), Event::SnapshotComplete)).await
+    }
+
+    async fn send(&self, item: S::Item) -> Result<(), Ended> {
+        self.tx.send(item).await.map_err(|_| Ended::Gone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::log::Log;
+
+    /// Encodes events as text; wants even values only; records how it started.
+    #[derive(Clone, Default)]
+    struct Text(Arc<Mutex<Vec<How>>>);
+
+    impl Subscriber<String, u32> for Text {
+        type Item = String;
+        fn wants(&self, _: &String, v: &u32) -> bool {
+            v.is_multiple_of(2)
+        }
+        fn encode(&self, point: String, event: Event<'_, String, u32>) -> String {
+            match event {
+                Event::Reset => format!("RESET@{point}"),
+                Event::Applied(k, v) => format!("{k}={v}@{point}"),
+                Event::Deleted(k, v) => format!("-{k}({v})@{point}"),
+                Event::SnapshotComplete => format!("COMPLETE@{point}"),
+            }
+        }
+        fn closing(&self) -> Option<String> {
+            Some("CLOSING".into())
+        }
+        fn started(&self, how: How) {
+            self.0.lock().unwrap().push(how);
+        }
+    }
+
+    fn log(capacity: usize) -> SharedLog<String, u32> {
+        let mut l = Log::new(Epoch::fixed("e"), capacity);
+        l.upsert("a".into(), 2);
+        l.upsert("b".into(), 3);
+        l.set_ready();
+        l.shared()
+    }
+
+    async fn take(rx: &mut mpsc::Receiver<String>, n: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let got = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+            out.push(got);
+        }
+        out
+    }
+
+    fn never() -> impl Future<Output = ()> + Send + 'static {
+        std::future::pending()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn snapshot_then_filtered_deltas_then_resume() {
+        let log = log(16);
+        let sub = Text::default();
+        let mut o = subscribe(&log, "", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        assert_eq!((o.how, o.items, o.cursor), (How::Snapshot, 1, 0));
+        assert_eq!(take(&mut o.rx, 2).await, ["a=2@e-snapshot", "COMPLETE@e-0"]);
+        {
+            let mut l = lock(&log);
+            l.upsert("c".into(), 4);
+            l.upsert("b".into(), 5); // odd: not wanted
+            l.upsert("a".into(), 6);
+            l.remove(&"c".into());
+        }
+        assert_eq!(take(&mut o.rx, 3).await, ["c=4@e-1", "a=6@e-3", "-c(4)@e-4"]);
+        drop(o);
+        // Resuming from e-1 replays only what came after it.
+        let mut o = subscribe(&log, "e-1", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        assert_eq!(o.how, How::Resume);
+        assert_eq!(take(&mut o.rx, 2).await, ["a=6@e-3", "-c(4)@e-4"]);
+        // Another epoch's point: RESET and a snapshot.
+        let mut o = subscribe(&log, "x-1", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        assert_eq!(take(&mut o.rx, 3).await, ["RESET@e-snapshot", "a=6@e-snapshot", "COMPLETE@e-4"]);
+        assert_eq!(*sub.0.lock().unwrap(), [How::Snapshot, How::Resume, How::Reset]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscriber_that_falls_out_of_the_history_is_reset_in_place() {
+        let log = log(4);
+        let sub = Text::default();
+        // A buffer of 1: the task blocks on the second item until the test reads.
+        let mut o = subscribe(&log, "", sub.clone(), 1, never(), tracing::Span::none()).unwrap();
+        assert_eq!(take(&mut o.rx, 2).await, ["a=2@e-snapshot", "COMPLETE@e-0"]);
+        {
+            let mut l = lock(&log);
+            for i in 0..10u32 {
+                l.upsert(format!("k{i}"), i * 2);
+            }
+        }
+        // The task copied a batch of deltas while they were still in the history, or it finds
+        // its cursor gone; either way, once it has to catch up past the ring, it resets.
+        let mut seen = Vec::new();
+        while !seen.iter().any(|s: &String| s.starts_with("COMPLETE@e-10")) {
+            seen.extend(take(&mut o.rx, 1).await);
+        }
+        let after_reset: Vec<&String> = seen.iter().skip_while(|s| !s.starts_with("RESET")).collect();
+        assert!(!after_reset.is_empty(), "expected a RESET: {seen:?}");
+        assert_eq!(after_reset.len(), 1 + 11 + 1, "RESET, a and k0..k9, COMPLETE: {seen:?}");
+        assert!(sub.0.lock().unwrap().contains(&How::Lagged));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_sends_the_closing_item_and_ends_the_stream() {
+        let log = log(4);
+        let (tx, rx) = oneshot::channel::<()>();
+        let stop = async move {
+            let _ = rx.await;
+        };
+        let mut o = subscribe(&log, "", Text::default(), 8, stop, tracing::Span::none()).unwrap();
+        assert_eq!(take(&mut o.rx, 2).await.len(), 2);
+        tx.send(()).unwrap();
+        assert_eq!(take(&mut o.rx, 1).await, ["CLOSING"]);
+        assert_eq!(o.rx.recv().await, None);
+    }
+
+    #[test]
+    fn nothing_is_served_before_the_log_is_ready() {
+        let log: SharedLog<String, u32> = Log::new(Epoch::fixed("e"), 4).shared();
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let _guard = rt.enter();
+        let err = subscribe(&log, "", Text::default(), 8, never(), tracing::Span::none()).unwrap_err();
+        assert_eq!(err, NotReady);
+    }
+}

@@ -8,6 +8,7 @@
 
 pub mod attachments;
 pub mod cni;
+pub mod lb;
 pub mod metrics;
 pub mod netns;
 pub mod noderoutes;
@@ -52,6 +53,12 @@ pub struct Config {
     /// The VIF allocator to follow: HOST:PORT, http://HOST:PORT or unix:/path.
     #[arg(long, env = "KURYR_ALLOCATOR", default_value = "127.0.0.1:9610")]
     pub allocator: String,
+
+    /// kuryr-lbaas, whose load balancer specs this node programs into nftables (embedded
+    /// backend): HOST:PORT, http://HOST:PORT or unix:/path. Without it no Service rules are
+    /// programmed (and none are removed).
+    #[arg(long, env = "KURYR_LBAAS")]
+    pub lbaas: Option<String>,
 
     /// This node's name as Kubernetes knows it; defaults to the host name.
     #[arg(long, env = "KURYR_NODE_NAME")]
@@ -98,6 +105,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
+    if let Some(target) = &config.lbaas {
+        let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
+        tracing::info!(lbaas = target, "Service dataplane enabled");
+        lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
+            lbaas,
+            format!("binder/{node}"),
+            rt.shutdown(),
+        );
+    }
     let service = cni::CniService {
         node,
         vifs,

@@ -1,0 +1,113 @@
+//! Metrics of the Service dataplane: how long an update takes to reach the kernel, transactions
+//! by kind and result, whether the rules are in sync with kuryr-lbaas, and what the stream
+//! delivered.
+
+use std::time::Duration;
+
+use kuryr_runtime::metrics::latency_histogram;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Kind {
+    /// "delta" (some Services) or "full" (the whole table).
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindResult {
+    kind: String,
+    /// "ok" or "error".
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventType {
+    r#type: String,
+}
+
+/// Service dataplane metrics; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct LbMetrics {
+    program: Family<Kind, Histogram, fn() -> Histogram>,
+    transactions: Family<KindResult, Counter>,
+    events: Family<EventType, Counter>,
+    invalid: Counter,
+    stream_breaks: Counter,
+    synced: Gauge,
+    services: Gauge,
+}
+
+impl LbMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            program: Family::new_with_constructor(latency_histogram),
+            transactions: Family::default(),
+            events: Family::default(),
+            invalid: Counter::default(),
+            stream_breaks: Counter::default(),
+            synced: Gauge::default(),
+            services: Gauge::default(),
+        };
+        registry.register(
+            "kuryr_binder_lb_program_seconds",
+            "From an update of kuryr-lbaas's stream arriving to its rules programmed in nftables",
+            m.program.clone(),
+        );
+        registry.register(
+            "kuryr_binder_lb_transactions",
+            "nftables transactions of the Service dataplane by kind (delta, full) and result",
+            m.transactions.clone(),
+        );
+        registry.register("kuryr_binder_lb_events", "WatchLoadBalancers events received by type", m.events.clone());
+        registry.register(
+            "kuryr_binder_lb_invalid_specs",
+            "Load balancer specs that could not be programmed (see the log for why)",
+            m.invalid.clone(),
+        );
+        registry.register(
+            "kuryr_binder_lb_stream_breaks",
+            "Times the WatchLoadBalancers stream could not be opened or broke",
+            m.stream_breaks.clone(),
+        );
+        registry.register(
+            "kuryr_binder_lb_synced",
+            "1 when the Service rules reflect kuryr-lbaas's complete, live view; 0 otherwise",
+            m.synced.clone(),
+        );
+        registry.register("kuryr_binder_lb_services", "Services programmed", m.services.clone());
+        m
+    }
+
+    pub fn transaction(&self, kind: &str, ok: bool, since_update: Option<Duration>) {
+        let result = if ok { "ok" } else { "error" };
+        self.transactions.get_or_create(&KindResult { kind: kind.into(), result: result.into() }).inc();
+        if let (true, Some(d)) = (ok, since_update) {
+            self.program.get_or_create(&Kind { kind: kind.into() }).observe(d.as_secs_f64());
+        }
+    }
+
+    pub fn event(&self, t: &str) {
+        self.events.get_or_create(&EventType { r#type: t.into() }).inc();
+    }
+
+    pub fn invalid_spec(&self) {
+        self.invalid.inc();
+    }
+
+    pub fn stream_break(&self) {
+        self.stream_breaks.inc();
+    }
+
+    pub fn set_synced(&self, synced: bool) {
+        self.synced.set(i64::from(synced));
+    }
+
+    pub fn set_services(&self, n: usize) {
+        self.services.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}

@@ -1,0 +1,301 @@
+//! The node dataplane for Services (embedded backend): the binder follows kuryr-lbaas's
+//! `WatchLoadBalancers` stream and programs nftables in the node's network namespace so that
+//! every Service VIP and port is DNAT'd to its members ([`render`] describes the ruleset).
+//!
+//! Two tasks share the [`state::State`]: the follower reads the stream (resuming after a break,
+//! reconnecting with backoff) and marks what changed; the programmer turns pending changes into
+//! one `nft -f` transaction — the changed Services only, or the whole table after a snapshot —
+//! and retries failures with backoff as a full rebuild. Changes that arrive while a transaction
+//! runs are applied together in the next one.
+//!
+//! The binder's health does not depend on any of this (pods must get networks while kuryr-lbaas
+//! is down; the rules already programmed stay in place). Whether the Service rules are in sync
+//! is logged on every change and exported as `kuryr_binder_lb_synced`.
+
+pub mod metrics;
+pub mod model;
+pub mod nft;
+pub mod render;
+pub mod state;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
+use kuryr_proto::lbaas::v1::{LbEventType, WatchLoadBalancersRequest};
+use kuryr_runtime::Shutdown;
+use tokio::sync::Notify;
+use tonic::transport::Channel;
+
+use self::metrics::LbMetrics;
+use self::model::{Service, ServiceKey};
+use self::nft::Nft;
+use self::render::{Rendered, render};
+use self::state::{Applied, State, Work};
+
+/// Reconnect delays after the stream breaks, and retry delays after a failed transaction.
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// The Service dataplane; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Dataplane {
+    state: Arc<Mutex<State>>,
+    wake: Arc<Notify>,
+    metrics: LbMetrics,
+    nft: Nft,
+    /// The last sync status logged, to log transitions only.
+    logged_synced: Arc<Mutex<Option<bool>>>,
+}
+
+impl Dataplane {
+    pub fn new(metrics: LbMetrics, nft: Nft) -> Self {
+        Self { state: Arc::default(), wake: Arc::new(Notify::new()), metrics, nft, logged_synced: Arc::default() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the follower and the programmer; they run until shutdown.
+    pub fn spawn(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+        tokio::spawn(self.clone().program(shutdown.clone()));
+        tokio::spawn(self.follow(channel, subscriber, shutdown));
+    }
+
+    /// Publishes and logs whether the rules are in sync, when that changed.
+    fn report_sync(&self, why: &str) {
+        let (synced, services) = {
+            let s = self.lock();
+            (s.synced(), s.services())
+        };
+        self.metrics.set_synced(synced);
+        let mut last = self.logged_synced.lock().unwrap_or_else(PoisonError::into_inner);
+        if *last != Some(synced) {
+            *last = Some(synced);
+            if synced {
+                tracing::info!(services, "Service dataplane in sync with kuryr-lbaas");
+            } else {
+                tracing::warn!(services, why, "Service dataplane not in sync with kuryr-lbaas");
+            }
+        }
+    }
+
+    /// Follows the stream until shutdown.
+    async fn follow(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+        let mut client = LoadBalancersClient::new(channel);
+        let mut delay = RETRY_MIN;
+        loop {
+            let resume_from = self.lock().next_request();
+            let req = WatchLoadBalancersRequest { resume_from: resume_from.clone(), subscriber: subscriber.clone() };
+            let res = tokio::select! {
+                r = client.watch_load_balancers(req) => r,
+                () = shutdown.clone().wait() => return,
+            };
+            let why = match res {
+                Ok(resp) => {
+                    tracing::info!(resume_from, "following kuryr-lbaas's load balancers");
+                    self.lock().connected = true;
+                    self.report_sync("stream opened");
+                    let mut stream = resp.into_inner();
+                    loop {
+                        let msg = tokio::select! {
+                            m = stream.message() => m,
+                            () = shutdown.clone().wait() => return,
+                        };
+                        match msg {
+                            Ok(Some(ev)) => {
+                                let now = Instant::now();
+                                self.metrics.event(ev.r#type().as_str_name());
+                                let applied = self.lock().apply(&ev, now);
+                                self.log_applied(applied);
+                                if ev.r#type() != LbEventType::Unspecified {
+                                    delay = RETRY_MIN;
+                                }
+                                self.wake.notify_one();
+                            }
+                            Ok(None) => break "the stream was ended by kuryr-lbaas".to_string(),
+                            Err(e) => break format!("the stream broke: {:?}: {}", e.code(), e.message()),
+                        }
+                    }
+                }
+                Err(e) => format!("cannot open the stream: {:?}: {}", e.code(), e.message()),
+            };
+            tracing::warn!(why, retry_in = ?delay, "WatchLoadBalancers: reconnecting");
+            self.metrics.stream_break();
+            self.lock().connected = false;
+            self.report_sync(&why);
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = shutdown.clone().wait() => return,
+            }
+            delay = (delay * 2).min(RETRY_MAX);
+        }
+    }
+
+    fn log_applied(&self, applied: Applied) {
+        match applied {
+            Applied::Quiet => {}
+            Applied::Invalid { service, error } => {
+                self.metrics.invalid_spec();
+                tracing::warn!(service, error, "load balancer spec cannot be programmed; its rules are removed");
+            }
+            Applied::Warnings { service, warnings } => {
+                for w in warnings {
+                    tracing::warn!(service, warning = w, "load balancer member left out");
+                }
+            }
+            Applied::SnapshotComplete { services } => {
+                tracing::info!(services, "load balancer snapshot complete; rebuilding the Service rules");
+            }
+            Applied::Reset => tracing::info!("kuryr-lbaas sent RESET; a new snapshot follows"),
+        }
+    }
+
+    /// Programs pending work until shutdown.
+    async fn program(self, shutdown: Shutdown) {
+        match self.nft.version().await {
+            Ok(v) => tracing::info!(nft = v, "Service dataplane: nftables available"),
+            Err(e) => tracing::error!(error = %e, "Service dataplane: nft cannot be run; Service rules will fail"),
+        }
+        let mut p = Programmer::default();
+        let mut delay = RETRY_MIN;
+        loop {
+            let work = self.lock().take_work();
+            let Some(work) = work else {
+                self.report_sync("waiting for a complete view");
+                tokio::select! {
+                    () = self.wake.notified() => continue,
+                    () = shutdown.clone().wait() => return,
+                }
+            };
+            let (kind, since) = match &work {
+                Work::Full { since, .. } => ("full", *since),
+                Work::Delta { since, .. } => ("delta", *since),
+            };
+            let started = Instant::now();
+            match p.apply(&self.nft, work).await {
+                Ok(summary) => {
+                    let took = since.elapsed();
+                    self.metrics.transaction(kind, true, Some(took));
+                    self.metrics.set_services(p.programmed.len());
+                    tracing::info!(
+                        kind,
+                        summary,
+                        nft_ms = started.elapsed().as_secs_f64() * 1e3,
+                        since_update_ms = took.as_secs_f64() * 1e3,
+                        "Service rules programmed"
+                    );
+                    self.lock().programmed_ok = true;
+                    delay = RETRY_MIN;
+                    self.report_sync("programmed");
+                }
+                Err(e) => {
+                    self.metrics.transaction(kind, false, None);
+                    tracing::warn!(kind, error = %e, retry_in = ?delay, "programming Service rules failed");
+                    {
+                        let mut s = self.lock();
+                        s.programmed_ok = false;
+                        s.retry_full(since);
+                    }
+                    self.report_sync("programming failed");
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = shutdown.clone().wait() => return,
+                    }
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
+            }
+        }
+    }
+}
+
+/// What is programmed in the kernel, per Service, and which Service owns each VIP:port.
+#[derive(Debug, Default)]
+struct Programmer {
+    programmed: BTreeMap<ServiceKey, Rendered>,
+    /// `VIP . proto . port` → the Service whose element it is.
+    claimed: HashMap<String, ServiceKey>,
+    forwarding: bool,
+}
+
+impl Programmer {
+    /// Renders a Service, leaving out VIP:ports another Service already has (Kubernetes never
+    /// hands out a ClusterIP twice, but a stream could briefly carry both the old and the new
+    /// owner of one).
+    fn render_claimed(&mut self, svc: &Service) -> Rendered {
+        let mut r = render(svc);
+        r.elements.retain(|e| match self.claimed.get(&e.key) {
+            Some(owner) if *owner != svc.key => {
+                tracing::warn!(service = %svc.key, owner = %owner, vip = e.key, "VIP and port taken by another Service; left out");
+                false
+            }
+            _ => true,
+        });
+        for e in &r.elements {
+            self.claimed.insert(e.key.clone(), svc.key.clone());
+        }
+        r
+    }
+
+    fn unclaim(&mut self, key: &ServiceKey) {
+        self.claimed.retain(|_, owner| owner != key);
+    }
+
+    async fn apply(&mut self, nft: &Nft, work: Work) -> Result<String, nft::NftError> {
+        if !self.forwarding {
+            // Connections to a VIP are routed to members on the node's bridge or other nodes.
+            match crate::plug::routes::enable_forwarding() {
+                Ok(()) => self.forwarding = true,
+                Err(e) => tracing::warn!(error = %e, "cannot enable IP forwarding for Services"),
+            }
+        }
+        let mut script = String::new();
+        match work {
+            Work::Full { services, .. } => {
+                let existing = nft.existing().await?;
+                self.claimed.clear();
+                let mut next = BTreeMap::new();
+                for svc in &services {
+                    next.insert(svc.key.clone(), self.render_claimed(svc));
+                }
+                let all: Vec<&Rendered> = next.values().collect();
+                render::full(&mut script, &existing, &all);
+                if let Err(e) = nft.apply(&script).await {
+                    // What the kernel holds is unknown now; the retry lists it again.
+                    self.programmed.clear();
+                    self.claimed.clear();
+                    return Err(e);
+                }
+                self.programmed = next;
+                Ok(format!("{} Services", services.len()))
+            }
+            Work::Delta { changes, .. } => {
+                for (key, _) in &changes {
+                    self.unclaim(key);
+                }
+                let mut next = Vec::new();
+                for (key, svc) in &changes {
+                    let new = svc.as_ref().map(|s| self.render_claimed(s)).unwrap_or_default();
+                    next.push((key.clone(), new));
+                }
+                let empty = Rendered::default();
+                let pairs: Vec<(&Rendered, &Rendered)> =
+                    next.iter().map(|(k, new)| (self.programmed.get(k).unwrap_or(&empty), new)).collect();
+                render::delta(&mut script, &pairs);
+                nft.apply(&script).await?;
+                let mut names = Vec::new();
+                for (key, new) in next {
+                    names.push(key.to_string());
+                    if new == empty {
+                        self.programmed.remove(&key);
+                    } else {
+                        self.programmed.insert(key, new);
+                    }
+                }
+                Ok(names.join(" "))
+            }
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! Neutron (`network` in the catalog): ports, networks, subnets, routers, floating IPs, tags.
+
+mod types;
+
+pub use types::*;
+
+use http::Method;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::client::Client;
+use crate::error::Error;
+use crate::filter::{Filter, MAX_IDS_PER_LIST};
+use crate::service::ServiceType;
+use crate::transport::ApiRequest;
+use crate::{HasId, Wrap, path_segment, require_id};
+
+const NET: ServiceType = ServiceType::Network;
+
+/// Entries asked for per page of a list. Neutron caps pages at its own `max` anyway; 1000 keeps
+/// each answer under a few MB while listing a few thousand ports in a handful of calls.
+const PAGE_SIZE: usize = 1000;
+
+/// The Neutron API.
+#[derive(Clone, Debug)]
+pub struct Neutron {
+    client: Client,
+}
+
+impl Neutron {
+    pub(crate) fn new(client: Client) -> Self {
+        Self { client }
+    }
+
+    // ---- ports ----
+
+    /// Creates one port.
+    pub async fn create_port(&self, mut port: PortCreate) -> Result<Port, Error> {
+        fill_project(&mut port.project_id, &self.client);
+        self.create("ports.create", "/ports", "port", &port).await
+    }
+
+    /// Creates ports in one atomic bulk call: all or none. An empty list sends nothing.
+    pub async fn create_ports(&self, mut ports: Vec<PortCreate>) -> Result<Vec<Port>, Error> {
+        if ports.is_empty() {
+            return Ok(Vec::new());
+        }
+        for p in &mut ports {
+            fill_project(&mut p.project_id, &self.client);
+        }
+        let req = ApiRequest::with_json(NET, "ports.create_bulk", Method::POST, "/ports", &Wrap::new("ports", &ports))?;
+        let created: Vec<Port> = self.client.json_field::<Vec<Port>>(req, "ports").await?;
+        if created.len() != ports.len() {
+            return Err(Error::InvalidRequest(format!(
+                "ports.create_bulk: asked for {} ports, Neutron returned {}",
+                ports.len(),
+                created.len()
+            )));
+        }
+        Ok(created)
+    }
+
+    pub async fn get_port(&self, id: &str) -> Result<Port, Error> {
+        self.get("ports.show", "/ports", id, "port").await
+    }
+
+    /// Every port matching `filter`, following pages.
+    pub async fn list_ports(&self, filter: &Filter) -> Result<Vec<Port>, Error> {
+        self.list("ports.list", "/ports", "ports", filter).await
+    }
+
+    /// The ports among `ids` (that still exist) that also match `filter`, in as few calls as the
+    /// URL length allows: how the status of many ports is read at once.
+    pub async fn list_ports_by_ids(&self, ids: &[String], filter: &Filter) -> Result<Vec<Port>, Error> {
+        let mut out = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(MAX_IDS_PER_LIST) {
+            let f = filter.clone().ids(chunk.iter().map(String::as_str));
+            out.extend(self.list_ports(&f).await?);
+        }
+        Ok(out)
+    }
+
+    /// Changes a port. With `if_revision`, Neutron refuses ([`Error::Conflict`], HTTP 412) if
+    /// the port changed since that revision.
+    pub async fn update_port(&self, id: &str, update: &PortUpdate, if_revision: Option<u64>) -> Result<Port, Error> {
+        let path = format!("/ports/{}", require_id("port", id)?);
+        let mut req = ApiRequest::with_json(NET, "ports.update", Method::PUT, path, &Wrap::new("port", update))?;
+        if let Some(rev) = if_revision {
+            let v = format!("revision_number={rev}");
+            req.headers.insert(http::header::IF_MATCH, v.parse().map_err(|_| Error::InvalidRequest(v))?);
+        }
+        self.client.json_field::<Port>(req, "port").await
+    }
+
+    /// Deletes a port; `Ok(false)` if it was already gone.
+    pub async fn delete_port(&self, id: &str) -> Result<bool, Error> {
+        self.delete("ports.delete", "/ports", id).await
+    }
+
+    // ---- tags (any standard-attribute resource) ----
+
+    /// Replaces all tags of a resource.
+    pub async fn set_tags(&self, resource: TaggedResource, id: &str, tags: &[String]) -> Result<Vec<String>, Error> {
+        let path = format!("/{}/{}/tags", resource.collection(), require_id(resource.singular(), id)?);
+        let body = serde_json::json!({ "tags": tags });
+        let req = ApiRequest::with_json(NET, "tags.replace", Method::PUT, path, &body)?;
+        self.client.json_field::<Vec<String>>(req, "tags").await
+    }
+
+    /// Adds one tag (no-op if present).
+    pub async fn add_tag(&self, resource: TaggedResource, id: &str, tag: &str) -> Result<(), Error> {
+        let path = self.tag_path(resource, id, tag)?;
+        self.client.send(ApiRequest::new(NET, "tags.add", Method::PUT, path)).await.map(drop)
+    }
+
+    /// Removes one tag; `Ok(false)` if the resource did not have it.
+    pub async fn remove_tag(&self, resource: TaggedResource, id: &str, tag: &str) -> Result<bool, Error> {
+        let path = self.tag_path(resource, id, tag)?;
+        gone_is_false(self.client.send(ApiRequest::delete(NET, "tags.remove", path)).await)
+    }
+
+    fn tag_path(&self, resource: TaggedResource, id: &str, tag: &str) -> Result<String, Error> {
+        if tag.is_empty() {
+            return Err(Error::InvalidRequest("empty tag".into()));
+        }
+        Ok(format!("/{}/{}/tags/{}", resource.collection(), require_id(resource.singular(), id)?, path_segment(tag)))
+    }
+
+    // ---- networks, subnets ----
+
+    pub async fn create_network(&self, mut network: NetworkCreate) -> Result<Network, Error> {
+        fill_project(&mut network.project_id, &self.client);
+        self.create("networks.create", "/networks", "network", &network).await
+    }
+
+    pub async fn get_network(&self, id: &str) -> Result<Network, Error> {
+        self.get("networks.show", "/networks", id, "network").await
+    }
+
+    pub async fn list_networks(&self, filter: &Filter) -> Result<Vec<Network>, Error> {
+        self.list("networks.list", "/networks", "networks", filter).await
+    }
+
+    pub async fn delete_network(&self, id: &str) -> Result<bool, Error> {
+        self.delete("networks.delete", "/networks", id).await
+    }
+
+    pub async fn create_subnet(&self, mut subnet: SubnetCreate) -> Result<Subnet, Error> {
+        fill_project(&mut subnet.project_id, &self.client);
+        self.create("subnets.create", "/subnets", "subnet", &subnet).await
+    }
+
+    pub async fn get_subnet(&self, id: &str) -> Result<Subnet, Error> {
+        self.get("subnets.show", "/subnets", id, "subnet").await
+    }
+
+    pub async fn list_subnets(&self, filter: &Filter) -> Result<Vec<Subnet>, Error> {
+        self.list("subnets.list", "/subnets", "subnets", filter).await
+    }
+
+    pub async fn delete_subnet(&self, id: &str) -> Result<bool, Error> {
+        self.delete("subnets.delete", "/subnets", id).await
+    }
+
+    // ---- routers ----
+
+    pub async fn create_router(&self, mut router: RouterCreate) -> Result<Router, Error> {
+        fill_project(&mut router.project_id, &self.client);
+        self.create("routers.create", "/routers", "router", &router).await
+    }
+
+    pub async fn get_router(&self, id: &str) -> Result<Router, Error> {
+        self.get("routers.show", "/routers", id, "router").await
+    }
+
+    pub async fn list_routers(&self, filter: &Filter) -> Result<Vec<Router>, Error> {
+        self.list("routers.list", "/routers", "routers", filter).await
+    }
+
+    pub async fn delete_router(&self, id: &str) -> Result<bool, Error> {
+        self.delete("routers.delete", "/routers", id).await
+    }
+
+    /// Attaches a subnet or port to a router. Not repeated after an unclear failure: a second
+    /// add of the same subnet is refused by Neutron.
+    pub async fn add_router_interface(
+        &self,
+        router_id: &str,
+        what: &RouterInterface,
+    ) -> Result<RouterInterfaceInfo, Error> {
+        let path = format!("/routers/{}/add_router_interface", require_id("router", router_id)?);
+        let req = ApiRequest::with_json(NET, "routers.add_interface", Method::PUT, path, what)?.idempotent(false);
+        self.client.json(req).await
+    }
+
+    /// Detaches a subnet or port from a router.
+    pub async fn remove_router_interface(
+        &self,
+        router_id: &str,
+        what: &RouterInterface,
+    ) -> Result<RouterInterfaceInfo, Error> {
+        let path = format!("/routers/{}/remove_router_interface", require_id("router", router_id)?);
+        let req = ApiRequest::with_json(NET, "routers.remove_interface", Method::PUT, path, what)?;
+        self.client.json(req).await
+    }
+
+    // ---- floating IPs ----
+
+    pub async fn create_floating_ip(&self, mut fip: FloatingIpCreate) -> Result<FloatingIp, Error> {
+        fill_project(&mut fip.project_id, &self.client);
+        self.create("floatingips.create", "/floatingips", "floatingip", &fip).await
+    }
+
+    pub async fn get_floating_ip(&self, id: &str) -> Result<FloatingIp, Error> {
+        self.get("floatingips.show", "/floatingips", id, "floatingip").await
+    }
+
+    pub async fn list_floating_ips(&self, filter: &Filter) -> Result<Vec<FloatingIp>, Error> {
+        self.list("floatingips.list", "/floatingips", "floatingips", filter).await
+    }
+
+    /// Associates the floating IP with a port, or dissociates it (`port_id: None`).
+    pub async fn associate_floating_ip(&self, id: &str, assoc: &FloatingIpAssociation) -> Result<FloatingIp, Error> {
+        let path = format!("/floatingips/{}", require_id("floating IP", id)?);
+        let req = ApiRequest::with_json(NET, "floatingips.update", Method::PUT, path, &Wrap::new("floatingip", assoc))?;
+        self.client.json_field::<FloatingIp>(req, "floatingip").await
+    }
+
+    pub async fn delete_floating_ip(&self, id: &str) -> Result<bool, Error> {
+        self.delete("floatingips.delete", "/floatingips", id).await
+    }
+
+    // ---- shared shapes: `{"<singular>": {...}}` in and out, `{"<plural>": [...]}` lists ----
+
+    async fn create<B: Serialize, T: DeserializeOwned>(
+        &self,
+        operation: &'static str,
+        path: &str,
+        key: &'static str,
+        body: &B,
+    ) -> Result<T, Error> {
+        let req = ApiRequest::with_json(NET, operation, Method::POST, path, &Wrap::new(key, body))?;
+        self.client.json_field::<T>(req, key).await
+    }
+
+    async fn get<T: DeserializeOwned>(
+        &self,
+        operation: &'static str,
+        collection: &str,
+        id: &str,
+        key: &'static str,
+    ) -> Result<T, Error> {
+        let path = format!("{collection}/{}", require_id(key, id)?);
+        self.client.json_field(ApiRequest::get(NET, operation, path), key).await
+    }
+
+    async fn delete(&self, operation: &'static str, collection: &str, id: &str) -> Result<bool, Error> {
+        let path = format!("{collection}/{}", require_id(collection.trim_start_matches('/'), id)?);
+        gone_is_false(self.client.send(ApiRequest::delete(NET, operation, path)).await)
+    }
+
+    async fn list<T: DeserializeOwned + HasId>(
+        &self,
+        operation: &'static str,
+        path: &str,
+        key: &'static str,
+        filter: &Filter,
+    ) -> Result<Vec<T>, Error> {
+        self.client.list_paged(NET, operation, path, key, filter, PAGE_SIZE).await
+    }
+}
+
+/// Resources that carry tags (Neutron's standard attributes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaggedResource {
+    Port,
+    Network,
+    Subnet,
+    Router,
+    FloatingIp,
+    SecurityGroup,
+}
+
+impl TaggedResource {
+    fn collection(self) -> &'static str {
+        match self {
+            Self::Port => "ports",
+            Self::Network => "networks",
+            Self::Subnet => "subnets",
+            Self::Router => "routers",
+            Self::FloatingIp => "floatingips",
+            Self::SecurityGroup => "security-groups",
+        }
+    }
+
+    fn singular(self) -> &'static str {
+        match self {
+            Self::Port => "port",
+            Self::Network => "network",
+            Self::Subnet => "subnet",
+            Self::Router => "router",
+            Self::FloatingIp => "floating IP",
+            Self::SecurityGroup => "security group",
+        }
+    }
+}
+
+macro_rules! has_id {
+    ($($t:ty),*) => { $(impl HasId for $t { fn id(&self) -> &str { &self.id } })* };
+}
+has_id!(Port, Network, Subnet, Router, FloatingIp);
+
+fn fill_project(project_id: &mut Option<String>, client: &Client) {
+    if project_id.is_none() {
+        *project_id = client.body_project_id();
+    }
+}
+
+/// A delete or tag removal: gone already is not a failure, only reported.
+pub(crate) fn gone_is_false<T>(r: Result<T, Error>) -> Result<bool, Error> {
+    match r {
+        Ok(_) => Ok(true),
+        Err(e) if e.is_not_found() => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+#[path = "tests.rs"]
+mod tests;

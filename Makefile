@@ -10,10 +10,12 @@ BENCH_PODS ?= 200
 
 all: build
 
-## setup: install system packages and build the Go test tools (kube-apiserver, etcd, grpcurl, cnitool)
+## setup: install system packages, build the Go test tools (kube-apiserver, etcd, grpcurl, cnitool) and
+## the pinned venvs of Keystone, Neutron and Octavia (tests/env/openstack)
 setup:
 	bash tests/env/setup.sh
 	bash tests/env/tools.sh
+	bash tests/env/openstack/setup.sh
 
 ## tools: build only the Go test tools (cached; fast when warm)
 tools:
@@ -45,6 +47,11 @@ bench: tools
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
+
+## openstack: only the OpenStack venvs (cached; fast when warm)
+.PHONY: openstack
+openstack:
+	bash tests/env/openstack/setup.sh
 
 .PHONY: lab lab-down
 

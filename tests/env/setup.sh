@@ -7,6 +7,9 @@ PACKAGES=(
   containerd runc busybox-static containernetworking-plugins
   openvswitch-switch nftables iproute2 ethtool conntrack iputils-ping
   jq openssl curl gcc libc6-dev make protobuf-compiler
+  # The real OpenStack services (tests/env/openstack): their database, message bus, and the
+  # helper that carries the node agent's AMQP connection into its network namespace.
+  mariadb-server rabbitmq-server socat
 )
 
 if [[ $(id -u) -ne 0 ]]; then

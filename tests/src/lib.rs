@@ -6,10 +6,13 @@
 //!   CRI client that drives pod sandboxes exactly as kubelet does.
 //! - [`services`]: the project's own binaries as processes; grpcurl.
 //! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
+//! - [`lbserver`]: a scripted kuryr-lbaas (real gRPC server, test-chosen load balancer specs).
 //! - [`binder`]: a kuryr-binder process in a node network namespace.
 //! - [`node`]: a test node: containerd + kuryr-cni + kuryr-binder in one network namespace.
 //! - [`cluster`]: a whole embedded-backend cluster: API server, watcher, allocator, an underlay
 //!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
+//! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
+//!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
@@ -21,8 +24,10 @@ pub mod cluster;
 pub mod cri;
 pub mod kube;
 pub mod kubelet;
+pub mod lbserver;
 pub mod netns;
 pub mod node;
+pub mod openstack;
 pub mod services;
 pub mod shim;
 pub mod util;

@@ -1,0 +1,60 @@
+# Shared by the OpenStack environment scripts (sourced, not run). Defines where the venvs live,
+# how the Python interpreter and uv are found, and the small process helpers every up/down script
+# uses. Callers set SCRIPT (their name, for messages) before sourcing.
+
+OS_HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# Venvs, the uv tool and its download cache; kept between runs (a warm setup takes seconds).
+OS_CACHE="${KURYR_OPENSTACK_CACHE:-/var/cache/kuryr-rs/openstack}"
+# uv resolves and installs the pinned sets several times faster than pip; itself pinned.
+UV_VERSION=0.13.8
+UV="$OS_CACHE/uv-tool/bin/uv"
+export UV_CACHE_DIR="$OS_CACHE/uv-cache"
+OS_SERVICES=(keystone neutron octavia)
+
+log() { printf '%s: %s\n' "${SCRIPT:-openstack}" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# The venv of a service (keystone, neutron, octavia).
+venv_dir() { printf '%s/%s' "$OS_CACHE" "$1"; }
+
+# Prints a Python ≥ 3.11 interpreter's real path: $KURYR_PYTHON, else python3.11 (the version the
+# constraints are resolved for), python3.12, python3.13, python3, else a pyenv one. The OpenStack
+# releases pinned here need ≥ 3.11.
+find_python() {
+    local c p
+    for c in ${KURYR_PYTHON:-} python3.11 python3.12 python3.13 python3 /usr/bin/python3 \
+        "$HOME"/.pyenv/versions/3.1[1-9]*/bin/python3; do
+        p="$(command -v "$c" 2>/dev/null)" || continue
+        "$p" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || continue
+        # pyenv shims re-resolve on every call; the venv must point at one fixed interpreter.
+        "$p" -c 'import sys; print(sys.executable)'
+        return 0
+    done
+    return 1
+}
+
+# N TCP ports on 127.0.0.1 that are free right now (held open together, so distinct).
+free_ports() {
+    python3 - "$1" <<'EOF'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+# A zombie (exited, not yet reaped) counts as gone.
+alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
+
+# Installs uv (pinned) from PyPI into a venv of its own unless it is there already.
+ensure_uv() {
+    local python="$1"
+    [[ "$("$UV" --version 2>/dev/null)" == "uv $UV_VERSION"* ]] && return 0
+    log "installing uv $UV_VERSION"
+    rm -rf "$OS_CACHE/uv-tool"
+    "$python" -m venv "$OS_CACHE/uv-tool" || die "python -m venv failed for $python"
+    "$OS_CACHE/uv-tool/bin/pip" install -q "uv==$UV_VERSION" || die "pip install uv==$UV_VERSION failed"
+}

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Stops what up.sh started in STATE_DIR, by the pids it recorded (never by process name), newest
+# first: TERM to the process's group (each server was started as a session leader, so its workers
+# and helpers share its group), KILL after a bound — the Neutron agent and RPC workers ignore
+# TERM. Before that, Open vSwitch's bridges and userspace datapath are deleted (or its TAP
+# devices would outlive it), and afterwards the node network namespace. Idempotent: a missing
+# state dir or an already-gone process is success.
+#
+#   down.sh STATE_DIR [--purge]     --purge also removes STATE_DIR afterwards
+#
+# A pid is only signalled while its environment carries KURYR_OS_STATE=STATE_DIR (every process
+# up.sh starts has it), so a pid reused by an unrelated process is left alone.
+set -euo pipefail
+SCRIPT=openstack/down.sh
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+[[ $# -ge 1 && $# -le 2 ]] || die "usage: down.sh STATE_DIR [--purge]"
+purge=0
+[[ "${2:-}" == --purge ]] && purge=1
+[[ $# -eq 2 && $purge -eq 0 ]] && die "unknown option '$2'"
+[[ -d "$1" ]] || exit 0
+STATE="$(cd "$1" && pwd)"
+PIDS="$STATE/pids"
+GRACE="${OS_DOWN_GRACE:-5}"
+
+ours() { tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF "KURYR_OS_STATE=$STATE"; }
+
+# stop NAME: ends the process recorded in pids/NAME.pid and everything in its process group.
+stop() {
+    local name="$1" f pid deadline
+    f="$PIDS/$name.pid"
+    [[ -f "$f" ]] || return 0
+    pid="$(cat "$f")"
+    if [[ "$pid" =~ ^[0-9]+$ && "$pid" != "$$" ]] && alive "$pid"; then
+        if ours "$pid"; then
+            kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+            deadline=$((SECONDS + GRACE))
+            while alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
+            # The group too: uWSGI workers and agent helpers may linger after their leader.
+            kill -KILL -- "-$pid" 2>/dev/null || true
+            if alive "$pid"; then
+                log "$name (pid $pid) ignored TERM for ${GRACE}s; sent KILL"
+                kill -KILL "$pid" 2>/dev/null || true
+                for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
+            fi
+        else
+            log "pid $pid in $f is not a process of $STATE any more; leaving it alone"
+        fi
+    fi
+    rm -f "$f"
+}
+
+[[ -d "$PIDS" ]] || { [[ $purge -eq 1 ]] && rm -rf "$STATE"; exit 0; }
+
+# The watchdog first (it execs this script: never signal ourselves).
+stop watchdog
+
+# Open vSwitch, while ovs-vswitchd is still there to do it.
+netns="$(cat "$STATE/netns" 2>/dev/null || true)"
+if [[ -f "$PIDS/ovs-vswitchd.pid" && -n "$netns" ]]; then
+    ovs=(nsenter --net="/var/run/netns/$netns" env OVS_RUNDIR="$STATE/ovs/run" OVS_DBDIR="$STATE/ovs/db"
+        OVS_LOGDIR="$STATE/ovs/log" OVS_SYSCONFDIR="$STATE/ovs/etc")
+    # The agent would recreate what is deleted under it.
+    stop neutron-agent
+    for br in $("${ovs[@]}" ovs-vsctl --timeout=5 list-br 2>/dev/null); do
+        "${ovs[@]}" ovs-vsctl --timeout=5 --if-exists del-br "$br" || true
+    done
+    "${ovs[@]}" ovs-appctl --timeout=5 -t ovs-vswitchd dpctl/del-dp netdev@ovs-netdev >/dev/null 2>&1 || true
+fi
+
+# Everything else, newest first.
+if [[ -f "$STATE/start-order" ]]; then
+    for name in $(tac "$STATE/start-order"); do stop "$name"; done
+fi
+for f in "$PIDS"/*.pid; do
+    [[ -e "$f" ]] && stop "$(basename "$f" .pid)"
+done
+
+if [[ -n "$netns" ]]; then
+    ip netns del "$netns" 2>/dev/null || true
+    rm -f "$STATE/netns"
+fi
+rm -f "$STATE/start-order"
+if [[ $purge -eq 1 ]]; then
+    rm -rf "$STATE"
+fi

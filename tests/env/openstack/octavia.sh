@@ -1,0 +1,1 @@
+start_octavia() { die "octavia: not written yet"; }

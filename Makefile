@@ -5,7 +5,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 export KURYR_TOOLS_DIR ?= /var/cache/kuryr-rs/bin
 
-.PHONY: all setup tools build lint test test-unit bench clean
+.PHONY: all setup tools build lint test test-unit bench bench-e2e clean
 BENCH_PODS ?= 200
 
 all: build
@@ -47,6 +47,16 @@ bench: tools
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
+	$(MAKE) --no-print-directory bench-e2e
+
+## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
+## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
+## with many pods (BENCH_E2E_RSS_PODS)
+bench-e2e: tools
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin e2e-bench
+	$(CARGO) build --profile shim -p kuryr-cni
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/e2e-bench
 
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack

@@ -1,0 +1,923 @@
+//! `make bench`, end to end: the embedded system measured as a user meets it, with optimised
+//! binaries (point `KURYR_BIN_DIR` at them).
+//!
+//! 1. **Pod created → network ready.** A two-node cluster ([`Cluster`]: real API server, watcher,
+//!    allocator, per-node containerd + kuryr-cni + kuryr-binder, the test kubelet driving CRI).
+//!    Pods are created through the API at a steady rate, alternating between the nodes; for each
+//!    one the time from the create request to RunPodSandbox returning in its node's kubelet
+//!    (CNI ADD done, sandbox up). Where the time goes comes from timestamps already there: the
+//!    kubelet's records, the allocator's "VIF handed out" and the binder's "ADD done" log lines
+//!    (with the binder's own per-ADD fields), and the allocator's metrics.
+//! 2. **Allocations per second.** A burst of pods created at once, bound to node names that no
+//!    kubelet runs (so no CRI work competes); a watch on PodVifs marks each one allocated when
+//!    its status carries addresses.
+//! 3. **Watcher memory.** A fresh API server holding many pods (bound to fake nodes, no
+//!    sandboxes) in two namespaces, and `kuryr-watcher` alone (no allocator) with one subscriber:
+//!    its RSS idle and once its index holds every pod.
+//!
+//! Environment: `BENCH_E2E_PODS` (default 500), `BENCH_E2E_RATE` (pods/s, default 20),
+//! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part.
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::watcher;
+use kuryr_proto::service_names;
+use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
+use kuryr_proto::watcher::v1::{EventType, Filter, Kind, SubscribeRequest};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::kubelet::PodRecord;
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root};
+use kuryr_vif_allocator::crd::PodVif;
+
+/// Namespace of the steady-rate pods.
+const LATENCY_NS: &str = "bench-latency";
+/// Namespace of the burst.
+const BURST_NS: &str = "bench-burst";
+/// Node names of the burst pods: no kubelet runs them.
+const BURST_NODES: [&str; 2] = ["burst-a", "burst-b"];
+/// Namespaces of the pods held by the watcher in part 3.
+const RSS_NS: [&str; 2] = ["bench-rss-a", "bench-rss-b"];
+/// Fake nodes the part-3 pods are bound to.
+const RSS_NODES: usize = 100;
+/// Concurrent create requests for bulk creation.
+const CREATE_CONCURRENCY: usize = 64;
+
+/// Targets the figures are held against.
+const TARGET_P50_MS: f64 = 50.0;
+const TARGET_P99_MS: f64 = 150.0;
+const TARGET_WATCHER_RSS_MIB: f64 = 80.0;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => {
+            v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a valid value: {e}"))
+        }
+        _ => Ok(default),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    pods: usize,
+    rate: f64,
+    burst: usize,
+    rss_pods: usize,
+}
+
+impl Config {
+    fn from_env() -> Result<Config> {
+        let c = Config {
+            pods: env_or("BENCH_E2E_PODS", 500)?,
+            rate: env_or("BENCH_E2E_RATE", 20.0)?,
+            burst: env_or("BENCH_E2E_BURST", 200)?,
+            rss_pods: env_or("BENCH_E2E_RSS_PODS", 10_000)?,
+        };
+        ensure!(c.rate.is_finite() && c.rate > 0.0, "BENCH_E2E_RATE must be a positive number of pods per second");
+        ensure!(c.pods <= 5_000, "BENCH_E2E_PODS={} is more than this machine-local cluster can hold", c.pods);
+        Ok(c)
+    }
+}
+
+fn main() -> Result<()> {
+    let cfg = Config::from_env()?;
+    tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build()?.block_on(run(cfg))
+}
+
+async fn run(cfg: Config) -> Result<()> {
+    let t = Instant::now();
+    let mut report = Report::default();
+    if cfg.pods > 0 || cfg.burst > 0 {
+        cluster_parts(cfg, &mut report).await?;
+    }
+    if cfg.rss_pods > 0 {
+        watcher_memory(cfg.rss_pods, &mut report).await?;
+    }
+    report.print();
+    println!("(e2e bench took {:.0} s)", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Figures
+
+/// Summary of a sample, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+struct Stats {
+    n: usize,
+    mean: f64,
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    max: f64,
+}
+
+impl Stats {
+    fn of(values: &[f64]) -> Option<Stats> {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let pct = |p: f64| v[(((v.len() - 1) as f64) * p).round() as usize];
+        Some(Stats {
+            n: v.len(),
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+            p50: pct(0.50),
+            p90: pct(0.90),
+            p99: pct(0.99),
+            max: v[v.len() - 1],
+        })
+    }
+}
+
+/// Everything measured, printed at the end as tables.
+#[derive(Debug, Default)]
+struct Report {
+    /// Headline latency rows: (label, stats, target).
+    latency: Vec<(String, Stats, String)>,
+    /// Where the time goes: (label, stats).
+    breakdown: Vec<(String, Stats)>,
+    /// Free-form figures: (label, value, target).
+    figures: Vec<(String, String, String)>,
+    /// Notes under the tables.
+    notes: Vec<String>,
+}
+
+impl Report {
+    fn figure(&mut self, label: impl Into<String>, value: impl Into<String>, target: impl Into<String>) {
+        let (label, value, target) = (label.into(), value.into(), target.into());
+        eprintln!("  {label}: {value}");
+        self.figures.push((label, value, target));
+    }
+
+    fn print(&self) {
+        let header = |first: &str| {
+            println!("{first:<58} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8}", "n", "mean", "p50", "p90", "p99", "max");
+        };
+        let row = |label: &str, s: &Stats| {
+            print!(
+                "{label:<58} {:>5} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+                s.n, s.mean, s.p50, s.p90, s.p99, s.max
+            );
+        };
+        if !self.latency.is_empty() {
+            println!();
+            header("# pod created in the API → network ready (ms)");
+            for (label, s, target) in &self.latency {
+                row(label, s);
+                println!("  {target}");
+            }
+        }
+        if !self.breakdown.is_empty() {
+            println!();
+            header("# where the time goes (ms, each pod's own timeline)");
+            for (label, s) in &self.breakdown {
+                row(label, s);
+                println!();
+            }
+        }
+        if !self.figures.is_empty() {
+            println!();
+            println!("{:<58} {:>22}  target", "# throughput and memory", "value");
+            for (label, value, target) in &self.figures {
+                println!("{label:<58} {value:>22}  {target}");
+            }
+        }
+        for n in &self.notes {
+            println!("note: {n}");
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `b - a` in milliseconds, negative when `b` is earlier.
+fn ms_between(a: Instant, b: Instant) -> f64 {
+    match b.checked_duration_since(a) {
+        Some(d) => ms(d),
+        None => -ms(a.duration_since(b)),
+    }
+}
+
+/// Maps this process's monotonic instants onto the wall clock that log timestamps use.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    instant: Instant,
+    wall_us: i64,
+}
+
+impl Clock {
+    fn now() -> Clock {
+        Clock { instant: Instant::now(), wall_us: Timestamp::now().as_microsecond() }
+    }
+
+    fn wall_us(&self, at: Instant) -> i64 {
+        let delta = ms_between(self.instant, at) * 1e3;
+        self.wall_us + delta as i64
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes and metrics
+
+/// (VmRSS, VmHWM) of a process, in MiB.
+fn rss_mib(pid: u32) -> Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("pid {pid}"))?;
+    let field = |name: &str| -> Result<f64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .map(|kib| kib / 1024.0)
+            .with_context(|| format!("no {name} in /proc/{pid}/status"))
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+fn mib(v: f64) -> String {
+    format!("{v:.1} MiB")
+}
+
+/// The Prometheus text of a service's `/metrics`.
+async fn scrape(addr: &str) -> Result<String> {
+    let url = format!("http://{addr}/metrics");
+    let out = tokio::process::Command::new("curl").args(["-sf", "--max-time", "10", &url]).output().await?;
+    ensure!(out.status.success(), "GET {url} failed");
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The value of one series (`name` or `name{labels}` exactly as exposed).
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Log lines
+
+/// One log event: its wall-clock time and its fields.
+#[derive(Debug, Clone)]
+struct LogLine {
+    wall_us: i64,
+    fields: HashMap<String, String>,
+}
+
+impl LogLine {
+    fn ms(&self, name: &str) -> Option<f64> {
+        self.fields.get(name)?.parse().ok()
+    }
+}
+
+/// The events whose message is `message`, by their `pod` field. Lines look like
+/// `2025-01-01T00:00:00.123456Z  INFO span{..}: target: message key=value key="value"`.
+fn log_events(logs: &str, message: &str) -> HashMap<String, LogLine> {
+    let mut out = HashMap::new();
+    for line in logs.lines() {
+        let Some((ts, rest)) = line.split_once(' ') else { continue };
+        let Ok(ts) = ts.parse::<Timestamp>() else { continue };
+        let Some(pos) = rest.find(&format!(": {message} ")).or_else(|| rest.ends_with(message).then_some(0)) else {
+            continue;
+        };
+        let fields = parse_fields(&rest[pos + message.len() + 2..]);
+        if let Some(pod) = fields.get("pod") {
+            out.insert(pod.clone(), LogLine { wall_us: ts.as_microsecond(), fields });
+        }
+    }
+    out
+}
+
+/// `key=value key="quoted value" key=[a, b]` → map (quotes removed).
+fn parse_fields(text: &str) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    let mut rest = text.trim();
+    while let Some(eq) = rest.find('=') {
+        let key = rest[..eq].trim().to_string();
+        let after = &rest[eq + 1..];
+        let (value, next) = if let Some(q) = after.strip_prefix('"') {
+            let end = q.find('"').unwrap_or(q.len());
+            (&q[..end], q.get(end + 1..).unwrap_or(""))
+        } else if after.starts_with('[') {
+            let end = after.find(']').map_or(after.len(), |e| e + 1);
+            (&after[..end], &after[end..])
+        } else {
+            let end = after.find(' ').unwrap_or(after.len());
+            (&after[..end], &after[end..])
+        };
+        out.insert(key, value.to_string());
+        rest = next.trim_start();
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pods
+
+fn pod(namespace: &str, name: &str, node: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            labels: Some([("app".to_string(), "bench".to_string())].into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![Container {
+                name: "main".into(),
+                image: Some("busybox".into()),
+                command: Some(vec!["sleep".into(), "1000000".into()]),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+async fn create_namespace(client: &kube::Client, name: &str) -> Result<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns =
+        Namespace { metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() }, ..Namespace::default() };
+    api.create(&PostParams::default(), &ns).await.with_context(|| format!("creating namespace {name}"))?;
+    Ok(())
+}
+
+/// Creates `pods` with at most [`CREATE_CONCURRENCY`] requests in flight; returns how long it took.
+async fn create_all(client: &kube::Client, pods: Vec<Pod>) -> Result<Duration> {
+    let t = Instant::now();
+    futures::stream::iter(pods)
+        .map(|p| {
+            let api: Api<Pod> = Api::namespaced(client.clone(), p.metadata.namespace.as_deref().unwrap_or("default"));
+            async move {
+                let name = p.metadata.name.clone().unwrap_or_default();
+                api.create(&PostParams::default(), &p).await.with_context(|| format!("creating pod {name}"))
+            }
+        })
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
+    Ok(t.elapsed())
+}
+
+/// Polls `f` every 200 ms until it succeeds, printing its progress message when it changes.
+async fn wait_progress<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_print = Instant::now();
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() >= deadline => return Err(e.context(format!("timed out waiting for {what}"))),
+            Err(e) => {
+                if last_print.elapsed() > Duration::from_secs(5) {
+                    eprintln!("  waiting for {what}: {e:#}");
+                    last_print = Instant::now();
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parts 1 and 2: the two-node cluster
+
+async fn cluster_parts(cfg: Config, report: &mut Report) -> Result<()> {
+    eprintln!("# starting a two-node cluster (release binaries from {})", bin_dir());
+    let opts = ClusterOptions { nodes: 2, ..ClusterOptions::default() };
+    let cluster = Cluster::start(opts).await.context("starting the cluster")?;
+    eprintln!("  up in {:.1} s", cluster.started_in().as_secs_f64());
+    let outcome = cluster_scenario(&cluster, cfg, report).await;
+    if let Err(e) = &outcome {
+        eprintln!("{e:#}\n{}", tail(&cluster.logs(), 200));
+    }
+    let t = Instant::now();
+    let down = cluster.shutdown().await;
+    eprintln!("  cluster down in {:.1} s", t.elapsed().as_secs_f64());
+    outcome?;
+    down.map(drop)
+}
+
+fn bin_dir() -> String {
+    std::env::var("KURYR_BIN_DIR").unwrap_or_else(|_| "target/{debug,release}".into())
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let v: Vec<&str> = text.lines().collect();
+    v[v.len().saturating_sub(lines)..].join("\n")
+}
+
+async fn cluster_scenario(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<()> {
+    // Idle memory: services up, no pods yet.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let watcher_pid = cluster.watcher().pid().context("watcher pid")?;
+    let allocator_pid = cluster.allocator().pid().context("allocator pid")?;
+    report.figure("kuryr-watcher RSS, idle (2 nodes, no pods)", mib(rss_mib(watcher_pid)?.0), "");
+    report.figure("kuryr-vif-allocator RSS, idle", mib(rss_mib(allocator_pid)?.0), "");
+    for n in cluster.nodes() {
+        if let Some(pid) = n.node.binder.pid() {
+            report.figure(format!("kuryr-binder {} RSS, idle", n.name), mib(rss_mib(pid)?.0), "");
+        }
+    }
+    if cfg.pods > 0 {
+        latency(cluster, cfg, report).await?;
+    }
+    if cfg.burst > 0 {
+        burst(cluster, cfg.burst, report).await?;
+    }
+    Ok(())
+}
+
+/// What the bench knows of one steady-rate pod.
+#[derive(Debug)]
+struct Created {
+    name: String,
+    node: String,
+    /// The create request was sent.
+    sent: Instant,
+    /// Its response arrived.
+    answered: Instant,
+}
+
+async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<()> {
+    let client = cluster.client();
+    create_namespace(&client, LATENCY_NS).await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), LATENCY_NS);
+    let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name.clone()).collect();
+    let clock = Clock::now();
+    let allocs_before = allocator_counter(cluster).await?;
+    eprintln!("# part 1: {} pods at {} pods/s over {} nodes", cfg.pods, cfg.rate, nodes.len());
+
+    // A steady rate: pod i is sent at start + i/rate whatever the earlier requests are doing.
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let period = Duration::from_secs_f64(1.0 / cfg.rate);
+    let mut handles = Vec::with_capacity(cfg.pods);
+    for i in 0..cfg.pods {
+        tokio::time::sleep_until(start + period.mul_f64(i as f64)).await;
+        let (name, node) = (format!("lat-{i:04}"), nodes[i % nodes.len()].clone());
+        let api = api.clone();
+        handles.push(tokio::spawn(async move {
+            let body = pod(LATENCY_NS, &name, &node);
+            let sent = Instant::now();
+            api.create(&PostParams::default(), &body).await.with_context(|| format!("creating pod {name}"))?;
+            anyhow::Ok(Created { name, node, sent, answered: Instant::now() })
+        }));
+    }
+    let sending = start.elapsed();
+    let mut created = Vec::with_capacity(cfg.pods);
+    for h in handles {
+        created.push(h.await??);
+    }
+    eprintln!(
+        "  {} creates sent in {:.1} s ({:.1}/s)",
+        created.len(),
+        sending.as_secs_f64(),
+        created.len() as f64 / sending.as_secs_f64()
+    );
+
+    // Every pod's sandbox up, as its kubelet records it.
+    let records = wait_progress("every sandbox running", Duration::from_secs(180), || async {
+        let records = kubelet_records(cluster);
+        let ready = created.iter().filter(|c| records.get(&c.name).is_some_and(|r| r.network_ready.is_some())).count();
+        ensure!(ready == created.len(), "{ready}/{} sandboxes up", created.len());
+        Ok(records)
+    })
+    .await?;
+    let all_up = start.elapsed();
+    eprintln!("  all sandboxes up {:.1} s after the first create", all_up.as_secs_f64());
+
+    let allocator_metrics = scrape(&cluster.allocator().metrics).await?;
+    let handed = log_events(&cluster.allocator().logs(), "VIF handed out");
+    let mut adds: HashMap<String, LogLine> = HashMap::new();
+    for n in cluster.nodes() {
+        adds.extend(log_events(&n.node.binder_logs(), "ADD done"));
+    }
+
+    // Each pod's timeline, in ms since its create request was sent.
+    let mut s = Series::default();
+    let mut retried = 0;
+    for c in &created {
+        let r = &records[&c.name];
+        let key = format!("{LATENCY_NS}/{}", c.name);
+        let (Some(network_ready), Some(call)) = (r.network_ready, r.sandbox_call) else { continue };
+        let sent_us = clock.wall_us(c.sent);
+        let since = |wall_us: i64| (wall_us - sent_us) as f64 / 1e3;
+        let returned = r.first_seen + network_ready;
+        let rps_start = returned - call;
+        if r.attempts > 1 {
+            retried += 1;
+        }
+        s.push("e2e", ms_between(c.sent, returned));
+        s.push("create", ms_between(c.sent, c.answered));
+        s.push("seen", ms_between(c.sent, r.first_seen));
+        s.push("kubelet", ms_between(r.first_seen, rps_start));
+        s.push("rps", ms(call));
+        if let Some(h) = handed.get(&key) {
+            s.push("handed", since(h.wall_us));
+        }
+        if let Some(a) = adds.get(&key) {
+            let (took, wait, plug) = (a.ms("took_ms"), a.ms("vif_wait_ms"), a.ms("plug_ms"));
+            s.push("add_done", since(a.wall_us));
+            if let Some(took) = took {
+                let add_start = since(a.wall_us) - took;
+                s.push("add", took);
+                s.push("pre_cni", add_start - ms_between(c.sent, rps_start));
+                s.push("post_cni", ms_between(c.sent, returned) - since(a.wall_us));
+                if let (Some(wait), Some(plug)) = (wait, plug) {
+                    s.push("vif_wait", wait);
+                    s.push("plug", plug);
+                    s.push("ready_wait", took - wait - plug);
+                }
+            }
+            if let Some(h) = handed.get(&key) {
+                s.push("handed_to_add", since(a.wall_us) - since(h.wall_us));
+            }
+        }
+    }
+    let e2e = s.stats("e2e").context("no pod measured")?;
+    let verdict = |v: f64, target: f64| if v <= target { "met" } else { "MISSED" };
+    report.latency.push((
+        format!("created → RunPodSandbox returned ({} pods, {}/s)", cfg.pods, cfg.rate),
+        e2e,
+        format!(
+            "target p50 ≤ {TARGET_P50_MS} ({}), p99 ≤ {TARGET_P99_MS} ({})",
+            verdict(e2e.p50, TARGET_P50_MS),
+            verdict(e2e.p99, TARGET_P99_MS)
+        ),
+    ));
+    if let Some(add) = s.stats("add_done") {
+        report.latency.push(("created → CNI ADD returned (binder's ADD done)".into(), add, String::new()));
+    }
+    for (key, label) in [
+        ("create", "API create request round trip"),
+        ("seen", "created → kubelet's watch delivers the pod"),
+        ("handed", "created → allocator: VIF handed out (PodVif status)"),
+        ("kubelet", "kubelet: seen → RunPodSandbox sent (ListPodSandbox)"),
+        ("pre_cni", "containerd: RunPodSandbox → kuryr-cni ADD reaches binder"),
+        ("vif_wait", "binder: ADD waiting for the VIF on WatchVifs"),
+        ("plug", "binder: plugging (netlink)"),
+        ("ready_wait", "binder: ReportPlugged → VIF READY"),
+        ("add", "binder: ADD total"),
+        ("handed_to_add", "VIF handed out → binder's ADD done"),
+        ("post_cni", "containerd: ADD done → RunPodSandbox returned"),
+        ("rps", "RunPodSandbox call as a whole"),
+    ] {
+        if let Some(st) = s.stats(key) {
+            report.breakdown.push((label.to_string(), st));
+        }
+    }
+    if let (Some(sum), Some(count)) = (
+        metric(&allocator_metrics, "kuryr_allocator_vif_ready_seconds_sum"),
+        metric(&allocator_metrics, "kuryr_allocator_vif_ready_seconds_count"),
+    ) && count > 0.0
+    {
+        report.notes.push(format!(
+            "allocator's own view (kuryr_allocator_vif_ready_seconds): first seen → VIF published, mean {:.1} ms over {count} VIFs",
+            sum / count * 1e3
+        ));
+    }
+    if handed.len() < created.len() || adds.len() < created.len() {
+        report.notes.push(format!(
+            "log timestamps found for {} of {} pods (allocator) and {} (binders)",
+            handed.iter().filter(|(k, _)| k.starts_with(LATENCY_NS)).count(),
+            created.len(),
+            adds.len()
+        ));
+    }
+    if retried > 0 {
+        report.notes.push(format!("{retried} pods needed more than one RunPodSandbox attempt"));
+    }
+    let allocs = allocator_counter(cluster).await? - allocs_before;
+    report.figure(
+        format!("steady rate: all {} sandboxes up after", cfg.pods),
+        format!("{:.1} s", all_up.as_secs_f64()),
+        format!("(creates sent over {:.1} s; {allocs:.0} VIFs allocated)", sending.as_secs_f64()),
+    );
+    report.figure(
+        format!("kuryr-watcher RSS with {} pods", cfg.pods),
+        mib(rss_mib(cluster.watcher().pid().context("watcher pid")?)?.0),
+        "",
+    );
+    report.figure(
+        format!("kuryr-vif-allocator RSS with {} pods", cfg.pods),
+        mib(rss_mib(cluster.allocator().pid().context("allocator pid")?)?.0),
+        "",
+    );
+    for n in cluster.nodes() {
+        if let Some(pid) = n.node.binder.pid() {
+            let count = created.iter().filter(|c| c.node == n.name).count();
+            report.figure(format!("kuryr-binder {} RSS with {count} pods", n.name), mib(rss_mib(pid)?.0), "");
+        }
+    }
+
+    // Tear down through the API, as users would: kubelets run CNI DEL, the allocator releases.
+    let t = Instant::now();
+    let dp = DeleteParams::default();
+    futures::stream::iter(created.iter())
+        .map(|c| {
+            let api = api.clone();
+            let dp = dp.clone();
+            async move { api.delete(&c.name, &dp).await.map(drop).with_context(|| format!("deleting {}", c.name)) }
+        })
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .try_for_each(|()| async { Ok(()) })
+        .await?;
+    wait_progress("every pod gone", Duration::from_secs(240), || async {
+        let left = api.list(&ListParams::default()).await?.items.len();
+        ensure!(left == 0, "{left} pods left");
+        Ok(())
+    })
+    .await?;
+    report.figure(
+        format!("teardown: {} pods deleted → gone (CNI DEL, release)", cfg.pods),
+        format!("{:.1} s", t.elapsed().as_secs_f64()),
+        "",
+    );
+    Ok(())
+}
+
+/// Named samples in ms.
+#[derive(Debug, Default)]
+struct Series(HashMap<&'static str, Vec<f64>>);
+
+impl Series {
+    fn push(&mut self, key: &'static str, v: f64) {
+        self.0.entry(key).or_default().push(v);
+    }
+
+    fn stats(&self, key: &str) -> Option<Stats> {
+        Stats::of(self.0.get(key)?)
+    }
+}
+
+/// Every kubelet's records, by pod name (the bench's pod names are unique across namespaces
+/// that are not ours only within [`LATENCY_NS`]).
+fn kubelet_records(cluster: &Cluster) -> HashMap<String, PodRecord> {
+    cluster
+        .kubelets()
+        .iter()
+        .flat_map(|k| k.pods())
+        .filter(|r| r.namespace == LATENCY_NS)
+        .map(|r| (r.name.clone(), r))
+        .collect()
+}
+
+async fn allocator_counter(cluster: &Cluster) -> Result<f64> {
+    let text = scrape(&cluster.allocator().metrics).await?;
+    metric(&text, "kuryr_allocator_allocations_total").context("no kuryr_allocator_allocations_total")
+}
+
+/// Part 2: `n` pods created at once; time until each PodVif has addresses.
+async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
+    eprintln!("# part 2: a burst of {n} pods (no sandboxes)");
+    let client = cluster.client();
+    create_namespace(&client, BURST_NS).await?;
+    let allocated: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let vifs: Api<PodVif> = Api::namespaced(client.clone(), BURST_NS);
+    let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
+    let watch = {
+        let allocated = allocated.clone();
+        tokio::spawn(async move {
+            let mut synced = Some(synced_tx);
+            let mut stream = std::pin::pin!(watcher(vifs, watcher::Config::default()));
+            while let Some(ev) = stream.next().await {
+                let vif = match ev {
+                    Ok(watcher::Event::Apply(v) | watcher::Event::InitApply(v)) => v,
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(tx) = synced.take() {
+                            let _ = tx.send(());
+                        }
+                        continue;
+                    }
+                    Ok(_) => continue,
+                    Err(e) => {
+                        eprintln!("  PodVif watch: {e} (retrying)");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                };
+                let has_ips = vif.status.as_ref().and_then(|s| s.vif.as_ref()).is_some_and(|v| !v.ips.is_empty());
+                if has_ips && let Some(name) = vif.metadata.name {
+                    allocated.lock().unwrap_or_else(PoisonError::into_inner).entry(name).or_insert_with(Instant::now);
+                }
+            }
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(30), synced_rx).await.context("PodVif watch not synced")??;
+    let before = allocator_counter(cluster).await?;
+
+    let pods: Vec<Pod> = (0..n).map(|i| pod(BURST_NS, &format!("burst-{i:04}"), BURST_NODES[i % 2])).collect();
+    let t0 = Instant::now();
+    let created_in = create_all(&client, pods).await?;
+    let done = wait_progress("every burst PodVif allocated", Duration::from_secs(300), || async {
+        let map = allocated.lock().unwrap_or_else(PoisonError::into_inner);
+        ensure!(map.len() >= n, "{}/{n} allocated", map.len());
+        Ok(map.values().copied().max().unwrap_or(t0))
+    })
+    .await?;
+    watch.abort();
+    let took = done.duration_since(t0);
+    let after = allocator_counter(cluster).await?;
+    let lat: Vec<f64> =
+        allocated.lock().unwrap_or_else(PoisonError::into_inner).values().map(|t| ms_between(t0, *t)).collect();
+    if let Some(st) = Stats::of(&lat) {
+        report.latency.push((format!("burst of {n}: first create sent → PodVif has addresses"), st, String::new()));
+    }
+    report.figure(
+        format!("allocations/s (burst of {n} at once, API server + allocator)"),
+        format!("{:.0} /s", n as f64 / took.as_secs_f64()),
+        format!(
+            "(all {n} in {:.2} s; creates took {:.2} s; allocator counted {:.0})",
+            took.as_secs_f64(),
+            created_in.as_secs_f64(),
+            after - before
+        ),
+    );
+    ensure!(after - before >= n as f64, "the allocator counted {} allocations for {n} pods", after - before);
+    report.figure(
+        format!("kuryr-vif-allocator RSS holding {} VIFs", after as u64),
+        mib(rss_mib(cluster.allocator().pid().context("allocator pid")?)?.0),
+        "",
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 3: the watcher's memory with many pods
+
+async fn watcher_memory(n: usize, report: &mut Report) -> Result<()> {
+    eprintln!("# part 3: kuryr-watcher with {n} pods in the API");
+    let kube = KubeEnv::start().await?;
+    let client = kube.client().await?;
+    kube.apply_yaml(&format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SYSTEM_NAMESPACE}\n")).await?;
+    kube.apply_file(&repo_root().join("deploy/rbac")).await?;
+    let kubeconfig = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
+    let dir = tempfile::Builder::new().prefix("kuryr-e2e-bench-").tempdir_in("/tmp")?;
+    let (port, mport) = (free_port()?, free_port()?);
+    let (addr, metrics_addr) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{mport}"));
+    let args: Vec<String> = [
+        "--listen",
+        &addr,
+        "--metrics-listen",
+        &metrics_addr,
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+        "--log",
+        "info",
+        "--shutdown-grace",
+        "2s",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut process = ServiceProcess::spawn("kuryr-watcher", &args, dir.path())?;
+    let outcome = watcher_memory_run(&client, n, &addr, &metrics_addr, &process, report).await;
+    if outcome.is_err() {
+        eprintln!("{}", tail(&process.logs(), 100));
+    }
+    process.terminate(Duration::from_secs(10)).await?;
+    drop(kube);
+    outcome
+}
+
+async fn watcher_memory_run(
+    client: &kube::Client,
+    n: usize,
+    addr: &str,
+    metrics_addr: &str,
+    process: &ServiceProcess,
+    report: &mut Report,
+) -> Result<()> {
+    let channel = kuryr_runtime::client::channel(addr)?;
+    wait_until("kuryr-watcher SERVING", Duration::from_secs(60), || {
+        kuryr_runtime::client::check_serving(channel.clone(), service_names::WATCHER)
+    })
+    .await?;
+    let pid = process.pid().context("watcher pid")?;
+
+    // One subscriber for pods, as the allocator is: it must receive every pod.
+    let received: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let req = SubscribeRequest {
+        kinds: vec![Kind::Pod as i32],
+        filter: Some(Filter { exclude_host_network: true, ..Filter::default() }),
+        resume_from: String::new(),
+        subscriber: "e2e-bench".into(),
+    };
+    let mut stream = WatcherClient::new(channel.clone()).subscribe(req).await?.into_inner();
+    let sub = {
+        let received = received.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(ev)) = stream.message().await {
+                if ev.r#type() == EventType::Applied
+                    && let Some(o) = ev.object
+                {
+                    received.lock().unwrap_or_else(PoisonError::into_inner).insert(o.uid);
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    report.figure("kuryr-watcher RSS, idle (empty cluster, 1 subscriber)", mib(rss_mib(pid)?.0), "");
+
+    for ns in RSS_NS {
+        create_namespace(client, ns).await?;
+    }
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| pod(RSS_NS[i % RSS_NS.len()], &format!("p-{i:05}"), &format!("fake-node-{}", i % RSS_NODES)))
+        .collect();
+    eprintln!("  creating {n} pods ({CREATE_CONCURRENCY} requests in flight)");
+    let t0 = Instant::now();
+    let created_in = create_all(client, pods).await?;
+    eprintln!("  created in {:.1} s ({:.0}/s)", created_in.as_secs_f64(), n as f64 / created_in.as_secs_f64());
+    let series = r#"kuryr_watcher_objects{kind="pod"}"#;
+    wait_progress("the watcher's index and its subscriber to hold every pod", Duration::from_secs(300), || async {
+        let text = scrape(metrics_addr).await?;
+        let held = metric(&text, series).unwrap_or(0.0);
+        let got = received.lock().unwrap_or_else(PoisonError::into_inner).len();
+        ensure!(held as usize >= n && got >= n, "index holds {held}, subscriber received {got} of {n}");
+        Ok(())
+    })
+    .await?;
+    let indexed = t0.elapsed();
+    // Let allocations made while catching up settle before reading memory.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (rss, hwm) = rss_mib(pid)?;
+    sub.abort();
+    report.figure(
+        format!("kuryr-watcher RSS with {n} pods indexed, 1 subscriber"),
+        mib(rss),
+        format!(
+            "target ≤ {TARGET_WATCHER_RSS_MIB} MB ({})",
+            if rss <= TARGET_WATCHER_RSS_MIB { "met" } else { "MISSED" }
+        ),
+    );
+    report.figure("kuryr-watcher peak RSS (VmHWM) during that", mib(hwm), "");
+    report.figure(
+        format!("{n} pods created → all in the watcher's index and stream"),
+        format!("{:.1} s", indexed.as_secs_f64()),
+        format!("(API creates alone {:.1} s)", created_in.as_secs_f64()),
+    );
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        bail!("the watcher exited");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_fields_are_parsed_with_quotes_and_lists() {
+        let line = "2025-01-02T03:04:05.678901Z  INFO cni: kuryr_binder::cni: ADD done pod=\"ns/p-1\" container=abc took_ms=12.5 vif_wait_ms=3 plug_ms=4.25";
+        let events = log_events(line, "ADD done");
+        let e = &events["ns/p-1"];
+        assert_eq!(e.ms("took_ms"), Some(12.5));
+        assert_eq!(e.ms("plug_ms"), Some(4.25));
+        assert_eq!(e.wall_us, "2025-01-02T03:04:05.678901Z".parse::<Timestamp>().unwrap().as_microsecond());
+        let f = parse_fields("pod=ns/a ips=[\"10.0.0.1/24\", \"fd00::1/64\"] node=n1");
+        assert_eq!(f["pod"], "ns/a");
+        assert_eq!(f["node"], "n1");
+        assert!(log_events("garbage line", "ADD done").is_empty());
+    }
+
+    #[test]
+    fn percentiles_of_a_known_sample() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let s = Stats::of(&v).unwrap();
+        assert_eq!((s.n, s.p50, s.p99, s.max), (100, 51.0, 99.0, 100.0));
+        assert!(Stats::of(&[]).is_none());
+    }
+
+    #[test]
+    fn metrics_series_are_found_exactly() {
+        let text =
+            "# HELP x\nkuryr_watcher_objects{kind=\"pod\"} 42\nkuryr_watcher_objects{kind=\"node\"} 2\nfoo_total 7\n";
+        assert_eq!(metric(text, r#"kuryr_watcher_objects{kind="pod"}"#), Some(42.0));
+        assert_eq!(metric(text, "foo_total"), Some(7.0));
+        assert_eq!(metric(text, "foo"), None);
+    }
+}

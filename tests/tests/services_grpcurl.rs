@@ -195,13 +195,16 @@ async fn services_become_serving_once_their_dependencies_are() {
             "--watcher".into(),
             watcher.unix.replace("unix://", "unix:"),
             "--kubeconfig".into(),
-            kubeconfig,
+            kubeconfig.clone(),
             "--network-cidrs".into(),
             "10.244.0.0/16".into(),
         ],
     )
     .unwrap();
-    let lbaas = start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
+    // lbaas serves once its records (ServiceLoadBalancers) are loaded and the watcher is live.
+    let lbaas =
+        start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig])
+            .unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
     // scripted allocator (the real one is covered by the end-to-end suite).
     let scripted = ScriptedAllocator::new(true).serve_unix(&dir.path().join("alloc.sock")).await.unwrap();

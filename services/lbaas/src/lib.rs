@@ -1,17 +1,68 @@
-//! kuryr-lbaas: turns Services and their EndpointSlices into load balancers — Octavia load
-//! balancers in OpenStack, or LB specs streamed to every node's binder for the nftables dataplane.
+//! kuryr-lbaas: turns Kubernetes Services and their EndpointSlices into load balancers.
 //!
-//! It subscribes to the watcher and reports NOT_SERVING while the watcher is unreachable.
+//! **Watches** Services and EndpointSlices through the watcher's Subscribe stream ([`follow`])
+//! into a view ([`view`]); nothing else.
+//!
+//! **Owns** per Service (ClusterIP and LoadBalancer types with cluster IPs): the finalizer
+//! `kuryr.openstack.org/lbaas` and a ServiceLoadBalancer record ([`crd`]) whose spec is the
+//! desired load balancer ([`spec`]) and whose status is what the backend observed. A keyed queue
+//! reconciles Services one key at a time, many keys at once ([`controller`]). NodePort and
+//! ExternalName Services get an Event saying why they have no load balancer; headless ones are
+//! ignored.
+//!
+//! **Programs** through a [`backend::Backend`]. The node backend (the embedded default)
+//! publishes each spec to `WatchLoadBalancers` ([`grpc`]), which every node's binder programs
+//! into nftables: a snapshot, SNAPSHOT_COMPLETE, then deltas, with resume points
+//! `"<epoch>-<revision>"` ([`kuryr_stream`]). Its status is `PROGRAMMED` at the generation
+//! published. The spec's generation is the record's `metadata.generation`, so it only grows,
+//! across restarts too.
+//!
+//! **Recovers** on start by loading every record before the first reconcile (the node backend
+//! republishes them, so binders that reconnect get the last programmed state); at the watcher's
+//! first complete snapshot every Service and every record is queued: records without a Service
+//! are deleted, Services without a record get one.
+//!
+//! Readiness ([`ready`]): NOT_SERVING until the records are loaded and the watcher's stream is
+//! live. WatchLoadBalancers answers UNAVAILABLE until the first complete view.
+
+pub mod backend;
+pub mod controller;
+pub mod crd;
+pub mod follow;
+pub mod grpc;
+pub mod k8s;
+pub mod metrics;
+pub mod ready;
+pub mod spec;
+pub mod view;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
-use kuryr_proto::lbaas::v1::load_balancers_server::{LoadBalancers, LoadBalancersServer};
-use kuryr_proto::lbaas::v1::{
-    GetLoadBalancerRequest, ListLoadBalancersRequest, ListLoadBalancersResponse, LoadBalancer,
-    WatchLoadBalancersRequest, WatchLoadBalancersResponse,
-};
-use kuryr_proto::service_names;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
-use tonic::{Request, Response, Status};
+use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_stream::{Epoch, Log};
+use tracing::Instrument as _;
+
+use crate::backend::{Backend, LbLog, NodeBackend};
+use crate::controller::{Controller, Records, SharedView, locked};
+use crate::grpc::LbService;
+use crate::k8s::Kube;
+use crate::metrics::Metrics;
+use crate::ready::Readiness;
+
+/// Deltas kept for resuming WatchLoadBalancers: a binder that reconnects within this many
+/// changes gets only what it missed. A delta shares its spec with the state, so 16k cost a few MB.
+pub const HISTORY: usize = kuryr_stream::log::DEFAULT_HISTORY;
+
+/// The backends lbaas can program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The embedded node dataplane: specs streamed to every binder, programmed into nftables.
+    Node,
+}
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -29,54 +80,122 @@ pub struct Config {
     #[arg(long, env = "KURYR_WATCHER", default_value = "127.0.0.1:9600")]
     pub watcher: String,
 
+    /// Kubeconfig file; when unset, the in-cluster service account (or $KUBECONFIG) is used.
+    #[arg(long, env = "KURYR_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// What programs the load balancers.
+    #[arg(long, env = "KURYR_LBAAS_BACKEND", value_enum, default_value = "node")]
+    pub backend: BackendKind,
+
+    /// Services reconciled in parallel (each Service is always reconciled by one worker at a time).
+    #[arg(long, env = "KURYR_LBAAS_WORKERS", default_value_t = 8,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub workers: usize,
+
+    /// This replica's name in Events and in the watcher's logs (the pod name in a Deployment);
+    /// the host name when unset.
+    #[arg(long, env = "KURYR_INSTANCE")]
+    pub instance: Option<String>,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
 
+impl Config {
+    fn instance_name(&self) -> String {
+        self.instance
+            .clone()
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "kuryr-lbaas".to_string())
+    }
+}
+
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let rt = Runtime::new("kuryr-lbaas", &config.common)?;
+    let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
-    kuryr_runtime::deps::spawn_probe(
-        rt.health(),
-        service_names::LOAD_BALANCERS,
-        "kuryr-watcher",
-        rt.shutdown(),
-        move || kuryr_runtime::client::check_serving(watcher.clone(), service_names::WATCHER),
-    );
-    let routes = tonic::service::Routes::new(LoadBalancersServer::new(Lbaas));
+    let metrics = Metrics::register(rt.registry());
+    let log: LbLog = Log::new(Epoch::random(), HISTORY).shared();
+    tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), backend = ?config.backend,
+        workers = config.workers, "starting");
+    let records = Records::default();
+    let recovered = Arc::new(AtomicBool::new(false));
+    let readiness = Readiness::default();
+    readiness.spawn_driver(rt.health(), rt.shutdown());
+    let backend = match config.backend {
+        BackendKind::Node => NodeBackend::new(log.clone()),
+    };
+    let start = Start {
+        config: config.clone(),
+        watcher,
+        backend,
+        log: log.clone(),
+        records: records.clone(),
+        recovered: recovered.clone(),
+        readiness,
+        metrics: metrics.clone(),
+    };
+    tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
+    let service = LbService::new(log, records, recovered, metrics, rt.shutdown());
+    let routes = tonic::service::Routes::new(LoadBalancersServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }
 
-#[derive(Debug)]
-struct Lbaas;
+/// The start-up sequence, in the background while the server already answers (NOT_SERVING).
+struct Start<B> {
+    config: Config,
+    watcher: tonic::transport::Channel,
+    backend: B,
+    log: LbLog,
+    records: Records,
+    recovered: Arc<AtomicBool>,
+    readiness: Readiness,
+    metrics: Metrics,
+}
 
-#[tonic::async_trait]
-impl LoadBalancers for Lbaas {
-    type WatchLoadBalancersStream = tokio_stream::Empty<Result<WatchLoadBalancersResponse, Status>>;
+impl<B: Backend> Start<B> {
+    async fn run(self, shutdown: Shutdown) {
+        let Start { config, watcher, backend, log, records, recovered, readiness, metrics } = self;
+        let kubeconfig = config.kubeconfig.clone();
+        let Some(client) =
+            k8s::retry("building a Kubernetes client", &shutdown, || k8s::kube_client(kubeconfig.as_deref())).await
+        else {
+            return;
+        };
+        let instance = config.instance_name();
+        let kube = Kube::new(client, Some(instance.clone()));
+        // Recovery: every record, before any reconcile; the backend gets what was programmed.
+        let Some(found) = k8s::retry("loading ServiceLoadBalancers", &shutdown, || kube.list_records()).await else {
+            return;
+        };
+        let specs = found
+            .iter()
+            .filter(|(_, r)| r.spec.backend == backend.name())
+            .map(|(k, r)| {
+                let (ns, name) = view::split(k);
+                (k.clone(), r.spec.to_proto(ns, name, r.generation))
+            })
+            .collect();
+        backend.recover(specs);
+        let n = found.len();
+        locked(&records).extend(found);
+        recovered.store(true, Ordering::Release);
+        readiness.set_recovered();
+        tracing::info!(records = n, "recovered the ServiceLoadBalancer records");
 
-    async fn watch_load_balancers(
-        &self,
-        _: Request<WatchLoadBalancersRequest>,
-    ) -> Result<Response<Self::WatchLoadBalancersStream>, Status> {
-        Err(Status::unimplemented("WatchLoadBalancers is not implemented in this version of kuryr-lbaas"))
-    }
-
-    async fn get_load_balancer(&self, req: Request<GetLoadBalancerRequest>) -> Result<Response<LoadBalancer>, Status> {
-        let r = req.get_ref();
-        if r.namespace.is_empty() {
-            return Err(Status::invalid_argument("namespace: required"));
-        }
-        if r.name.is_empty() {
-            return Err(Status::invalid_argument("name: required"));
-        }
-        Err(Status::unimplemented("GetLoadBalancer is not implemented in this version of kuryr-lbaas"))
-    }
-
-    async fn list_load_balancers(
-        &self,
-        _: Request<ListLoadBalancersRequest>,
-    ) -> Result<Response<ListLoadBalancersResponse>, Status> {
-        Err(Status::unimplemented("ListLoadBalancers is not implemented in this version of kuryr-lbaas"))
+        let view = SharedView::default();
+        let controller = Arc::new(Controller::new(kube, backend, view, records, metrics.clone()));
+        controller.spawn_workers(config.workers, shutdown.clone());
+        let follower = follow::Follower {
+            channel: watcher,
+            controller,
+            log,
+            readiness,
+            metrics,
+            subscriber: format!("kuryr-lbaas/{instance}"),
+        };
+        follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }
 }

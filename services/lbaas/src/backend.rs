@@ -1,0 +1,100 @@
+//! Backends: what turns a desired load balancer into a working one. The controller is the same
+//! for all of them; a backend only programs and removes, and says what it observed.
+//!
+//! [`NodeBackend`] (the embedded default) publishes each spec to the [`LbLog`] that
+//! `WatchLoadBalancers` streams to every node's binder, which programs nftables. It reports a
+//! load balancer `PROGRAMMED` at the generation it published: the stream is the hand-over, and
+//! the binders apply each spec atomically (and from the snapshot after any restart). Octavia
+//! will slot in as another implementation.
+
+use std::future::Future;
+
+use kuryr_proto::lbaas::v1::LoadBalancerSpec;
+use kuryr_stream::SharedLog;
+
+/// The published specs, by `namespace/name`: what `WatchLoadBalancers` streams.
+pub type LbLog = SharedLog<String, LoadBalancerSpec>;
+
+/// The node backend's provisioning status.
+pub const PROGRAMMED: &str = "PROGRAMMED";
+
+/// What a backend observed after programming a spec.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// `PROGRAMMED`, `ACTIVE`, `PENDING_*`, `ERROR`.
+    pub provisioning_status: String,
+    /// The generation it converged to.
+    pub observed_generation: u64,
+    /// The backend's id of the load balancer; empty when it has none.
+    pub backend_id: String,
+    /// The external address (type=LoadBalancer), when there is one.
+    pub ingress_ip: String,
+    /// Detail for humans.
+    pub message: String,
+}
+
+/// Why a backend failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{backend} backend: {message}")]
+pub struct BackendError {
+    /// The backend's name.
+    pub backend: &'static str,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// A load balancer backend. Implementations are cheap to share; every operation is idempotent.
+pub trait Backend: Send + Sync + 'static {
+    /// The backend's name, as recorded in the CRD and the `LoadBalancer` message.
+    fn name(&self) -> &'static str;
+
+    /// At start, before any reconcile: the specs recorded in the API (by key), as last programmed.
+    fn recover(&self, specs: Vec<(String, LoadBalancerSpec)>);
+
+    /// Programs `spec` for the Service `key`.
+    fn ensure(&self, key: &str, spec: &LoadBalancerSpec)
+    -> impl Future<Output = Result<Observed, BackendError>> + Send;
+
+    /// Removes the load balancer of `key`; nothing to remove is fine.
+    fn delete(&self, key: &str) -> impl Future<Output = Result<(), BackendError>> + Send;
+}
+
+/// The embedded node dataplane: specs streamed to every binder.
+#[derive(Clone, Debug)]
+pub struct NodeBackend {
+    log: LbLog,
+}
+
+impl NodeBackend {
+    /// Publishes into `log`.
+    pub fn new(log: LbLog) -> Self {
+        Self { log }
+    }
+}
+
+impl Backend for NodeBackend {
+    fn name(&self) -> &'static str {
+        "node"
+    }
+
+    fn recover(&self, specs: Vec<(String, LoadBalancerSpec)>) {
+        let mut log = kuryr_stream::log::lock(&self.log);
+        for (key, spec) in specs {
+            log.upsert(key, spec);
+        }
+    }
+
+    async fn ensure(&self, key: &str, spec: &LoadBalancerSpec) -> Result<Observed, BackendError> {
+        kuryr_stream::log::lock(&self.log).upsert(key.to_string(), spec.clone());
+        Ok(Observed {
+            provisioning_status: PROGRAMMED.into(),
+            observed_generation: spec.generation,
+            ..Default::default()
+        })
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), BackendError> {
+        kuryr_stream::log::lock(&self.log).remove(&key.to_string());
+        Ok(())
+    }
+}

@@ -1,0 +1,381 @@
+//! The reconcile loop: per Service key, serially (the [`WorkQueue`]), bring the record, the
+//! backend and the Service's finalizer in line with what the Service should have
+//! ([`crate::spec::desired`]), reading its latest state from the [`View`] when the run starts.
+//!
+//! **Apply** (a ClusterIP or LoadBalancer Service with cluster IPs, not being deleted), each
+//! step idempotent:
+//! 1. our finalizer on the Service, first — from then on it cannot disappear before cleanup;
+//! 2. the ServiceLoadBalancer record's spec (created, or replaced when it differs); the API
+//!    server raises its `metadata.generation`, which becomes the spec's generation;
+//! 3. the backend programs that spec (the node backend publishes it to the stream);
+//! 4. the record's status: what the backend observed, at which generation.
+//!
+//! **Cleanup** (deleted, being deleted, headless, or of a type that gets no load balancer),
+//! tolerating any step never having run: the backend removes the load balancer (LB_DELETED on
+//! the stream), the record is deleted, then the finalizer is removed.
+//!
+//! Failures are retried by the queue with capped exponential backoff, and each is logged,
+//! counted in `kuryr_lbaas_failures_total{op,reason}` and told to the Service's users as a
+//! Warning Event. NodePort and ExternalName Services are told once (a Normal Event) why they get
+//! no load balancer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use kuryr_proto::lbaas::v1::{LoadBalancer, LoadBalancerSpec};
+use kuryr_proto::watcher::v1::EndpointSlice;
+use kuryr_runtime::Shutdown;
+use kuryr_stream::{Outcome, WorkQueue};
+use tracing::Instrument as _;
+
+use crate::backend::{Backend, BackendError};
+use crate::crd::{ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
+use crate::k8s::{Kube, KubeError, Record};
+use crate::metrics::{Metrics, ResultLabels};
+use crate::spec::{Desired, REASON_SKIPPED, ServiceRef, desired};
+use crate::view::{FINALIZER, ServiceEntry, View, split};
+
+/// Event reasons, as `kubectl describe service` shows them.
+pub const REASON_FAILED: &str = "LoadBalancerFailed";
+/// See [`REASON_FAILED`].
+pub const REASON_CLEANUP_FAILED: &str = "LoadBalancerCleanupFailed";
+
+/// Reads and patches of the finalizer before a conflict counts as a failure.
+const FINALIZER_ATTEMPTS: u32 = 3;
+
+/// The view shared by the watcher follower and the workers.
+pub type SharedView = Arc<Mutex<View>>;
+
+/// The records by Service key: what Get/List answer, and what reconciles compare against.
+pub type Records = Arc<Mutex<BTreeMap<String, Record>>>;
+
+/// Locks a mutex of plain collections; a panic elsewhere cannot leave them inconsistent.
+pub fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What failed underneath.
+#[derive(Debug, thiserror::Error)]
+pub enum Cause {
+    /// The Kubernetes API.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// The backend.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// A failed reconcile.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} of the load balancer of Service {key} failed while {step}")]
+pub struct ReconcileError {
+    /// `apply` or `cleanup`.
+    pub op: &'static str,
+    /// What was being done.
+    pub step: &'static str,
+    /// The Service key.
+    pub key: String,
+    /// The Service's uid, when it exists (for the Event).
+    pub uid: Option<String>,
+    /// Why.
+    #[source]
+    pub cause: Cause,
+}
+
+impl ReconcileError {
+    fn reason(&self) -> &'static str {
+        match &self.cause {
+            Cause::Kube(e) => e.reason(),
+            Cause::Backend(_) => "backend",
+        }
+    }
+}
+
+/// An error and its causes on one line, for logs and Events.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// The LoadBalancer message of a record.
+pub fn load_balancer(key: &str, r: &Record) -> LoadBalancer {
+    let (ns, name) = split(key);
+    let status = r.status.clone().unwrap_or_default();
+    LoadBalancer {
+        spec: Some(r.spec.to_proto(ns, name, r.generation)),
+        backend: r.spec.backend.clone(),
+        backend_id: status.backend_id.unwrap_or_default(),
+        provisioning_status: status.provisioning_status.unwrap_or_else(|| "PENDING".into()),
+        observed_generation: status.observed_generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
+        ingress_ip: status.ingress_ip.unwrap_or_default(),
+        message: status.message.unwrap_or_default(),
+    }
+}
+
+/// The controller.
+#[derive(Debug)]
+pub struct Controller<B> {
+    kube: Kube,
+    backend: B,
+    view: SharedView,
+    records: Records,
+    queue: Arc<WorkQueue>,
+    metrics: Metrics,
+    /// Services told why they get no load balancer: key → (uid, message).
+    told: Mutex<HashMap<String, (String, String)>>,
+}
+
+impl<B: Backend> Controller<B> {
+    /// A controller writing through `kube` and programming `backend`.
+    pub fn new(kube: Kube, backend: B, view: SharedView, records: Records, metrics: Metrics) -> Self {
+        Self { kube, backend, view, records, queue: Arc::new(WorkQueue::default()), metrics, told: Mutex::default() }
+    }
+
+    /// The view.
+    pub fn view(&self) -> &SharedView {
+        &self.view
+    }
+
+    /// Queues a Service key for reconciling.
+    pub fn enqueue(&self, key: &str) {
+        self.queue.add(key);
+        self.gauge_queue();
+    }
+
+    /// Queues every Service held and every record: at the first complete snapshot this deletes
+    /// records whose Service is gone and creates those missing.
+    pub fn enqueue_all(&self) {
+        let mut keys = locked(&self.view).keys();
+        keys.extend(locked(&self.records).keys().cloned());
+        keys.sort();
+        keys.dedup();
+        for k in &keys {
+            self.queue.add(k);
+        }
+        self.gauge_queue();
+    }
+
+    fn gauge_queue(&self) {
+        self.metrics.queue_depth.set(i64::try_from(self.queue.depth()).unwrap_or(i64::MAX));
+        self.metrics.queue_failing.set(i64::try_from(self.queue.failing()).unwrap_or(i64::MAX));
+    }
+
+    fn gauge_states(&self) {
+        let mut counts: BTreeMap<String, i64> = BTreeMap::new();
+        for r in locked(&self.records).values() {
+            let state =
+                r.status.as_ref().and_then(|s| s.provisioning_status.clone()).unwrap_or_else(|| "PENDING".into());
+            *counts.entry(state).or_default() += 1;
+        }
+        self.metrics.set_states(&counts);
+    }
+
+    /// Runs `workers` workers until shutdown.
+    pub fn spawn_workers(self: &Arc<Self>, workers: usize, shutdown: Shutdown) {
+        self.gauge_states();
+        for i in 0..workers.max(1) {
+            let this = self.clone();
+            tokio::spawn(async move { this.work().await }.instrument(tracing::info_span!("worker", id = i)));
+        }
+        let queue = self.queue.clone();
+        tokio::spawn(async move {
+            shutdown.wait().await;
+            queue.close();
+        });
+    }
+
+    async fn work(&self) {
+        while let Some(key) = self.queue.next().await {
+            self.gauge_queue();
+            let started = Instant::now();
+            let (result, outcome) = match self.reconcile(&key).await {
+                Ok(result) => (result, Outcome::Done),
+                Err(e) => {
+                    self.report(&e).await;
+                    ("error", Outcome::Retry)
+                }
+            };
+            self.metrics.reconcile.get_or_create(&ResultLabels { result }).observe(started.elapsed().as_secs_f64());
+            self.queue.done(&key, outcome);
+            self.gauge_queue();
+            self.gauge_states();
+        }
+    }
+
+    async fn report(&self, e: &ReconcileError) {
+        let reason = e.reason();
+        self.metrics.failed(e.op, reason);
+        let error = chain(e);
+        tracing::warn!(service = %e.key, op = e.op, reason, error, "reconcile failed; retrying with backoff");
+        if let Some(uid) = &e.uid {
+            let why = if e.op == "apply" { REASON_FAILED } else { REASON_CLEANUP_FAILED };
+            let action = if e.op == "apply" { "Program" } else { "Delete" };
+            self.kube.event(&e.key, uid, true, why, action, &error).await;
+        }
+    }
+
+    /// Brings one Service key in line with its latest state; returns the result label.
+    pub async fn reconcile(&self, key: &str) -> Result<&'static str, ReconcileError> {
+        let (entry, slices) = {
+            let v = locked(&self.view);
+            (v.service(key).cloned(), v.slices(key))
+        };
+        let Some(entry) = entry.filter(|e| !e.deleting) else {
+            let entry = locked(&self.view).service(key).cloned();
+            self.cleanup(key, entry.as_ref()).await?;
+            if entry.is_none() {
+                locked(&self.told).remove(key);
+            }
+            return Ok("deleted");
+        };
+        let (namespace, name) = split(key);
+        let slices: Vec<&EndpointSlice> = slices.iter().map(AsRef::as_ref).collect();
+        let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &entry.service };
+        match desired(&svc, &slices) {
+            Desired::Lb(spec) => {
+                self.apply(key, &entry, spec).await?;
+                Ok("applied")
+            }
+            Desired::Skipped { message } => {
+                self.tell_skipped(key, &entry.uid, &message).await;
+                self.cleanup(key, Some(&entry)).await?;
+                Ok("skipped")
+            }
+            Desired::Ignored => {
+                self.cleanup(key, Some(&entry)).await?;
+                Ok("ignored")
+            }
+        }
+    }
+
+    async fn tell_skipped(&self, key: &str, uid: &str, message: &str) {
+        let told = (uid.to_string(), message.to_string());
+        if locked(&self.told).get(key) == Some(&told) {
+            return;
+        }
+        tracing::info!(service = key, reason = message, "no load balancer");
+        self.kube.event(key, uid, false, REASON_SKIPPED, "Skip", message).await;
+        locked(&self.told).insert(key.to_string(), told);
+    }
+
+    async fn apply(&self, key: &str, entry: &ServiceEntry, mut spec: LoadBalancerSpec) -> Result<(), ReconcileError> {
+        let fail = |step: &'static str| {
+            let uid = Some(entry.uid.clone());
+            move |cause: Cause| ReconcileError { op: "apply", step, key: key.to_string(), uid, cause }
+        };
+        locked(&self.told).remove(key);
+        if !entry.has_finalizer
+            && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
+        {
+            return Ok(());
+        }
+        let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
+        let record = self.ensure_record(key, &want).await.map_err(|e| fail("writing the record")(e.into()))?;
+        spec.generation = record.generation;
+        let observed = self.backend.ensure(key, &spec).await.map_err(|e| fail("programming the backend")(e.into()))?;
+        let status = ServiceLoadBalancerStatus {
+            provisioning_status: Some(observed.provisioning_status),
+            observed_generation: i64::try_from(observed.observed_generation).ok(),
+            backend_id: Some(observed.backend_id).filter(|s| !s.is_empty()),
+            ingress_ip: Some(observed.ingress_ip).filter(|s| !s.is_empty()),
+            message: Some(observed.message).filter(|s| !s.is_empty()),
+        };
+        if record.status.as_ref() != Some(&status) {
+            if let Err(e) = self.kube.write_status(key, &status).await {
+                // Deleted behind our back: forget it, so that the retry creates it again.
+                if matches!(e, KubeError::NotFound(_)) {
+                    locked(&self.records).remove(key);
+                }
+                return Err(fail("writing the status")(e.into()));
+            }
+            if let Some(r) = locked(&self.records).get_mut(key) {
+                r.status = Some(status);
+            }
+            let members: usize = spec.listeners.iter().filter_map(|l| l.pool.as_ref()).map(|p| p.members.len()).sum();
+            tracing::info!(service = key, generation = spec.generation, vips = ?spec.vips,
+                listeners = spec.listeners.len(), members, "load balancer programmed");
+        }
+        Ok(())
+    }
+
+    /// The record of `key` holding `want`: created, or its spec replaced; kept in `records`.
+    async fn ensure_record(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, KubeError> {
+        let cached = locked(&self.records).get(key).cloned();
+        let record = match cached {
+            Some(r) if r.spec == *want => return Ok(r),
+            Some(r) => match self.kube.replace_spec(key, &r.uid, want).await {
+                Ok(r) => r,
+                // Deleted or re-created behind our back: start from what the API holds.
+                Err(KubeError::NotFound(_) | KubeError::Conflict(_)) => {
+                    locked(&self.records).remove(key);
+                    self.create_or_update(key, want).await?
+                }
+                Err(e) => return Err(e),
+            },
+            None => self.create_or_update(key, want).await?,
+        };
+        locked(&self.records).insert(key.to_string(), record.clone());
+        Ok(record)
+    }
+
+    async fn create_or_update(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, KubeError> {
+        let r = self.kube.create_record(key, want).await?;
+        if r.spec == *want { Ok(r) } else { self.kube.replace_spec(key, &r.uid, want).await }
+    }
+
+    /// Puts our finalizer on the Service unless it is there. Returns false when the Service is
+    /// gone, re-created or being deleted (its next event says so; no finalizer may be added
+    /// then). A conflict is settled by reading again at once rather than after a backoff.
+    async fn ensure_finalizer(&self, key: &str, uid: &str) -> Result<bool, KubeError> {
+        let mut attempts = 0;
+        loop {
+            let Some(meta) = self.kube.service(key).await?.filter(|m| m.uid == uid) else { return Ok(false) };
+            if meta.deleting {
+                return Ok(false);
+            }
+            if meta.finalizers.iter().any(|f| f == FINALIZER) {
+                return Ok(true);
+            }
+            attempts += 1;
+            match self.kube.add_finalizer(key, uid, &meta.finalizers).await {
+                Ok(()) => return Ok(true),
+                Err(KubeError::Conflict(_)) if attempts < FINALIZER_ATTEMPTS => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn cleanup(&self, key: &str, entry: Option<&ServiceEntry>) -> Result<(), ReconcileError> {
+        let fail = |step: &'static str| {
+            let uid = entry.map(|e| e.uid.clone());
+            move |cause: Cause| ReconcileError { op: "cleanup", step, key: key.to_string(), uid, cause }
+        };
+        // Dataplanes hear first, so that they stop sending to the VIP before the record goes.
+        self.backend.delete(key).await.map_err(|e| fail("removing the load balancer")(e.into()))?;
+        let record = locked(&self.records).get(key).cloned();
+        if let Some(r) = &record {
+            self.kube.delete_record(key, &r.uid).await.map_err(|e| fail("deleting the record")(e.into()))?;
+            locked(&self.records).remove(key);
+            tracing::info!(service = key, "load balancer deleted");
+        }
+        if let Some(e) = entry
+            && (e.has_finalizer || record.is_some())
+        {
+            let meta = self.kube.service(key).await.map_err(|e| fail("reading the Service")(e.into()))?;
+            if let Some(meta) = meta.filter(|m| m.uid == e.uid) {
+                self.kube
+                    .remove_finalizer(key, &meta.uid, &meta.finalizers)
+                    .await
+                    .map_err(|e| fail("removing the finalizer")(e.into()))?;
+            }
+        }
+        Ok(())
+    }
+}

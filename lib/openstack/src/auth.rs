@@ -73,6 +73,13 @@ pub(crate) struct Token {
     pub project_id: Option<String>,
 }
 
+impl Token {
+    /// The token itself.
+    pub fn secret(&self) -> String {
+        String::from_utf8_lossy(self.secret.as_bytes()).into_owned()
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 pub(crate) struct CatalogService {
     #[serde(rename = "type")]

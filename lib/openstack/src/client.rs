@@ -121,6 +121,15 @@ impl Client {
         }
     }
 
+    /// The current Keystone token (authenticating if needed), for calls to services this client
+    /// does not model; `None` without Keystone. Never log it.
+    pub async fn token(&self) -> Result<Option<String>, Error> {
+        match &self.auth.mode {
+            Mode::Keystone(k) => Ok(Some(k.token().await?.secret())),
+            Mode::NoAuth { .. } => Ok(None),
+        }
+    }
+
     /// The project calls act in: the token's scope, or the configured project without Keystone.
     pub async fn project_id(&self) -> Result<Option<String>, Error> {
         self.auth.project_id().await
@@ -191,6 +200,11 @@ impl Client {
                 _ => return Ok(out),
             }
         }
+    }
+
+    /// Keystone's own API.
+    pub fn identity(&self) -> crate::identity::Identity {
+        crate::identity::Identity::new(self.clone())
     }
 
     /// Neutron.

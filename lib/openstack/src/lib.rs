@@ -22,6 +22,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod filter;
+pub mod identity;
 pub mod metrics;
 pub mod neutron;
 pub mod octavia;

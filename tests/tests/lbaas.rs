@@ -1,0 +1,640 @@
+//! kuryr-lbaas as users run it: its own process under the `kuryr-lbaas` ServiceAccount with
+//! exactly the rights of `deploy/rbac/lbaas.yaml`, fed by a real kuryr-watcher (under its own
+//! account), against a real kube-apiserver with the CRDs of `deploy/crds/`. A tonic
+//! WatchLoadBalancers client plays a node's binder.
+//!
+//! The life of Services: a ClusterIP Service with IPv4 and IPv6 EndpointSlices becomes a spec
+//! with its VIPs, a listener per port and the endpoints as members (named target ports resolved
+//! per slice, conditions carried, dead endpoints left out), recorded in a ServiceLoadBalancer
+//! (PROGRAMMED at its generation) with a finalizer on the Service; an endpoint change is a delta
+//! with a higher generation; a reconnect resumes without a snapshot; NodePort gets an Event and
+//! headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
+//! Service go; kill -9 and restart: the same load balancers at the same generations, Services
+//! deleted or created meanwhile handled, records without a Service removed; bad requests are
+//! INVALID_ARGUMENT.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_lbaas::crd::{self, ServiceLoadBalancer, ServiceLoadBalancerSpec};
+use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
+use kuryr_proto::lbaas::v1::{
+    GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol,
+    WatchLoadBalancersRequest, WatchLoadBalancersResponse,
+};
+use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root};
+use serde_json::json;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+/// Bound on one expected change; a healthy lbaas delivers in milliseconds.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Bound on becoming SERVING.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(60);
+const FINALIZER: &str = "kuryr.openstack.org/lbaas";
+const NS: &str = "lb";
+
+/// The API server with the CRDs and both services' accounts and rights.
+struct Cluster {
+    /// Kept for its lifetime: dropping it stops the API server.
+    _env: KubeEnv,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    lbaas_kubeconfig: PathBuf,
+}
+
+async fn cluster() -> Cluster {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for n in ["kuryr-system", NS] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
+    }
+    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    for (_, c) in crd::crds() {
+        let name = c.metadata.name.unwrap();
+        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
+            let c = crds.get(&name).await?;
+            let established = c
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            anyhow::ensure!(established, "not yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
+    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
+    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+}
+
+/// A service process with its gRPC and metrics addresses.
+struct Svc {
+    proc: ServiceProcess,
+    addr: String,
+    metrics_url: String,
+}
+
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
+    let mport = free_port().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    args.extend([
+        "--listen".into(),
+        addr.clone(),
+        "--metrics-listen".into(),
+        format!("127.0.0.1:{mport}"),
+        "--shutdown-grace".into(),
+        "3s".into(),
+    ]);
+    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+}
+
+impl Cluster {
+    fn watcher(&self) -> Svc {
+        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
+        spawn("kuryr-watcher", args, self.dir.path())
+    }
+
+    fn lbaas(&self, watcher: &Svc) -> Svc {
+        let args = [
+            "--kubeconfig",
+            &self.lbaas_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--instance",
+            "lb-1",
+            "--log",
+            "info,kuryr_lbaas=debug",
+        ];
+        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
+    }
+
+    fn services(&self) -> Api<Service> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn slices(&self) -> Api<EndpointSlice> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn records(&self) -> Api<ServiceLoadBalancer> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    async fn create_service(&self, name: &str, spec: serde_json::Value) -> Service {
+        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap();
+        self.services().create(&PostParams::default(), &svc).await.unwrap()
+    }
+
+    async fn put_slice(
+        &self,
+        name: &str,
+        service: &str,
+        family: &str,
+        ports: serde_json::Value,
+        eps: serde_json::Value,
+    ) {
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+            "addressType": family,
+            "ports": ports,
+            "endpoints": eps,
+        }))
+        .unwrap();
+        let api = self.slices();
+        match api.get_opt(name).await.unwrap() {
+            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
+            Some(old) => {
+                let mut slice = slice;
+                slice.metadata.resource_version = old.metadata.resource_version;
+                api.replace(name, &PostParams::default(), &slice).await.unwrap();
+            }
+        }
+    }
+
+    async fn finalizers(&self, name: &str) -> Vec<String> {
+        self.services().get(name).await.unwrap().metadata.finalizers.unwrap_or_default()
+    }
+
+    async fn events_about(&self, name: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.admin.clone(), NS);
+        let all = events.list(&ListParams::default()).await.unwrap().items;
+        all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
+    }
+}
+
+fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str) -> serde_json::Value {
+    json!({
+        "addresses": [addr],
+        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+        "nodeName": "n1",
+        "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
+    })
+}
+
+impl Svc {
+    fn client(&self) -> LoadBalancersClient<Channel> {
+        LoadBalancersClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    }
+
+    async fn wait_serving(&self) {
+        wait_until("kuryr-lbaas SERVING", PHASE_TIMEOUT, || async {
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+    }
+
+    async fn metrics(&self) -> String {
+        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
+        assert!(out.status.success(), "GET {} failed", self.metrics_url);
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    async fn watch(&self, resume_from: &str) -> LbStream {
+        let req = WatchLoadBalancersRequest { resume_from: resume_from.into(), subscriber: "test/n1".into() };
+        let stream = wait_until("WatchLoadBalancers", PHASE_TIMEOUT, || async {
+            Ok(self.client().watch_load_balancers(req.clone()).await?.into_inner())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+        LbStream::new(stream)
+    }
+}
+
+/// How a stream stopped delivering.
+#[derive(Debug)]
+enum End {
+    Ended,
+    Failed(tonic::Status),
+    Silent,
+}
+
+/// A node's view of the stream, applied the way a binder applies it.
+struct LbStream {
+    stream: Streaming<WatchLoadBalancersResponse>,
+    /// By namespace/name.
+    specs: BTreeMap<String, LoadBalancerSpec>,
+    /// Keys whose LB was deleted.
+    deleted: BTreeSet<String>,
+    /// Every key ever applied.
+    ever: BTreeSet<String>,
+    /// Event types in order.
+    types: Vec<LbEventType>,
+    resets: usize,
+    live: bool,
+    last: String,
+}
+
+impl LbStream {
+    fn new(stream: Streaming<WatchLoadBalancersResponse>) -> Self {
+        Self {
+            stream,
+            specs: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            ever: BTreeSet::new(),
+            types: Vec::new(),
+            resets: 0,
+            live: false,
+            last: String::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Result<WatchLoadBalancersResponse, End> {
+        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+            Ok(Ok(Some(ev))) => ev,
+            Ok(Ok(None)) => return Err(End::Ended),
+            Ok(Err(s)) => return Err(End::Failed(s)),
+            Err(_) => return Err(End::Silent),
+        };
+        self.last.clone_from(&ev.resume_point);
+        self.types.push(ev.r#type());
+        let key = ev.spec.as_ref().map(|s| format!("{}/{}", s.namespace, s.name)).unwrap_or_default();
+        match ev.r#type() {
+            LbEventType::Reset => {
+                self.resets += 1;
+                self.live = false;
+                self.specs.clear();
+            }
+            LbEventType::SnapshotComplete => self.live = true,
+            LbEventType::LbApplied => {
+                self.deleted.remove(&key);
+                self.ever.insert(key.clone());
+                self.specs.insert(key, ev.spec.clone().unwrap());
+            }
+            LbEventType::LbDeleted => {
+                self.specs.remove(&key);
+                self.deleted.insert(key);
+            }
+            LbEventType::Unspecified => panic!("unspecified event {ev:?}"),
+        }
+        Ok(ev)
+    }
+
+    async fn until(&mut self, what: &str, pred: impl Fn(&LbStream) -> bool) {
+        while !pred(self) {
+            if let Err(e) = self.next().await {
+                panic!("waiting for {what}: {e:?}; have {:?}, deleted {:?}", self.specs.keys(), self.deleted);
+            }
+        }
+    }
+
+    async fn end(&mut self) -> End {
+        loop {
+            match self.next().await {
+                Ok(_) => {}
+                Err(End::Silent) => panic!("the stream stayed open, silent"),
+                Err(e) => return e,
+            }
+        }
+    }
+
+    fn spec(&self, name: &str) -> &LoadBalancerSpec {
+        self.specs.get(&format!("{NS}/{name}")).unwrap_or_else(|| panic!("no spec for {name}"))
+    }
+}
+
+/// A listener's members as `address:port flags`.
+fn members(l: &Listener) -> Vec<String> {
+    let mut out: Vec<String> = l
+        .pool
+        .as_ref()
+        .unwrap()
+        .members
+        .iter()
+        .map(|m| {
+            let flags: String = [(m.ready, 'r'), (m.serving, 's'), (m.terminating, 't')]
+                .iter()
+                .filter(|(b, _)| *b)
+                .map(|(_, c)| *c)
+                .collect();
+            format!("{}:{} {flags}", m.address, m.port)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn key(name: &str) -> String {
+    format!("{NS}/{name}")
+}
+
+#[tokio::test]
+async fn services_become_load_balancers_that_survive_restarts() {
+    let c = cluster().await;
+    let watcher = c.watcher();
+    let mut lbaas = c.lbaas(&watcher);
+    lbaas.wait_serving().await;
+
+    // Its account edits Services' finalizers and nothing else: no listing Services or slices.
+    let sa = client_from_kubeconfig(&c.lbaas_kubeconfig).await.unwrap();
+    let forbidden = |r: Result<(), kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
+    assert!(forbidden(Api::<Service>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
+    assert!(forbidden(Api::<EndpointSlice>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
+    assert!(forbidden(Api::<Secret>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
+    assert!(forbidden(Api::<Service>::namespaced(sa, NS).delete("x", &DeleteParams::default()).await.map(drop)));
+
+    // Bad requests name the field; unknown Services are NOT_FOUND.
+    let mut client = lbaas.client();
+    for (ns, name, field) in [("", "web", "namespace"), (NS, "", "name"), (NS, "Web", "name")] {
+        let err = client
+            .get_load_balancer(GetLoadBalancerRequest { namespace: ns.into(), name: name.into() })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{ns}/{name}: {err}");
+        assert!(err.message().starts_with(field), "{err}");
+    }
+    let err = client.list_load_balancers(ListLoadBalancersRequest { namespace: "a_b".into() }).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    let long = WatchLoadBalancersRequest { resume_from: "x".repeat(500), subscriber: String::new() };
+    let err = client.watch_load_balancers(long).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    let err = client
+        .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "nope".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+
+    let mut w = lbaas.watch("").await;
+    w.until("the first snapshot", |s| s.live).await;
+
+    // A Service with a named target port, UDP too, client affinity; IPv4 and IPv6 slices.
+    let web = c
+        .create_service(
+            "web",
+            json!({
+                "ports": [
+                    {"name": "http", "port": 80, "targetPort": "web"},
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+                ],
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+            }),
+        )
+        .await;
+    let web_uid = web.metadata.uid.clone().unwrap();
+    let vips = web.spec.as_ref().unwrap().cluster_ips.clone().unwrap();
+    let v4_ports =
+        json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
+    c.put_slice(
+        "web-v4",
+        "web",
+        "IPv4",
+        v4_ports.clone(),
+        json!([
+            endpoint("10.244.0.5", true, true, false, "a"),
+            endpoint("10.244.0.6", false, true, true, "b"),
+            endpoint("10.244.0.7", false, false, false, "dead"),
+        ]),
+    )
+    .await;
+    // These pods serve "web" on another port: resolved per slice.
+    c.put_slice(
+        "web-v6",
+        "web",
+        "IPv6",
+        json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
+        json!([endpoint("fd00:10:244::5", true, true, false, "a")]),
+    )
+    .await;
+    w.until("web with both slices", |s| {
+        s.specs.get(&key("web")).is_some_and(|spec| spec.listeners.first().is_some_and(|l| members(l).len() == 3))
+    })
+    .await;
+    let spec = w.spec("web").clone();
+    assert_eq!((spec.uid.as_str(), spec.service_type.as_str()), (web_uid.as_str(), "ClusterIP"));
+    assert_eq!(spec.vips, vips);
+    assert_eq!(spec.listeners.len(), 2);
+    let (http, dns) = (&spec.listeners[0], &spec.listeners[1]);
+    assert_eq!((http.protocol(), http.port, http.name.as_str()), (Protocol::Tcp, 80, "http"));
+    assert_eq!(members(http), ["10.244.0.5:8080 rs", "10.244.0.6:8080 st", "fd00:10:244::5:8081 rs"]);
+    assert_eq!((dns.protocol(), dns.port), (Protocol::Udp, 53));
+    assert_eq!(members(dns), ["10.244.0.5:5353 rs", "10.244.0.6:5353 st"]);
+    let m = &http.pool.as_ref().unwrap().members[0];
+    assert_eq!((m.node_name.as_str(), m.target_pod.as_str()), ("n1", "lb/a"));
+    let affinity = spec.session_affinity.unwrap();
+    assert_eq!((affinity.client_ip, affinity.timeout_seconds), (true, 600));
+
+    // Recorded: finalizer on the Service, the record PROGRAMMED at the streamed generation.
+    assert!(c.finalizers("web").await.iter().any(|f| f == FINALIZER));
+    let record = wait_until("web's record PROGRAMMED", EVENT_TIMEOUT, || async {
+        let r = c.records().get("web").await?;
+        let st = r.status.clone().unwrap_or_default();
+        anyhow::ensure!(
+            st.provisioning_status.as_deref() == Some("PROGRAMMED")
+                && st.observed_generation == r.metadata.generation
+                && r.metadata.generation == i64::try_from(w.spec("web").generation).ok(),
+            "{:?} at generation {:?}",
+            st,
+            r.metadata.generation
+        );
+        Ok(r)
+    })
+    .await
+    .unwrap();
+    assert_eq!(record.spec, ServiceLoadBalancerSpec::from_proto(w.spec("web"), "node"));
+    assert_eq!(record.metadata.owner_references.unwrap()[0].uid, web_uid);
+    let got = client
+        .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (got.backend.as_str(), got.provisioning_status.as_str(), got.observed_generation),
+        ("node", "PROGRAMMED", w.spec("web").generation)
+    );
+    assert_eq!(got.spec.as_ref(), Some(w.spec("web")));
+
+    // An endpoint change: a delta with a higher generation.
+    let before = w.spec("web").generation;
+    c.put_slice(
+        "web-v4",
+        "web",
+        "IPv4",
+        v4_ports.clone(),
+        json!([
+            endpoint("10.244.0.5", true, true, false, "a"),
+            endpoint("10.244.0.6", false, true, true, "b"),
+            endpoint("10.244.0.8", true, true, false, "c"),
+        ]),
+    )
+    .await;
+    w.until("web with 10.244.0.8", |s| members(&s.spec("web").listeners[0]).iter().any(|m| m.contains("10.244.0.8")))
+        .await;
+    assert!(w.spec("web").generation > before, "{} after {before}", w.spec("web").generation);
+    assert_eq!(w.types.last(), Some(&LbEventType::LbApplied));
+
+    // A reconnect resumes: only what changed meanwhile, no snapshot.
+    let resume = w.last.clone();
+    let at = w.spec("web").generation;
+    drop(w);
+    c.put_slice(
+        "web-v4",
+        "web",
+        "IPv4",
+        v4_ports,
+        json!([endpoint("10.244.0.6", false, true, true, "b"), endpoint("10.244.0.8", true, true, false, "c")]),
+    )
+    .await;
+    wait_until("the scale-down recorded", EVENT_TIMEOUT, || async {
+        let g = c.records().get("web").await?.metadata.generation.unwrap_or(0);
+        anyhow::ensure!(g > i64::try_from(at)?, "generation {g}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let mut w = lbaas.watch(&resume).await;
+    let ev = w.next().await.unwrap();
+    assert_eq!(ev.r#type(), LbEventType::LbApplied, "{ev:?}");
+    let spec = ev.spec.unwrap();
+    assert!(spec.generation > at);
+    assert_eq!(members(&spec.listeners[0]), ["10.244.0.6:8080 st", "10.244.0.8:8080 rs", "fd00:10:244::5:8081 rs"]);
+    assert_eq!(w.resets, 0);
+
+    // NodePort: an Event and nothing else; headless: nothing at all. A Service created after
+    // both marks when lbaas has seen them.
+    c.create_service("np", json!({"type": "NodePort", "ports": [{"port": 80}]})).await;
+    c.create_service("hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
+    c.create_service("keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
+    c.put_slice("keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
+    w.until("keep with its member", |s| {
+        s.specs.get(&key("keep")).is_some_and(|spec| members(&spec.listeners[0]) == ["10.244.1.9:8443 rs"])
+    })
+    .await;
+    let skipped = wait_until("np's Event", EVENT_TIMEOUT, || async {
+        let e = c.events_about("np").await;
+        anyhow::ensure!(!e.is_empty(), "none yet");
+        Ok(e)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (skipped[0].reason.as_deref(), skipped[0].type_.as_deref(), skipped[0].reporting_controller.as_deref()),
+        (Some("LoadBalancerSkipped"), Some("Normal"), Some("kuryr-lbaas"))
+    );
+    assert!(skipped[0].note.as_deref().unwrap_or_default().contains("NodePort"), "{skipped:?}");
+    assert!(c.events_about("hl").await.is_empty());
+    for name in ["np", "hl"] {
+        assert!(!w.ever.contains(&key(name)), "{name} was streamed");
+        assert!(c.records().get_opt(name).await.unwrap().is_none(), "{name} has a record");
+        assert!(c.finalizers(name).await.is_empty(), "{name} got a finalizer");
+    }
+
+    // Deleting a Service: LB_DELETED, record gone, finalizer removed, Service gone.
+    c.services().delete("web", &DeleteParams::default()).await.unwrap();
+    w.until("web deleted", |s| s.deleted.contains(&key("web"))).await;
+    wait_until("web and its record gone", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.services().get_opt("web").await?.is_none(), "Service still there");
+        anyhow::ensure!(c.records().get_opt("web").await?.is_none(), "record still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+
+    let m = lbaas.metrics().await;
+    for want in [
+        r#"kuryr_lbaas_load_balancers{state="PROGRAMMED"}"#,
+        r#"kuryr_lbaas_reconcile_seconds_count{result="applied"}"#,
+        r#"kuryr_lbaas_reconcile_seconds_count{result="skipped"}"#,
+        r#"kuryr_lbaas_watch_subscriptions_total{start="resume"} 1"#,
+        "kuryr_lbaas_watch_subscribers 1",
+        "kuryr_lbaas_queue_depth 0",
+    ] {
+        assert!(m.contains(want), "metrics lack `{want}`:\n{m}");
+    }
+
+    // kill -9. Meanwhile: "mark" (with a load balancer) is deleted — its finalizer holds it —,
+    // "late" is created, and a record appears whose Service does not exist.
+    c.create_service("mark", json!({"ports": [{"port": 80}]})).await;
+    w.until("mark", |s| s.specs.contains_key(&key("mark"))).await;
+    wait_until("mark's finalizer", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.finalizers("mark").await.iter().any(|f| f == FINALIZER), "not yet");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let keep_generation = w.spec("keep").generation;
+    let last = w.last.clone();
+    lbaas.proc.kill().await.unwrap();
+    assert!(matches!(w.end().await, End::Failed(_)), "the stream outlived lbaas");
+    c.services().delete("mark", &DeleteParams::default()).await.unwrap();
+    assert!(c.services().get("mark").await.unwrap().metadata.deletion_timestamp.is_some());
+    c.create_service("late", json!({"ports": [{"port": 8080}]})).await;
+    let mut ghost = ServiceLoadBalancer::new(
+        "ghost",
+        ServiceLoadBalancerSpec {
+            service_uid: "gone".into(),
+            service_type: "ClusterIP".into(),
+            vips: vec!["10.96.99.99".into()],
+            listeners: vec![],
+            session_affinity: Default::default(),
+            backend: "node".into(),
+        },
+    );
+    ghost.metadata.namespace = Some(NS.into());
+    c.records().create(&PostParams::default(), &ghost).await.unwrap();
+
+    let lbaas = c.lbaas(&watcher);
+    // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot; the
+    // records are reconciled: mark and ghost go, late comes, keep stays as it was.
+    let mut w = lbaas.watch(&last).await;
+    w.until("the state after the restart", |s| {
+        s.live
+            && s.specs.contains_key(&key("late"))
+            && s.specs.contains_key(&key("keep"))
+            && !s.specs.contains_key(&key("mark"))
+            && !s.specs.contains_key(&key("ghost"))
+    })
+    .await;
+    assert_eq!(w.resets, 1, "a restarted lbaas must RESET a binder resuming from its old epoch");
+    assert_eq!(w.spec("keep").generation, keep_generation, "keep's spec changed over the restart");
+    lbaas.wait_serving().await;
+    wait_until("mark gone, ghost's record gone, one record each", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.services().get_opt("mark").await?.is_none(), "mark still there");
+        let names: BTreeSet<String> =
+            c.records().list(&ListParams::default()).await?.items.into_iter().filter_map(|r| r.metadata.name).collect();
+        anyhow::ensure!(names == BTreeSet::from(["keep".to_string(), "late".to_string()]), "records {names:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+    let listed = lbaas
+        .client()
+        .list_load_balancers(ListLoadBalancersRequest { namespace: NS.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .load_balancers;
+    let names: Vec<&str> = listed.iter().map(|l| l.spec.as_ref().unwrap().name.as_str()).collect();
+    assert_eq!(names, ["keep", "late"]);
+
+    // SIGTERM ends open streams with UNAVAILABLE, promptly.
+    let mut lbaas = lbaas;
+    let took = lbaas.proc.terminate(Duration::from_secs(10)).await.unwrap();
+    assert!(took < Duration::from_secs(5), "took {took:?} to stop");
+    match w.end().await {
+        End::Failed(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
+        other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+    }
+}

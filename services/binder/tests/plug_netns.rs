@@ -333,3 +333,40 @@ async fn a_stale_host_end_from_an_interrupted_add_is_replaced() {
     plug::unplug(Some(a.path()), "eth0", &spec.host_ifname, &spec.driver, None).await.unwrap();
     assert!(!host_link_exists(&spec.host_ifname));
 }
+
+/// The bridge's MAC address, from iproute2.
+fn link_mac(name: &str) -> String {
+    let out = ok("ip", &["-o", "link", "show", "dev", name]);
+    let mac = out.split_whitespace().skip_while(|w| *w != "link/ether").nth(1);
+    mac.unwrap_or_else(|| panic!("no MAC in {out}")).to_string()
+}
+
+/// The bridge's MAC is the pods' gateway MAC, cached in their neighbour tables: it must not
+/// follow the ports as pods come and go (a Linux bridge whose address was never set takes its
+/// lowest port MAC). Also for a bridge that existed before the binder, e.g. one a binder without
+/// this guarantee made.
+#[tokio::test]
+async fn the_bridge_keeps_its_mac_while_pods_come_and_go() {
+    require_root!();
+    for existing in [false, true] {
+        let (a, b) = (Netns::new(), Netns::new());
+        let bridge = unique("ktm");
+        let nets = Subnets::new();
+        let driver = BindingDriver::Bridge { bridge: bridge.clone() };
+        let (spec_a, spec_b) = (spec(&a, &nets, 60, driver.clone()), spec(&b, &nets, 61, driver.clone()));
+        let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+        if existing {
+            ok("ip", &["link", "add", &bridge, "type", "bridge"]);
+        }
+        plug::ensure_bridge(&bridge, &spec_a.gateway_addresses()).await.unwrap();
+        let mac = link_mac(&bridge);
+        plug::plug(&spec_a, None).await.unwrap();
+        assert_eq!(link_mac(&bridge), mac, "plugging a pod changed the bridge's MAC (existing bridge: {existing})");
+        plug::plug(&spec_b, None).await.unwrap();
+        assert_eq!(link_mac(&bridge), mac, "plugging a second pod changed the bridge's MAC");
+        plug::unplug(Some(a.path()), "eth0", &spec_a.host_ifname, &driver, None).await.unwrap();
+        assert_eq!(link_mac(&bridge), mac, "unplugging a pod changed the bridge's MAC");
+        plug::unplug(Some(b.path()), "eth0", &spec_b.host_ifname, &driver, None).await.unwrap();
+        assert_eq!(link_mac(&bridge), mac, "the bridge's MAC changed once empty");
+    }
+}

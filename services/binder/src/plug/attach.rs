@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use ipnet::IpNet;
 use nix::errno::Errno;
-use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth};
+use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth, LinkMessage};
 use rtnetlink::{LinkBridge, LinkMessageBuilder, LinkUnspec, LinkVeth};
 use tokio::sync::oneshot;
 
@@ -242,24 +242,40 @@ pub async fn unplug(
     Ok(())
 }
 
-/// Makes sure the Linux bridge `name` exists in the host namespace, is up and holds
-/// `addresses` (typically the pods' gateway addresses). Idempotent; other addresses are left
-/// alone.
+/// Makes sure the Linux bridge `name` exists in the host namespace, is up, holds `addresses`
+/// (typically the pods' gateway addresses) and keeps its MAC address. Idempotent; other addresses
+/// are left alone.
+///
+/// The MAC matters because it is the pods' gateway's: a Linux bridge whose address was never set
+/// takes the lowest MAC among its ports and changes it whenever such a port comes or goes, so
+/// deleting one pod (or plugging one) would silently strand every other pod of the node whose
+/// neighbour cache still holds the old gateway MAC. Setting the address once — even to the one
+/// it has — makes the kernel keep it; this also fixes a bridge an earlier binder left unpinned.
 pub async fn ensure_bridge(name: &str, addresses: &[IpNet]) -> Result<(), PlugError> {
     super::check_ifname("bridge", name)?;
     let (name, addresses) = (name.to_string(), addresses.to_vec());
-    in_netns(None, move |nl| async move { ensure_bridge_with(&nl, &name, &addresses).await.map(drop) }).await
+    in_netns(None, move |nl| async move {
+        let index = ensure_bridge_with(&nl, &name, &addresses).await?;
+        pin_mac(&nl, &nl.require(&name).await?, index, &name).await
+    })
+    .await
 }
 
-/// [`ensure_bridge`] on an existing connection; returns the bridge's index.
+/// [`ensure_bridge`] on an existing connection; returns the bridge's index. A bridge it creates
+/// gets its MAC pinned at once; one found existing is left as it is (see [`ensure_bridge`]).
 async fn ensure_bridge_with(nl: &Nl, name: &str, addresses: &[IpNet]) -> Result<u32, PlugError> {
+    let mut created = false;
     if nl.link(name).await?.is_none() {
         match nl.add_link(LinkBridge::new(name).build()).await {
-            // Someone else (a concurrent ADD) created it first: fine.
+            // Someone else (a concurrent ADD) created it first: fine, that one pins it.
             Err(e) if nl::errno(&e) != Some(Errno::EEXIST) => {
                 return Err(nl.fail(format!("create bridge {name}"))(e));
             }
-            _ => tracing::info!(bridge = name, "created bridge"),
+            Err(_) => {}
+            Ok(()) => {
+                tracing::info!(bridge = name, "created bridge");
+                created = true;
+            }
         }
     }
     let link = nl.require(name).await?;
@@ -267,6 +283,9 @@ async fn ensure_bridge_with(nl: &Nl, name: &str, addresses: &[IpNet]) -> Result<
         return Err(PlugError::NotABridge(name.to_string()));
     }
     let index = link.header.index;
+    if created {
+        pin_mac(nl, &link, index, name).await?;
+    }
     if !nl::link_up(&link) {
         nl.set_up(index, name).await?;
     }
@@ -275,6 +294,14 @@ async fn ensure_bridge_with(nl: &Nl, name: &str, addresses: &[IpNet]) -> Result<
         nl.add_address(index, name, *addr).await?;
     }
     Ok(index)
+}
+
+/// Sets the bridge's MAC address to the one it has, so that the kernel keeps it from now on.
+async fn pin_mac(nl: &Nl, link: &LinkMessage, index: u32, name: &str) -> Result<(), PlugError> {
+    match nl::link_mac(link) {
+        Some(mac) => nl.set_mac(index, name, mac).await,
+        None => Ok(()),
+    }
 }
 
 /// Names of the host-namespace links starting with `prefix` (e.g. [`super::HOST_IFNAME_PREFIX`]),

@@ -118,6 +118,13 @@ impl Nl {
         self.handle.link().set(msg).execute().await.map_err(self.fail(format!("bring {name} up")))
     }
 
+    /// Sets a link's MAC address. The kernel then keeps it as chosen: on a bridge this stops the
+    /// address from following its ports (see [`super::attach::ensure_bridge`]).
+    pub(crate) async fn set_mac(&self, index: u32, name: &str, mac: &[u8]) -> Result<(), PlugError> {
+        let msg = LinkUnspec::new_with_index(index).address(mac.to_vec()).build();
+        self.handle.link().set(msg).execute().await.map_err(self.fail(format!("set the MAC address of {name}")))
+    }
+
     /// Makes `controller` (a bridge) the master of the link.
     pub(crate) async fn set_controller(&self, index: u32, name: &str, controller: u32) -> Result<(), PlugError> {
         let msg = LinkUnspec::new_with_index(index).controller(controller).build();

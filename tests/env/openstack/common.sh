@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034
 # Shared by the OpenStack environment scripts (sourced, not run). Defines where the venvs live,
 # how the Python interpreter and uv are found, and the small process helpers every up/down script
 # uses. Callers set SCRIPT (their name, for messages) before sourcing.
@@ -44,6 +45,18 @@ for _ in range(int(sys.argv[1])):
     socks.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
+}
+
+# The start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
+# names one process for good, where a pid alone may be reused. (Command lines and environments do
+# not: the OpenStack services rewrite both when they set their process titles.)
+starttime() {
+    local stat
+    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+    stat="${stat##*) }"
+    # shellcheck disable=SC2086 # split into fields on purpose
+    set -- $stat
+    echo "${20}"
 }
 
 # A zombie (exited, not yet reaped) counts as gone.

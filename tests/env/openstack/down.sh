@@ -8,8 +8,8 @@
 #
 #   down.sh STATE_DIR [--purge]     --purge also removes STATE_DIR afterwards
 #
-# A pid is only signalled while its environment carries KURYR_OS_STATE=STATE_DIR (every process
-# up.sh starts has it), so a pid reused by an unrelated process is left alone.
+# A pid is only signalled while its start time is the one up.sh recorded (pids/NAME.start), so a
+# pid reused by an unrelated process is left alone.
 set -euo pipefail
 SCRIPT=openstack/down.sh
 # shellcheck source=common.sh
@@ -24,7 +24,8 @@ STATE="$(cd "$1" && pwd)"
 PIDS="$STATE/pids"
 GRACE="${OS_DOWN_GRACE:-5}"
 
-ours() { tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF "KURYR_OS_STATE=$STATE"; }
+# ours NAME PID: whether PID is still the process up.sh started as NAME.
+ours() { [[ -s "$PIDS/$1.start" && "$(starttime "$2")" == "$(cat "$PIDS/$1.start")" ]]; }
 
 # stop NAME: ends the process recorded in pids/NAME.pid and everything in its process group.
 stop() {
@@ -33,14 +34,14 @@ stop() {
     [[ -f "$f" ]] || return 0
     pid="$(cat "$f")"
     if [[ "$pid" =~ ^[0-9]+$ && "$pid" != "$$" ]] && alive "$pid"; then
-        if ours "$pid"; then
+        if ours "$name" "$pid"; then
             kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-            deadline=$((SECONDS + GRACE))
+            # These never act on TERM (measured): do not wait for them long.
+            case "$name" in neutron-agent | neutron-rpc) deadline=$((SECONDS + 1)) ;; *) deadline=$((SECONDS + GRACE)) ;; esac
             while alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
             # The group too: uWSGI workers and agent helpers may linger after their leader.
             kill -KILL -- "-$pid" 2>/dev/null || true
             if alive "$pid"; then
-                log "$name (pid $pid) ignored TERM for ${GRACE}s; sent KILL"
                 kill -KILL "$pid" 2>/dev/null || true
                 for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
             fi
@@ -48,7 +49,7 @@ stop() {
             log "pid $pid in $f is not a process of $STATE any more; leaving it alone"
         fi
     fi
-    rm -f "$f"
+    rm -f "$f" "$PIDS/$name.start"
 }
 
 [[ -d "$PIDS" ]] || { [[ $purge -eq 1 ]] && rm -rf "$STATE"; exit 0; }

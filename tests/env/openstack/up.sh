@@ -29,8 +29,8 @@
 #   STATE_DIR/pids/        one pid file per process; down.sh stops exactly these
 #   STATE_DIR/netns        the node network namespace's name (with neutron)
 #
-# Every process gets KURYR_OS_STATE=STATE_DIR in its environment, which down.sh checks before it
-# signals a pid. The agents ignore SIGTERM, so down.sh ends with KILL.
+# Next to each pid file is the process's start time, which down.sh checks before it signals the
+# pid. The agents ignore SIGTERM, so down.sh ends with KILL.
 #
 # Environment:
 #   OS_UP_TIMEOUT       seconds to wait for each server to become ready (default 180)
@@ -107,6 +107,8 @@ start() {
     shift
     setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
     echo $! >"$PIDS/$name.pid"
+    # down.sh signals the pid only while its start time still matches.
+    starttime $! >"$PIDS/$name.start" || true
     echo "$name" >>"$STATE/start-order"
 }
 pid_of() { cat "$PIDS/$1.pid"; }
@@ -137,14 +139,16 @@ took() { log "$1 after $((SECONDS - t_start))s"; }
 DB_PORT='' DB_PASSWORD="$(secret)" DB_SOCK="$STATE/mysql/mysqld.sock"
 start_mariadb() {
     mkdir -p "$STATE/mysql"
-    mariadb-install-db --no-defaults --datadir="$STATE/mysql/data" --user=root \
+    # A small redo log: the default 96 MiB file per environment adds up with several at once.
+    mariadb-install-db --no-defaults --datadir="$STATE/mysql/data" --user=root --innodb-log-file-size=8M \
         --auth-root-authentication-method=socket --skip-test-db >"$LOGS/mariadb-install.log" 2>&1 ||
         fail "mariadb-install-db failed" "$LOGS/mariadb-install.log"
     DB_PORT="$(free_ports 1)"
     start mariadb mariadbd --no-defaults --datadir="$STATE/mysql/data" --socket="$DB_SOCK" \
         --port="$DB_PORT" --bind-address=127.0.0.1 --user=root --pid-file="$STATE/mysql/mysqld.pid" \
         --skip-name-resolve --skip-log-bin --innodb-flush-log-at-trx-commit=0 --innodb-doublewrite=0 \
-        --sync-frm=0 --max-connections=500 --character-set-server=utf8mb4
+        --sync-frm=0 --max-connections=500 --character-set-server=utf8mb4 --innodb-log-file-size=8M \
+        --innodb-buffer-pool-size=64M
     wait_ready mariadb mariadb-admin --no-defaults --socket="$DB_SOCK" -uroot ping
     sql "CREATE USER 'openstack'@'127.0.0.1' IDENTIFIED BY '$DB_PASSWORD';"
     envline MARIADB_PORT "$DB_PORT"
@@ -210,33 +214,40 @@ log.console = true
 log.console.level = warning
 log.file = false
 EOF
-    start epmd env KURYR_OS_STATE="$STATE" epmd -port "$EPMD_PORT" -address 127.0.0.1
+    start epmd epmd -port "$EPMD_PORT" -address 127.0.0.1
     start rabbitmq "${RABBIT_ENV[@]}" RABBITMQ_CONFIG_FILE="$r/rabbitmq.conf" \
         RABBITMQ_ENABLED_PLUGINS_FILE="$r/enabled_plugins" RABBITMQ_MNESIA_BASE="$r/mnesia" \
         RABBITMQ_LOG_BASE="$r/log" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_NODE_PORT="$amqp" \
         RABBITMQ_DIST_PORT="$dist" /usr/lib/rabbitmq/bin/rabbitmq-server
+    TRANSPORT_URL="rabbit://openstack:$RABBIT_PASSWORD@127.0.0.1:$amqp/"
+    RABBIT_AMQP_PORT="$amqp"
+}
+# Waits for RabbitMQ (it boots while MariaDB and Keystone are set up) and creates the services' user.
+ready_rabbitmq() {
     wait_ready rabbitmq rabbitmqctl await_startup
     rabbitmqctl add_user openstack "$RABBIT_PASSWORD" >/dev/null
     rabbitmqctl set_permissions openstack '.*' '.*' '.*' >/dev/null
-    TRANSPORT_URL="rabbit://openstack:$RABBIT_PASSWORD@127.0.0.1:$amqp/"
-    RABBIT_AMQP_PORT="$amqp"
     envline RABBITMQ_NODE "$RABBIT_NODE"
-    envline RABBITMQ_AMQP_PORT "$amqp"
+    envline RABBITMQ_AMQP_PORT "$RABBIT_AMQP_PORT"
     envline RABBITMQ_EPMD_PORT "$EPMD_PORT"
     envline TRANSPORT_URL "$TRANSPORT_URL"
     envline RABBITMQ_PID "$(pid_of rabbitmq)"
-    took "RabbitMQ ready on 127.0.0.1:$amqp"
+    took "RabbitMQ ready on 127.0.0.1:$RABBIT_AMQP_PORT"
 }
 
-# uwsgi_ini NAME PORT MODULE [PYARGV]: a uWSGI config serving MODULE:application over HTTP.
+# uwsgi_ini NAME PORT MODULE PROCESSES THREADS [PYARGV]: a uWSGI config serving MODULE:application
+# over HTTP on 127.0.0.1:PORT.
 uwsgi_ini() {
     cat <<EOF
 [uwsgi]
 http-socket = 127.0.0.1:$2
 module = $3:application
 master = true
-processes = 1
-threads = 8
+processes = $4
+threads = $5
+enable-threads = true
+# Each worker imports the application itself, after the fork (what the OpenStack services expect).
+lazy-apps = true
 # SIGTERM stops (uWSGI's default is to reload), and workers never outlive the master.
 die-on-term = true
 no-orphans = true
@@ -248,7 +259,7 @@ add-header = Connection: close
 # Reads the request body even when the app does not, so clients never see a reset.
 post-buffering = 1
 thunder-lock = true
-${4:+pyargv = $4}
+${6:+pyargv = $6}
 EOF
 }
 
@@ -291,11 +302,13 @@ EOF
         --bootstrap-project-name admin --bootstrap-role-name admin --bootstrap-region-id "$REGION" \
         --bootstrap-admin-url "$url" --bootstrap-internal-url "$url" --bootstrap-public-url "$url" \
         >>"$LOGS/keystone-manage.log" 2>&1 || fail "keystone-manage bootstrap failed" "$LOGS/keystone-manage.log"
-    uwsgi_ini keystone "$port" keystone.wsgi.api >"$k/uwsgi.ini"
+    uwsgi_ini keystone "$port" keystone.wsgi.api 1 4 >"$k/uwsgi.ini"
     start keystone env OS_KEYSTONE_CONFIG_DIR="$k" "$venv/bin/uwsgi" --ini "$k/uwsgi.ini"
-    wait_ready keystone curl -sf --max-time 5 "$url"
-    took "Keystone ready at $url"
     KEYSTONE_URL="$url" KEYSTONE_ADMIN_PASSWORD="$admin_pw" KEYSTONE_USER_PASSWORD="$user_pw"
+}
+ready_keystone() {
+    wait_ready keystone curl -sf --max-time 5 "$KEYSTONE_URL"
+    took "Keystone ready at $KEYSTONE_URL"
 }
 
 # Keystone's project, user, application credential and catalog, once the other services' URLs
@@ -323,11 +336,17 @@ source "$OS_HERE/neutron.sh"
 # shellcheck source=octavia.sh
 source "$OS_HERE/octavia.sh"
 
-start_mariadb
+# Every server is launched as soon as what it needs is there and waited for only when something
+# needs it in turn, so that their (CPU-heavy) start-ups overlap with the database migrations.
 ((WANT_RABBIT)) && start_rabbitmq
+start_mariadb
 ((WANT_KEYSTONE)) && start_keystone
+((WANT_RABBIT)) && ready_rabbitmq
 ((WANT_NEUTRON)) && start_neutron
 ((WANT_OCTAVIA)) && start_octavia
+((WANT_KEYSTONE)) && ready_keystone
+((WANT_NEUTRON)) && ready_neutron
+((WANT_OCTAVIA)) && ready_octavia
 ((WANT_KEYSTONE)) && init_keystone
 ((WANT_NEUTRON)) && init_neutron
 

@@ -468,6 +468,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
 
     // An endpoint change: a delta with a higher generation.
     let before = w.spec("web").generation;
+    let changed = std::time::Instant::now();
     c.put_slice(
         "web-v4",
         "web",
@@ -482,6 +483,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     .await;
     w.until("web with 10.244.0.8", |s| members(&s.spec("web").listeners[0]).iter().any(|m| m.contains("10.244.0.8")))
         .await;
+    eprintln!("endpoint change written → LB_APPLIED received: {:?}", changed.elapsed());
     assert!(w.spec("web").generation > before, "{} after {before}", w.spec("web").generation);
     assert_eq!(w.types.last(), Some(&LbEventType::LbApplied));
 

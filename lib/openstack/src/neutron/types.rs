@@ -156,6 +156,9 @@ pub struct NetworkCreate {
     pub tags: Option<Vec<String>>,
     #[serde(rename = "provider:network_type", skip_serializing_if = "Option::is_none")]
     pub network_type: Option<String>,
+    /// An external network: where floating IPs and router gateways come from.
+    #[serde(rename = "router:external", skip_serializing_if = "Option::is_none")]
+    pub external: Option<bool>,
 }
 
 /// An allocation pool of a subnet.

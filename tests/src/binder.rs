@@ -87,6 +87,15 @@ impl Binder {
         Ok(())
     }
 
+    /// Kills the binder with SIGKILL, as a crash would: no drain, its socket left behind.
+    /// [`Binder::restart`] starts it again.
+    pub async fn kill(&mut self) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.kill().await?;
+        }
+        Ok(())
+    }
+
     /// The binder's gRPC target for grpcurl.
     pub fn grpc_target(&self) -> String {
         format!("unix://{}", self.socket.display())

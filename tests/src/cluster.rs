@@ -18,6 +18,7 @@
 //! made on the host is also written down as it goes ([`Manifest`]), so that another process can
 //! remove it after this one died.
 
+pub mod checks;
 mod manifest;
 pub mod preflight;
 pub mod reach;
@@ -137,6 +138,18 @@ pub struct Service {
     /// `127.0.0.1:<port>` of /metrics, /livez, /readyz.
     pub metrics: String,
     process: ServiceProcess,
+    /// How it was started, to start it again after a crash ([`Cluster::restart_service`]).
+    launch: Launch,
+}
+
+/// A service's command line and where it logs.
+#[derive(Debug, Clone)]
+struct Launch {
+    bin: String,
+    args: Vec<String>,
+    dir: PathBuf,
+    /// The gRPC service whose health says it is up.
+    service: String,
 }
 
 impl Service {
@@ -444,6 +457,51 @@ impl Cluster {
     }
 }
 
+/// The cluster-wide services, for fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServiceKind {
+    /// `kuryr-watcher`.
+    Watcher,
+    /// `kuryr-vif-allocator`.
+    Allocator,
+}
+
+impl Cluster {
+    fn service_mut(&mut self, kind: ServiceKind) -> &mut Service {
+        match kind {
+            ServiceKind::Watcher => &mut self.watcher,
+            ServiceKind::Allocator => &mut self.allocator,
+        }
+    }
+
+    /// Kills a service with SIGKILL, as a crash or an OOM kill would: no drain, no cleanup.
+    pub async fn kill_service(&mut self, kind: ServiceKind) -> Result<()> {
+        self.service_mut(kind).process.kill().await
+    }
+
+    /// Starts a service again with the command line it had (same addresses, same unix socket,
+    /// left stale by a crash) and waits until it serves its API; its new pid joins the manifest.
+    /// A service still running is killed first.
+    pub async fn restart_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let s = self.service_mut(kind);
+        s.process.kill().await?;
+        let Launch { bin, args, dir, service } = s.launch.clone();
+        s.process = ServiceProcess::spawn(&bin, &args, &dir)?;
+        let pid = s.process.pid();
+        let channel = kuryr_runtime::client::channel(&s.tcp)?;
+        let s = &*s;
+        wait_until(&format!("{bin} to serve {service} again"), SERVE_TIMEOUT, || {
+            kuryr_runtime::client::check_serving(channel.clone(), &service)
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:#}\n---- {bin} log ----\n{}", s.logs()))?;
+        if let Some(pid) = pid {
+            self.manifest.processes.push(ProcessRecord { name: bin.clone(), pid, exe: bin_path(&bin)? });
+        }
+        Ok(())
+    }
+}
+
 /// The namespace, the CRDs (until Established) and the RBAC manifests.
 async fn install_manifests(kube: &KubeEnv) -> Result<()> {
     let deploy = repo_root().join("deploy");
@@ -490,7 +548,8 @@ async fn start_service(
         let exe = bin_path(bin)?;
         progress.record(|m| m.processes.push(ProcessRecord { name: bin.into(), pid, exe }));
     }
-    let s = Service { tcp, socket, metrics, process };
+    let launch = Launch { bin: bin.into(), args: all.clone(), dir: dir.to_path_buf(), service: service.into() };
+    let s = Service { tcp, socket, metrics, process, launch };
     let channel = kuryr_runtime::client::channel(&s.tcp)?;
     wait_until(&format!("{bin} to serve {service}"), SERVE_TIMEOUT, || {
         kuryr_runtime::client::check_serving(channel.clone(), service)

@@ -1,0 +1,364 @@
+//! Faults in the middle of work, end to end with the embedded backend and every part real: the
+//! API server, kuryr-watcher and kuryr-vif-allocator under their ServiceAccounts, two nodes
+//! (containerd + kuryr-cni + kuryr-binder in their own network namespaces, joined by an underlay
+//! bridge), each run by the test kubelet that drives pod sandboxes through CRI.
+//!
+//! - kill -9 of kuryr-vif-allocator while a burst of 40 pods is being allocated, pods created and
+//!   deleted while it is down, then a restart;
+//! - the same with kuryr-watcher: the allocator loses its subscription and picks up again when
+//!   the watcher is back;
+//! - kuryr-binder stopped with SIGTERM on one node and killed with SIGKILL on the other while pods
+//!   run and new ones start, pods deleted while it is down and after it is back.
+//!
+//! Each converges to the same state (the checks of [`kuryr_tests::cluster::checks`]): every pod
+//! Running with distinct addresses that are its PodVif's and allocated to it in a block of its
+//! node, no allocation without a live PodVif, no PodVif without a pod, on each node exactly one
+//! sandbox, veth and attachment record per pod; then deleting everything leaves nothing.
+//!
+//! The tests take turns, one cluster at a time: each runs dozens of sandboxes through containerd,
+//! which on a small machine is load enough for one.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_tests::cluster::checks::{self, RunningPod};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
+use kuryr_tests::kubelet::PodPhase;
+use kuryr_tests::services::wait_until;
+use kuryr_vif_allocator::crd::PodVif;
+
+const NAMESPACE: &str = "faults";
+/// Pods created at once for the service crashes.
+const BURST: usize = 40;
+/// VIFs recorded (in PodVif status) when the service is killed: the burst is under way, some
+/// pods done, others part-way (finalizer only, PodVif without a VIF, addresses taken but not yet
+/// recorded), others not yet seen.
+const KILL_AFTER: usize = 5;
+/// Pods created while a service is down.
+const LATE: usize = 4;
+/// How long a service stays down: long enough for the kubelets to try and fail.
+const OUTAGE: Duration = Duration::from_secs(3);
+/// Bound on everything Running again after a fault. A pod whose CNI ADD was waiting for its VIF
+/// when the fault hit fails after the binder's `--vif-wait-timeout` (20 s) and is retried by the
+/// kubelet with backoff (at most 8 s).
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Bound on the allocator's records agreeing with the pods once they run.
+const CONSISTENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on everything being released after the pods are deleted.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Pods created in the API at once.
+const CREATE_CONCURRENCY: usize = 8;
+
+/// One cluster at a time in this binary.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn allocator_killed_mid_burst_converges_without_leaks() {
+    with_cluster("allocator kill -9", async |c: &mut Cluster| service_crash_mid_burst(c, ServiceKind::Allocator).await)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn watcher_killed_mid_burst_converges_and_late_pods_get_networks() {
+    with_cluster("watcher kill -9", async |c: &mut Cluster| service_crash_mid_burst(c, ServiceKind::Watcher).await)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn binder_restarts_keep_running_pods_and_start_new_ones() {
+    with_cluster("binder restarts", binder_restarts).await;
+}
+
+/// Starts a two-node cluster, runs `scenario` on it, shuts it down and checks that nothing of it
+/// is left on the host; the services' logs are printed when the scenario fails.
+async fn with_cluster(name: &str, scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>) {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let t = Instant::now();
+    let mut cluster =
+        Cluster::start(ClusterOptions::default()).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    eprintln!("{name}: cluster up in {:?}", cluster.started_in());
+    let outcome = scenario(&mut cluster).await;
+    if outcome.is_err() {
+        eprintln!("{}", cluster.logs());
+    }
+    let manifest = cluster.manifest().clone();
+    let shutdown = cluster.shutdown().await;
+    outcome.unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let took = shutdown.unwrap_or_else(|e| panic!("{e:#}"));
+    let left = manifest.leftovers();
+    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    eprintln!("{name}: cluster down in {took:?}; {:?} in all", t.elapsed());
+}
+
+/// A burst of pods across both nodes; `kind` killed with SIGKILL once some of them have PodVifs;
+/// pods created and deleted while it is down; restarted → everything converges.
+async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Result<()> {
+    let client = cluster.client();
+    create_namespace(&client).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let vifs: Api<PodVif> = Api::namespaced(client.clone(), NAMESPACE);
+    let burst = spread(cluster, "burst", BURST);
+
+    let t = Instant::now();
+    let created = Arc::new(AtomicUsize::new(0));
+    let creating = tokio::spawn(create_pods(pods.clone(), burst.clone(), created.clone()));
+    let with_vif = |list: &[PodVif]| list.iter().filter(|v| v.status.as_ref().is_some_and(|s| s.vif.is_some())).count();
+    let before_kill = wait_until("the first VIFs of the burst", CONVERGE_TIMEOUT, || async {
+        let list = vifs.list(&ListParams::default()).await?.items;
+        ensure!(with_vif(&list) >= KILL_AFTER, "{} PodVifs, {} with a VIF", list.len(), with_vif(&list));
+        Ok(list)
+    })
+    .await?;
+    cluster.kill_service(kind).await?;
+    let killed_after = t.elapsed();
+    let pods_at_kill = created.load(Ordering::SeqCst);
+    let recorded = with_vif(&before_kill);
+    ensure!(recorded < BURST, "the burst was over ({recorded} VIFs recorded) before the kill");
+    eprintln!(
+        "{kind:?} killed {killed_after:?} into the burst: {pods_at_kill}/{BURST} pods created, {} PodVifs, \
+         {recorded} with a VIF",
+        before_kill.len()
+    );
+    creating.await??;
+
+    // While it is down: more pods, and two pods of the burst deleted (whatever state they are
+    // in; the allocator's finalizer holds them until it has released their VIFs).
+    let late = spread(cluster, "late", LATE);
+    create_pods(pods.clone(), late.clone(), Arc::default()).await?;
+    let deleted = [burst[0].0.clone(), burst[1].0.clone()];
+    for name in &deleted {
+        pods.delete(name, &DeleteParams::default()).await?;
+    }
+    tokio::time::sleep(OUTAGE).await;
+    let t = Instant::now();
+    cluster.restart_service(kind).await?;
+    eprintln!("{kind:?} serving again after {:?}", t.elapsed());
+
+    let expected = BURST - deleted.len() + LATE;
+    let running = checks::wait_running(cluster, NAMESPACE, expected, CONVERGE_TIMEOUT)
+        .await
+        .map_err(|e| e.context(kubelet_summary(cluster)))?;
+    eprintln!("{expected} pods Running {:?} after the restart; {}", t.elapsed(), kubelet_summary(cluster));
+    for name in &deleted {
+        ensure!(!running.iter().any(|p| &p.name == name), "{name} was deleted but runs");
+    }
+    converged(cluster, &running).await?;
+
+    // Pods created while the service was down have working networks, within and across nodes.
+    let late: Vec<RunningPod> = running.iter().filter(|p| p.name.starts_with("late")).cloned().collect();
+    let probes = one_per_node(&running, "burst");
+    let pings = checks::reachable(&late, &probes).await?;
+    eprintln!("{pings} pings from the late pods answered");
+
+    delete_all_and_check(cluster).await
+}
+
+/// Pods on both nodes; node-1's binder stopped with SIGTERM, then node-2's killed with SIGKILL,
+/// each while new pods are starting; running pods keep their networks throughout; pods plumbed
+/// before a restart are deleted while the binder is down and after it is back.
+async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
+    let client = cluster.client();
+    create_namespace(&client).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let first = spread(cluster, "old", 10);
+    create_pods(pods.clone(), first.clone(), Arc::default()).await?;
+    let before = checks::wait_running(cluster, NAMESPACE, first.len(), CONVERGE_TIMEOUT).await?;
+    checks::node_state(cluster, &before).await?;
+    let pings = checks::reachable(&before, &before).await?;
+    eprintln!("{} pods Running, {pings} pings answered", before.len());
+
+    let mut deleted = Vec::new();
+    let mut added = Vec::new();
+    let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name.clone()).collect();
+    for (round, (node, crash)) in [(&nodes[0], false), (&nodes[1], true)].into_iter().enumerate() {
+        let how = if crash { "SIGKILL" } else { "SIGTERM" };
+        // New pods on both nodes; the binder goes once this node's kubelet has begun starting one.
+        let batch = spread(cluster, &format!("new{round}"), 4);
+        let creating = tokio::spawn(create_pods(pods.clone(), batch.clone(), Arc::default()));
+        let kubelet = cluster.kubelets().iter().find(|k| k.node() == node.as_str()).context("no kubelet")?;
+        let prefix = format!("new{round}-");
+        wait_until("a new pod's sandbox starting", CONVERGE_TIMEOUT, || async {
+            let started = kubelet.pods().iter().any(|r| r.name.starts_with(&prefix) && r.attempts >= 1);
+            ensure!(started, "not yet");
+            Ok(())
+        })
+        .await?;
+        let binder = &mut cluster.node_mut(node).context("no node")?.node.binder;
+        if crash {
+            binder.kill().await?;
+        } else {
+            binder.stop().await?;
+        }
+        creating.await??;
+        added.extend(batch.into_iter().map(|(name, _)| name));
+
+        // While it is down, the pods it plugged keep their networks.
+        let here: Vec<RunningPod> =
+            before.iter().filter(|p| &p.node == node && !deleted.contains(&p.name)).cloned().collect();
+        let there: Vec<RunningPod> =
+            before.iter().filter(|p| &p.node != node && !deleted.contains(&p.name)).take(1).cloned().collect();
+        let pings = checks::reachable(&here[..2], &[&here[2..3], &there[..]].concat()).await?;
+        eprintln!("{node}: binder stopped ({how}); {pings} pings from its pods answered while it is down");
+        // A pod plugged before the restart deleted while the binder is away: the kubelet's CNI
+        // DEL fails (try again later) and is retried until the binder is back.
+        pods.delete(&here[0].name, &DeleteParams::default()).await?;
+        deleted.push(here[0].name.clone());
+        tokio::time::sleep(OUTAGE).await;
+
+        let t = Instant::now();
+        cluster.node_mut(node).context("no node")?.node.binder.restart().await?;
+        eprintln!("{node}: binder serving again after {:?}", t.elapsed());
+        // And one deleted once it is back.
+        pods.delete(&here[1].name, &DeleteParams::default()).await?;
+        deleted.push(here[1].name.clone());
+        let gone = wait_until("the deleted pods gone", CONVERGE_TIMEOUT, || async {
+            for name in &deleted {
+                ensure!(pods.get_opt(name).await?.is_none(), "{name} still in the API");
+            }
+            Ok(t.elapsed())
+        })
+        .await
+        .map_err(|e| e.context(kubelet_summary(cluster)))?;
+        eprintln!("{node}: pods deleted around the restart gone {gone:?} after it");
+        let pings = checks::reachable(&here[2..], &there).await?;
+        eprintln!("{node}: {pings} pings from its remaining old pods answered after the restart");
+    }
+
+    let expected = before.len() - deleted.len() + added.len();
+    let running = checks::wait_running(cluster, NAMESPACE, expected, CONVERGE_TIMEOUT)
+        .await
+        .map_err(|e| e.context(kubelet_summary(cluster)))?;
+    eprintln!("{expected} pods Running; {}", kubelet_summary(cluster));
+    // The old pods kept their sandboxes and addresses through both restarts.
+    for p in running.iter().filter(|p| p.name.starts_with("old")) {
+        let was = before.iter().find(|b| b.name == p.name).context("an unknown old pod")?;
+        ensure!(p == was, "{} changed over the binder restarts: {was:?} → {p:?}", p.name);
+    }
+    converged(cluster, &running).await?;
+    let pings = checks::reachable(&running, &running).await?;
+    eprintln!("{pings} pings between all {} pods answered", running.len());
+
+    delete_all_and_check(cluster).await
+}
+
+/// The checks every scenario ends with while its pods run: the allocator's records agree with
+/// the pods (waited for: releases of deleted pods may still be finishing), one address per family
+/// per pod, and each node holds exactly its pods' sandboxes, veths and attachment records.
+async fn converged(cluster: &Cluster, running: &[RunningPod]) -> Result<()> {
+    let client = cluster.client();
+    let summary = wait_until("the allocator's records to match the pods", CONSISTENT_TIMEOUT, || async {
+        let s = checks::allocations(&client).await?;
+        ensure!(s.pods == running.len() && s.pod_vifs == running.len(), "{s:?} for {} pods", running.len());
+        Ok(s)
+    })
+    .await?;
+    ensure!(summary.addresses == 2 * running.len(), "{summary:?}: want an IPv4 and an IPv6 address per pod");
+    for p in running {
+        ensure!(
+            p.ips.len() == 2 && p.ips[0].is_ipv4() && p.ips[1].is_ipv6(),
+            "{}: addresses {:?}, want IPv4 then IPv6",
+            p.name,
+            p.ips
+        );
+    }
+    checks::node_state(cluster, running).await?;
+    eprintln!("consistent: {summary:?}");
+    Ok(())
+}
+
+/// Deletes every pod of the namespace and waits until nothing is left.
+async fn delete_all_and_check(cluster: &Cluster) -> Result<()> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), NAMESPACE);
+    let t = Instant::now();
+    for p in pods.list(&ListParams::default()).await?.items {
+        pods.delete(&p.metadata.name.unwrap_or_default(), &DeleteParams::default()).await?;
+    }
+    checks::wait_released(cluster, RELEASE_TIMEOUT).await.map_err(|e| e.context(kubelet_summary(cluster)))?;
+    eprintln!("everything released {:?} after deleting the pods", t.elapsed());
+    Ok(())
+}
+
+/// `count` pod names `<prefix>-<i>`, spread over the nodes in turn.
+fn spread(cluster: &Cluster, prefix: &str, count: usize) -> Vec<(String, String)> {
+    let nodes = cluster.nodes();
+    (0..count).map(|i| (format!("{prefix}-{i}"), nodes[i % nodes.len()].name.clone())).collect()
+}
+
+/// Creates the pods, [`CREATE_CONCURRENCY`] at a time, counting them in `created`.
+async fn create_pods(pods: Api<Pod>, which: Vec<(String, String)>, created: Arc<AtomicUsize>) -> Result<()> {
+    let results: Vec<Result<()>> = futures::stream::iter(which)
+        .map(|(name, node)| {
+            let (pods, created) = (pods.clone(), created.clone());
+            async move {
+                pods.create(&PostParams::default(), &pod(&name, &node))
+                    .await
+                    .with_context(|| format!("creating {name}"))?;
+                created.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .collect()
+        .await;
+    results.into_iter().collect()
+}
+
+/// The first running pod named `<prefix>…` on each node.
+fn one_per_node(running: &[RunningPod], prefix: &str) -> Vec<RunningPod> {
+    let mut out: Vec<RunningPod> = Vec::new();
+    for p in running.iter().filter(|p| p.name.starts_with(prefix)) {
+        if !out.iter().any(|o| o.node == p.node) {
+            out.push(p.clone());
+        }
+    }
+    out
+}
+
+/// How the kubelets fared: pods by phase, RunPodSandbox attempts, the slowest network-ready.
+fn kubelet_summary(cluster: &Cluster) -> String {
+    let mut out = Vec::new();
+    for k in cluster.kubelets() {
+        let recs = k.pods();
+        let running = recs.iter().filter(|r| r.phase == PodPhase::Running).count();
+        let starting: Vec<String> = recs
+            .iter()
+            .filter(|r| r.phase == PodPhase::Starting)
+            .map(|r| format!("{} ({} attempts: {})", r.name, r.attempts, r.last_error.as_deref().unwrap_or("-")))
+            .collect();
+        let retried = recs.iter().filter(|r| r.attempts > 1).count();
+        let slowest = recs.iter().filter_map(|r| r.network_ready).max().unwrap_or_default();
+        out.push(format!(
+            "{}: {running} running, {retried} retried, slowest network-ready {slowest:?}, starting {starting:?}",
+            k.node()
+        ));
+    }
+    out.join("; ")
+}
+
+async fn create_namespace(client: &kube::Client) -> Result<()> {
+    let ns = Namespace {
+        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
+        ..Namespace::default()
+    };
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    Ok(())
+}
+
+fn pod(name: &str, node: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(NAMESPACE.into()), ..ObjectMeta::default() },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}

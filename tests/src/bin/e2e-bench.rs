@@ -17,6 +17,7 @@
 //!
 //! Environment: `BENCH_E2E_PODS` (default 500), `BENCH_E2E_RATE` (pods/s, default 20),
 //! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part.
+//! `BENCH_E2E_LOG` is the services' `--log` filter (default `info`; the breakdown needs `info`).
 #![allow(clippy::print_stdout)]
 
 use std::collections::HashMap;
@@ -102,12 +103,14 @@ fn main() -> Result<()> {
 async fn run(cfg: Config) -> Result<()> {
     let t = Instant::now();
     let mut report = Report::default();
+    report.notes.push(format!("load average at the start: {}", loadavg()));
     if cfg.pods > 0 || cfg.burst > 0 {
         cluster_parts(cfg, &mut report).await?;
     }
     if cfg.rss_pods > 0 {
         watcher_memory(cfg.rss_pods, &mut report).await?;
     }
+    report.notes.push(format!("load average at the end: {} ({} CPUs)", loadavg(), num_cpus()));
     report.print();
     println!("(e2e bench took {:.0} s)", t.elapsed().as_secs_f64());
     Ok(())
@@ -203,6 +206,17 @@ impl Report {
             println!("note: {n}");
         }
     }
+}
+
+/// The 1, 5 and 15 minute load averages: the figures depend on what else the machine runs.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -407,7 +421,8 @@ where
 
 async fn cluster_parts(cfg: Config, report: &mut Report) -> Result<()> {
     eprintln!("# starting a two-node cluster (release binaries from {})", bin_dir());
-    let opts = ClusterOptions { nodes: 2, ..ClusterOptions::default() };
+    let service_log = std::env::var("BENCH_E2E_LOG").unwrap_or_else(|_| "info".into());
+    let opts = ClusterOptions { nodes: 2, service_log, ..ClusterOptions::default() };
     let cluster = Cluster::start(opts).await.context("starting the cluster")?;
     eprintln!("  up in {:.1} s", cluster.started_in().as_secs_f64());
     let outcome = cluster_scenario(&cluster, cfg, report).await;
@@ -575,7 +590,7 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
         ("create", "API create request round trip"),
         ("seen", "created → kubelet's watch delivers the pod"),
         ("handed", "created → allocator: VIF handed out (PodVif status)"),
-        ("kubelet", "kubelet: seen → RunPodSandbox sent (ListPodSandbox)"),
+        ("kubelet", "kubelet: seen → last RunPodSandbox sent (+ failed tries)"),
         ("pre_cni", "containerd: RunPodSandbox → kuryr-cni ADD reaches binder"),
         ("vif_wait", "binder: ADD waiting for the VIF on WatchVifs"),
         ("plug", "binder: plugging (netlink)"),
@@ -583,7 +598,7 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
         ("add", "binder: ADD total"),
         ("handed_to_add", "VIF handed out → binder's ADD done"),
         ("post_cni", "containerd: ADD done → RunPodSandbox returned"),
-        ("rps", "RunPodSandbox call as a whole"),
+        ("rps", "RunPodSandbox call as a whole (the successful one)"),
     ] {
         if let Some(st) = s.stats(key) {
             report.breakdown.push((label.to_string(), st));
@@ -608,7 +623,23 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
         ));
     }
     if retried > 0 {
-        report.notes.push(format!("{retried} pods needed more than one RunPodSandbox attempt"));
+        // By CNI code, with one message as an example.
+        let mut failures: HashMap<String, (usize, String)> = HashMap::new();
+        for n in cluster.nodes() {
+            for line in n.node.binder_logs().lines().filter(|l| l.contains("CNI operation failed")) {
+                let f = parse_fields(line.split_once("CNI operation failed").map_or("", |(_, r)| r));
+                let code = f.get("code").cloned().unwrap_or_else(|| "?".into());
+                let e = failures.entry(code).or_insert_with(|| (0, f.get("error").cloned().unwrap_or_default()));
+                e.0 += 1;
+            }
+        }
+        let failures: Vec<String> =
+            failures.iter().map(|(code, (n, example))| format!("{n}× code {code} (e.g. {example:?})")).collect();
+        report.notes.push(format!(
+            "{retried} pods needed more than one RunPodSandbox attempt (the kubelet retries with backoff); \
+             CNI failures in the binders' logs: {}",
+            if failures.is_empty() { "none".to_string() } else { failures.join(", ") }
+        ));
     }
     let allocs = allocator_counter(cluster).await? - allocs_before;
     report.figure(
@@ -757,8 +788,9 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         ),
     );
     ensure!(after - before >= n as f64, "the allocator counted {} allocations for {n} pods", after - before);
+    let held = metric(&scrape(&cluster.allocator().metrics).await?, "kuryr_allocator_vifs").unwrap_or(0.0);
     report.figure(
-        format!("kuryr-vif-allocator RSS holding {} VIFs", after as u64),
+        format!("kuryr-vif-allocator RSS holding {held} VIFs"),
         mib(rss_mib(cluster.allocator().pid().context("allocator pid")?)?.0),
         "",
     );

@@ -108,6 +108,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         tracing::info!(lbaas = target, "Service dataplane enabled");
+        tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
             lbaas,
             format!("binder/{node}"),

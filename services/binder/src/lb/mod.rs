@@ -12,6 +12,7 @@
 //! is down; the rules already programmed stay in place). Whether the Service rules are in sync
 //! is logged on every change and exported as `kuryr_binder_lb_synced`.
 
+pub mod hairpin;
 pub mod metrics;
 pub mod model;
 pub mod nft;

@@ -10,8 +10,10 @@
 //! - with client-IP affinity, each member chain also records the client in a dynamic set with a
 //!   timeout (`aff/...`), which the Service chain consults before spreading;
 //! - a Service port without members is in the sets `noep4` / `noep6`, rejected from the filter
-//!   prerouting and output hooks with ICMP port unreachable (what kube-proxy does: the client
-//!   gets "connection refused" at once instead of a timeout);
+//!   prerouting and output hooks (as kube-proxy does: the client gets "connection refused" at
+//!   once instead of a timeout) — TCP with a reset, the rest with ICMP port unreachable. A reset
+//!   because the kernel rate-limits ICMP errors per client: a client retrying quickly would
+//!   otherwise wait out a SYN retransmission (a second) for its answer;
 //! - hairpin: when the member chosen for a forwarded connection is reached through the very
 //!   interface the client came in on (both on the node's bridge), the member's reply would go to
 //!   the client straight over L2 and never be un-DNAT'd. The forward hook marks those
@@ -200,20 +202,23 @@ pub fn skeleton(out: &mut String) {
     for (name, spec) in hooks {
         let _ = writeln!(out, "add chain {t} {name} {{ {spec} }}");
     }
-    let _ = writeln!(out, "add chain {t} services");
-    for (name, _) in hooks {
+    for name in ["services", "no_endpoints"] {
+        let _ = writeln!(out, "add chain {t} {name}");
+    }
+    for name in hooks.iter().map(|(n, _)| *n).chain(["services", "no_endpoints"]) {
         let _ = writeln!(out, "flush chain {t} {name}");
     }
-    let _ = writeln!(out, "flush chain {t} services");
     let rules = [
         ("nat_prerouting", "jump services".to_string()),
         ("nat_output", "jump services".to_string()),
         ("services", "ip daddr . meta l4proto . th dport vmap @services4".to_string()),
         ("services", "ip6 daddr . meta l4proto . th dport vmap @services6".to_string()),
-        ("filter_prerouting", "ip daddr . meta l4proto . th dport @noep4 reject".to_string()),
-        ("filter_prerouting", "ip6 daddr . meta l4proto . th dport @noep6 reject".to_string()),
-        ("filter_output", "ip daddr . meta l4proto . th dport @noep4 reject".to_string()),
-        ("filter_output", "ip6 daddr . meta l4proto . th dport @noep6 reject".to_string()),
+        ("filter_prerouting", "ip daddr . meta l4proto . th dport @noep4 goto no_endpoints".to_string()),
+        ("filter_prerouting", "ip6 daddr . meta l4proto . th dport @noep6 goto no_endpoints".to_string()),
+        ("filter_output", "ip daddr . meta l4proto . th dport @noep4 goto no_endpoints".to_string()),
+        ("filter_output", "ip6 daddr . meta l4proto . th dport @noep6 goto no_endpoints".to_string()),
+        ("no_endpoints", "meta l4proto tcp reject with tcp reset".to_string()),
+        ("no_endpoints", "reject".to_string()),
         (
             "filter_forward",
             format!(

@@ -1,0 +1,105 @@
+//! Hairpin mode on the pods' bridge ports, so that a pod can reach a Service whose chosen member
+//! is the pod itself.
+//!
+//! Where `br_netfilter` is loaded (kubeadm nodes require it), a pod's packet to a VIP is DNAT'd
+//! while it is still being bridged, and when the new destination sits behind the same bridge the
+//! frame is bridged on to it instead of routed. For a pod talking to itself that means sending
+//! the frame back out the port it came in on, which a bridge only does for ports in hairpin
+//! mode; otherwise it is dropped. The masquerade of [`super::render`] then makes the reply come
+//! back through the node. Without `br_netfilter` hairpin mode changes nothing.
+//!
+//! The ports are found by their controller, every bridge a VIF of this node uses, after every
+//! change of the VIF cache (a pod's port exists once its VIF is reported plugged).
+
+use std::collections::BTreeSet;
+
+use futures::TryStreamExt;
+use kuryr_proto::allocator::v1::BindingDriver;
+use kuryr_runtime::Shutdown;
+use nix::errno::Errno;
+use rtnetlink::LinkUnspec;
+use rtnetlink::packet_route::link::{InfoBridgePort, InfoPortData, InfoPortKind, LinkAttribute, LinkInfo, LinkMessage};
+
+use crate::vifs::VifCache;
+
+/// Runs until shutdown: after every change of the VIF cache, puts every port of the VIFs'
+/// bridges that is not yet in hairpin mode into it.
+pub async fn run(cache: VifCache, shutdown: Shutdown) {
+    let (conn, handle, _) = match rtnetlink::new_connection() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open a netlink socket; hairpin mode not managed");
+            return;
+        }
+    };
+    tokio::spawn(conn);
+    let mut rx = cache.subscribe();
+    loop {
+        let bridges: BTreeSet<String> = cache
+            .all()
+            .iter()
+            .filter_map(|v| v.binding.as_ref())
+            .filter(|b| b.driver() == BindingDriver::Bridge && !b.bridge.is_empty())
+            .map(|b| b.bridge.clone())
+            .collect();
+        if !bridges.is_empty()
+            && let Err(e) = ensure(&handle, &bridges).await
+        {
+            tracing::warn!(error = %e, "setting hairpin mode on bridge ports failed");
+        }
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { return },
+            () = shutdown.clone().wait() => return,
+        }
+    }
+}
+
+fn name(link: &LinkMessage) -> Option<&str> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(n) => Some(n.as_str()),
+        _ => None,
+    })
+}
+
+fn controller(link: &LinkMessage) -> Option<u32> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Controller(c) => Some(*c),
+        _ => None,
+    })
+}
+
+/// Whether a bridge port's link carries hairpin mode on.
+fn hairpin(link: &LinkMessage) -> bool {
+    link.attributes.iter().any(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| match i {
+            LinkInfo::PortData(InfoPortData::BridgePort(attrs)) => {
+                attrs.iter().any(|x| matches!(x, InfoBridgePort::HairpinMode(true)))
+            }
+            _ => false,
+        }),
+        _ => false,
+    })
+}
+
+async fn ensure(handle: &rtnetlink::Handle, bridges: &BTreeSet<String>) -> Result<(), rtnetlink::Error> {
+    let links: Vec<LinkMessage> = handle.link().get().execute().try_collect().await?;
+    let wanted: BTreeSet<u32> =
+        links.iter().filter(|l| name(l).is_some_and(|n| bridges.contains(n))).map(|l| l.header.index).collect();
+    for link in links.iter().filter(|l| controller(l).is_some_and(|c| wanted.contains(&c)) && !hairpin(l)) {
+        let msg = LinkUnspec::new_with_index(link.header.index)
+            .append_extra_attribute(LinkAttribute::LinkInfo(vec![
+                LinkInfo::PortKind(InfoPortKind::Bridge),
+                LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
+            ]))
+            .build();
+        // RTM_NEWLINK on an existing link: RTM_SETLINK ignores port settings.
+        match handle.link().set_port(msg).execute().await {
+            Ok(()) => tracing::debug!(port = name(link), "hairpin mode on"),
+            // The port went away meanwhile (the pod was deleted).
+            Err(rtnetlink::Error::NetlinkError(e))
+                if e.code.map(|c| Errno::from_raw(-c.get())) == Some(Errno::ENODEV) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

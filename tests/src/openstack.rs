@@ -33,6 +33,9 @@ use crate::util::{parse_env_file, repo_root};
 /// databases from scratch.
 const UP_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
+/// Bound on stopping or starting one process (stopping waits up to 5 s before KILL).
+const CTL_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// One of the services `up.sh` can start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Service {
@@ -240,6 +243,54 @@ impl OpenStackEnv {
             subnet_v6_id: get("POD_SUBNET_V6_ID")?,
             subnet_v6_cidr: get("POD_SUBNET_V6_CIDR")?,
         })
+    }
+
+    /// The processes of this environment in start order (`mariadb`, `rabbitmq`, `keystone`,
+    /// `neutron-api`, `neutron-rpc`, `neutron-agent`, `octavia-api`, `octavia-worker`, ...).
+    pub fn process_names(&self) -> Vec<String> {
+        std::fs::read_to_string(self.state_dir.join("start-order"))
+            .map(|t| t.lines().map(str::to_string).collect())
+            .unwrap_or_default()
+    }
+
+    /// The current pid of a process of this environment (it changes when it is started again).
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        std::fs::read_to_string(self.state_dir.join("pids").join(format!("{name}.pid"))).ok()?.trim().parse().ok()
+    }
+
+    /// Stops one process (TERM, KILL after a bound), e.g. `neutron-api` for a fault test.
+    pub async fn stop_process(&self, name: &str) -> Result<()> {
+        self.ctl("stop", name).await.map(|_| ())
+    }
+
+    /// Kills one process at once with SIGKILL, as a crash would.
+    pub async fn kill_process(&self, name: &str) -> Result<()> {
+        self.ctl("kill", name).await.map(|_| ())
+    }
+
+    /// Starts a stopped process again with the same command line, port and state; returns its
+    /// pid. It is running, not necessarily ready: poll its API.
+    pub async fn start_process(&self, name: &str) -> Result<u32> {
+        let out = self.ctl("start", name).await?;
+        out.trim().parse().with_context(|| format!("ctl.sh start {name} printed {out:?}, not a pid"))
+    }
+
+    async fn ctl(&self, action: &str, name: &str) -> Result<String> {
+        let out = Command::new("bash")
+            .arg(script("ctl.sh"))
+            .arg(&self.state_dir)
+            .args([action, name])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(CTL_TIMEOUT, out)
+            .await
+            .with_context(|| format!("ctl.sh {action} {name} did not finish within {CTL_TIMEOUT:?}"))?
+            .with_context(|| format!("running ctl.sh {action} {name}"))?;
+        if !out.status.success() {
+            bail!("ctl.sh {action} {name} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The last `lines` lines of `logs/<name>.log` (for assertion messages).

@@ -361,7 +361,28 @@ async fn octavia_takes_a_load_balancer_to_active_and_cascade_deletes_it() {
     })
     .await;
 
-    let pids = env_pids(&env, &["OCTAVIA_API_PID", "OCTAVIA_WORKER_PID", "RABBITMQ_PID", "MARIADB_PID"]);
+    // A fault test's tools: the API stopped answers nothing; started again, it serves the same
+    // state on the same port.
+    let names = env.process_names();
+    for expected in ["mariadb", "rabbitmq", "octavia-api", "octavia-worker"] {
+        assert!(names.iter().any(|n| n == expected), "{expected} not in {names:?}");
+    }
+    env.stop_process("octavia-api").await.unwrap();
+    assert!(http.get(&lbs).header("X-Project-Id", project).send().await.is_err(), "the stopped API still answers");
+    let pid = env.start_process("octavia-api").await.unwrap();
+    assert_eq!(env.pid("octavia-api"), Some(pid));
+    let listed = wait_for("the API started again to answer", Duration::from_secs(120), || {
+        let (http, url) = (http.clone(), lbs.clone());
+        async move {
+            let resp = http.get(url).header("X-Project-Id", project).send().await.ok()?;
+            (resp.status() == StatusCode::OK).then_some(resp.json::<Value>().await.ok()?)
+        }
+    })
+    .await;
+    assert_eq!(listed["loadbalancers"].as_array().map(Vec::len), Some(0), "{listed}");
+
+    let pids = env_pids(&env, &["OCTAVIA_WORKER_PID", "RABBITMQ_PID", "MARIADB_PID"]);
+    let pids = [pids, vec![pid]].concat();
     drop(env);
     assert_gone(&pids);
 }

@@ -71,3 +71,43 @@ ensure_uv() {
     "$python" -m venv "$OS_CACHE/uv-tool" || die "python -m venv failed for $python"
     "$OS_CACHE/uv-tool/bin/pip" install -q "uv==$UV_VERSION" || die "pip install uv==$UV_VERSION failed"
 }
+
+# launch NAME ARGS...: runs ARGS detached in a session of its own, stdio appended to
+# $LOGS/NAME.log; records the pid and its start time in $PIDS (down.sh signals the pid only while
+# the start time still matches).
+launch() {
+    local name="$1"
+    shift
+    setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+    echo $! >"$PIDS/$name.pid"
+    starttime $! >"$PIDS/$name.start" || true
+}
+
+# ours NAME PID: whether PID is still the process up.sh started as NAME.
+ours() { [[ -s "$PIDS/$1.start" && "$(starttime "$2")" == "$(cat "$PIDS/$1.start")" ]]; }
+
+# stop NAME [SIGNAL]: ends the process recorded in $PIDS/NAME.pid and everything in its process
+# group: SIGNAL (default TERM), then KILL after $OS_DOWN_GRACE seconds (default 5).
+stop() {
+    local name="$1" sig="${2:-TERM}" f pid deadline
+    f="$PIDS/$name.pid"
+    [[ -f "$f" ]] || return 0
+    pid="$(cat "$f")"
+    if [[ "$pid" =~ ^[0-9]+$ && "$pid" != "$$" ]] && alive "$pid"; then
+        if ours "$name" "$pid"; then
+            kill "-$sig" -- "-$pid" 2>/dev/null || kill "-$sig" "$pid" 2>/dev/null || true
+            # These never act on TERM (measured): do not wait for them long.
+            case "$name" in neutron-agent | neutron-rpc) deadline=$((SECONDS + 1)) ;; *) deadline=$((SECONDS + ${OS_DOWN_GRACE:-5})) ;; esac
+            while alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
+            # The group too: uWSGI workers and agent helpers may linger after their leader.
+            kill -KILL -- "-$pid" 2>/dev/null || true
+            if alive "$pid"; then
+                kill -KILL "$pid" 2>/dev/null || true
+                for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
+            fi
+        else
+            log "pid $pid in $f is not a process of $STATE any more; leaving it alone"
+        fi
+    fi
+    rm -f "$f" "$PIDS/$name.start"
+}

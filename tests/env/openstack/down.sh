@@ -22,35 +22,6 @@ purge=0
 [[ -d "$1" ]] || exit 0
 STATE="$(cd "$1" && pwd)"
 PIDS="$STATE/pids"
-GRACE="${OS_DOWN_GRACE:-5}"
-
-# ours NAME PID: whether PID is still the process up.sh started as NAME.
-ours() { [[ -s "$PIDS/$1.start" && "$(starttime "$2")" == "$(cat "$PIDS/$1.start")" ]]; }
-
-# stop NAME: ends the process recorded in pids/NAME.pid and everything in its process group.
-stop() {
-    local name="$1" f pid deadline
-    f="$PIDS/$name.pid"
-    [[ -f "$f" ]] || return 0
-    pid="$(cat "$f")"
-    if [[ "$pid" =~ ^[0-9]+$ && "$pid" != "$$" ]] && alive "$pid"; then
-        if ours "$name" "$pid"; then
-            kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-            # These never act on TERM (measured): do not wait for them long.
-            case "$name" in neutron-agent | neutron-rpc) deadline=$((SECONDS + 1)) ;; *) deadline=$((SECONDS + GRACE)) ;; esac
-            while alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
-            # The group too: uWSGI workers and agent helpers may linger after their leader.
-            kill -KILL -- "-$pid" 2>/dev/null || true
-            if alive "$pid"; then
-                kill -KILL "$pid" 2>/dev/null || true
-                for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
-            fi
-        else
-            log "pid $pid in $f is not a process of $STATE any more; leaving it alone"
-        fi
-    fi
-    rm -f "$f" "$PIDS/$name.start"
-}
 
 [[ -d "$PIDS" ]] || { [[ $purge -eq 1 ]] && rm -rf "$STATE"; exit 0; }
 

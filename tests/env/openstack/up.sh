@@ -101,14 +101,14 @@ fail() {
     die "$msg"
 }
 
-# start NAME ARGS...: a server detached in its own session (stdio to its log); records its pid.
+# start NAME ARGS...: a server detached in its own session (stdio to its log); records its pid
+# and its command line (ctl.sh starts it again from there).
 start() {
     local name="$1"
     shift
-    setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
-    echo $! >"$PIDS/$name.pid"
-    # down.sh signals the pid only while its start time still matches.
-    starttime $! >"$PIDS/$name.start" || true
+    mkdir -p "$STATE/cmds"
+    printf '%q ' "$@" >"$STATE/cmds/$name"
+    launch "$name" "$@"
     echo "$name" >>"$STATE/start-order"
 }
 pid_of() { cat "$PIDS/$1.pid"; }
@@ -138,17 +138,18 @@ took() { log "$1 after $((SECONDS - t_start))s"; }
 # ---------------------------------------------------------------------------------------------
 DB_PORT='' DB_PASSWORD="$(secret)" DB_SOCK="$STATE/mysql/mysqld.sock"
 start_mariadb() {
-    mkdir -p "$STATE/mysql"
+    # Its own tmpdir too: bootstraps running at once in the shared /tmp trip over each other.
+    mkdir -p "$STATE/mysql/tmp"
     # A small redo log: the default 96 MiB file per environment adds up with several at once.
     mariadb-install-db --no-defaults --datadir="$STATE/mysql/data" --user=root --innodb-log-file-size=8M \
-        --auth-root-authentication-method=socket --skip-test-db >"$LOGS/mariadb-install.log" 2>&1 ||
+        --tmpdir="$STATE/mysql/tmp" --auth-root-authentication-method=socket --skip-test-db >"$LOGS/mariadb-install.log" 2>&1 ||
         fail "mariadb-install-db failed" "$LOGS/mariadb-install.log"
     DB_PORT="$(free_ports 1)"
     start mariadb mariadbd --no-defaults --datadir="$STATE/mysql/data" --socket="$DB_SOCK" \
         --port="$DB_PORT" --bind-address=127.0.0.1 --user=root --pid-file="$STATE/mysql/mysqld.pid" \
         --skip-name-resolve --skip-log-bin --innodb-flush-log-at-trx-commit=0 --innodb-doublewrite=0 \
         --sync-frm=0 --max-connections=500 --character-set-server=utf8mb4 --innodb-log-file-size=8M \
-        --innodb-buffer-pool-size=64M
+        --innodb-buffer-pool-size=64M --tmpdir="$STATE/mysql/tmp"
     wait_ready mariadb mariadb-admin --no-defaults --socket="$DB_SOCK" -uroot ping
     sql "CREATE USER 'openstack'@'127.0.0.1' IDENTIFIED BY '$DB_PASSWORD';"
     envline MARIADB_PORT "$DB_PORT"

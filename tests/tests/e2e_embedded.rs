@@ -16,9 +16,9 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::{Container, Event, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_tests::cluster::checks;
 use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
 use kuryr_tests::cluster::{Cluster, ClusterOptions};
-use kuryr_tests::kubelet::PodPhase;
 use kuryr_tests::services::wait_until;
 use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
 use kuryr_vif_allocator::ipam::ipnet::IpNet;
@@ -221,32 +221,8 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     })
     .await?;
     eprintln!("pods gone {:?} after deletion", t.elapsed());
-    for k in cluster.kubelets() {
-        let active: Vec<_> = k.pods().into_iter().filter(|r| r.phase != PodPhase::Gone).collect();
-        ensure!(active.is_empty(), "{}: pods not gone for the kubelet: {active:?}", k.node());
-    }
-    let all_vifs: Api<PodVif> = Api::all(client.clone());
-    wait_until("no PodVif and no allocation left", RELEASE_TIMEOUT, || async {
-        let vifs = all_vifs.list(&ListParams::default()).await?.items;
-        ensure!(vifs.is_empty(), "PodVifs left: {:?}", vifs.iter().map(|v| &v.metadata.name).collect::<Vec<_>>());
-        let blocks = blocks.list(&ListParams::default()).await?.items;
-        ensure!(!blocks.is_empty(), "no AddressBlock at all");
-        for b in &blocks {
-            let used = b.status.as_ref().map(|s| s.allocations.len()).unwrap_or(0);
-            ensure!(used == 0, "block {} still has {used} allocations: {:?}", b.spec.cidr, b.status);
-        }
-        Ok(())
-    })
-    .await?;
-    for node in cluster.nodes() {
-        let links = node.node.exec(&["ip", "-o", "link", "show"]).await?;
-        let kv: Vec<&str> =
-            links.lines().filter_map(|l| l.split(": ").nth(1)).filter(|n| n.starts_with("kv")).collect();
-        ensure!(kv.is_empty(), "{}: host veths left: {kv:?}", node.name);
-        let sandboxes = node.node.ctd.cri().list_pod_sandboxes().await?;
-        ensure!(sandboxes.is_empty(), "{}: sandboxes left: {}", node.name, sandboxes.len());
-        ensure!(node.node.binder.attachment_records() == 0, "{}: attachment records left", node.name);
-    }
+    // Nothing left: finalizers gone, no PodVif, no allocation, no veth, sandbox or record.
+    checks::wait_released(cluster, RELEASE_TIMEOUT).await?;
     Ok(())
 }
 

@@ -150,6 +150,21 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
         ensure!(!running.iter().any(|p| &p.name == name), "{name} was deleted but runs");
     }
     converged(cluster, &running).await?;
+    // What was recorded before the crash was kept, not allocated again.
+    for v in &before_kill {
+        let (name, vif) =
+            (v.metadata.name.as_deref().unwrap_or_default(), v.status.as_ref().and_then(|s| s.vif.as_ref()));
+        let (Some(vif), Some(pod)) = (vif, running.iter().find(|p| p.name == name)) else { continue };
+        let had: Vec<String> =
+            vif.ips.iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect();
+        let has: Vec<String> = pod.ips.iter().map(ToString::to_string).collect();
+        ensure!(had == has, "{name} had {had:?} before the kill and has {has:?} now");
+    }
+    if kind == ServiceKind::Watcher {
+        // The allocator lost its subscription and made a new one.
+        let reconnects = metric(&cluster.allocator().metrics, "kuryr_allocator_watcher_reconnects_total").await?;
+        ensure!(reconnects >= 1.0, "the allocator never reconnected to the watcher ({reconnects})");
+    }
 
     // Pods created while the service was down have working networks, within and across nodes.
     let late: Vec<RunningPod> = running.iter().filter(|p| p.name.starts_with("late")).cloned().collect();
@@ -340,6 +355,17 @@ fn kubelet_summary(cluster: &Cluster) -> String {
         ));
     }
     out.join("; ")
+}
+
+/// The value of the un-labelled metric `name` at `addr`'s /metrics.
+async fn metric(addr: &str, name: &str) -> Result<f64> {
+    let url = format!("http://{addr}/metrics");
+    let out = tokio::process::Command::new("curl").args(["-sf", &url]).output().await?;
+    ensure!(out.status.success(), "GET {url} failed");
+    let text = String::from_utf8(out.stdout)?;
+    let line = text.lines().find(|l| l.split_whitespace().next() == Some(name));
+    let value = line.and_then(|l| l.split_whitespace().nth(1)).with_context(|| format!("no {name} at {url}"))?;
+    Ok(value.parse()?)
 }
 
 async fn create_namespace(client: &kube::Client) -> Result<()> {

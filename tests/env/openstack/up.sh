@@ -13,15 +13,22 @@
 #             every caller is admin, `project_id` in the body sets the owner) + neutron-rpc-server
 #             + one node: a private network namespace with its own ovsdb-server/ovs-vswitchd
 #             (userspace datapath, `br-int`) and the ML2/OVS agent, whose host is
-#             $NEUTRON_AGENT_HOST (default node-1). A vxlan network `pods` owned by the project
-#             kuryr... with an IPv4 and an IPv6 subnet is created.
+#             $NEUTRON_AGENT_HOST (default node-1). A vxlan network `pods` with an IPv4 subnet
+#             (10.100.0.0/16) and an IPv6 one (fd00:100::/64) is created, owned by the project
+#             `kuryr` (with keystone) or by a random project id.
 #   octavia   MariaDB + RabbitMQ + the Octavia API (uWSGI, noauth: the project comes from the
 #             X-Project-Id header or `project_id` in the body) + octavia-worker, provider
 #             `amphora` with the no-op compute/network/amphora drivers: load balancers go
 #             through the real worker's flows to ACTIVE, nothing is booted.
 #
 # Writes:
-#   STATE_DIR/env          KEY=VALUE lines: every URL, port, credential, id and pid (see the end)
+#   STATE_DIR/env          KEY=VALUE lines: MARIADB_PORT; RABBITMQ_AMQP_PORT, TRANSPORT_URL;
+#                          OS_AUTH_URL, OS_REGION_NAME, OS_ADMIN_PASSWORD, OS_PROJECT_{NAME,ID},
+#                          OS_USERNAME, OS_USER_ID, OS_PASSWORD, OS_APPLICATION_CREDENTIAL_{ID,SECRET};
+#                          NEUTRON_URL, NEUTRON_AGENT_HOST, NEUTRON_NODE_NETNS, OVS_RUNDIR,
+#                          NEUTRON_INTEGRATION_BRIDGE, POD_{PROJECT,NETWORK,SUBNET_V4,SUBNET_V6}_ID,
+#                          POD_SUBNET_V{4,6}_CIDR; OCTAVIA_URL; OS_CLIENT_CONFIG_FILE; *_PID
+#   STATE_DIR/cmds/        each process's command line (ctl.sh stops and starts single processes)
 #   STATE_DIR/clouds.yaml  clouds `admin`, `kuryr`, `kuryr-appcred` (with keystone) and `noauth`
 #                          (direct endpoints, with neutron or octavia)
 #   STATE_DIR/openrc       OS_* variables of the `kuryr` user (with keystone)
@@ -33,7 +40,8 @@
 # pid. The agents ignore SIGTERM, so down.sh ends with KILL.
 #
 # Environment:
-#   OS_UP_TIMEOUT       seconds to wait for each server to become ready (default 180)
+#   OS_UP_TIMEOUT       seconds to wait for each server to become ready (default 300: a loaded
+#                       2-core machine needs up to a minute for the Neutron API alone)
 #   OS_UP_OWNER_PID     if set, a watchdog runs down.sh --purge (unless KURYR_KEEP_STATE=1) once
 #                       that process is gone
 #   NEUTRON_AGENT_HOST  the agent's host name, i.e. the `binding:host_id` ports bind to
@@ -42,7 +50,7 @@ SCRIPT=openstack/up.sh
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-TIMEOUT="${OS_UP_TIMEOUT:-180}"
+TIMEOUT="${OS_UP_TIMEOUT:-300}"
 REGION=RegionOne
 AGENT_HOST="${NEUTRON_AGENT_HOST:-node-1}"
 # The pod network created with neutron: addresses that only exist inside the tests.

@@ -140,6 +140,8 @@ pub struct Service {
     process: ServiceProcess,
     /// How it was started, to start it again after a crash ([`Cluster::restart_service`]).
     launch: Launch,
+    /// What the processes it ran before a restart logged.
+    earlier_logs: String,
 }
 
 /// A service's command line and where it logs.
@@ -158,9 +160,9 @@ impl Service {
         format!("unix:{}", self.socket.display())
     }
 
-    /// What the service logged.
+    /// What the service logged (across restarts).
     pub fn logs(&self) -> String {
-        self.process.logs()
+        format!("{}{}", self.earlier_logs, self.process.logs())
     }
 
     /// Its pid.
@@ -485,6 +487,7 @@ impl Cluster {
     pub async fn restart_service(&mut self, kind: ServiceKind) -> Result<()> {
         let s = self.service_mut(kind);
         s.process.kill().await?;
+        s.earlier_logs.push_str(&format!("{}---- restarted ----\n", s.process.logs()));
         let Launch { bin, args, dir, service } = s.launch.clone();
         s.process = ServiceProcess::spawn(&bin, &args, &dir)?;
         let pid = s.process.pid();
@@ -549,7 +552,7 @@ async fn start_service(
         progress.record(|m| m.processes.push(ProcessRecord { name: bin.into(), pid, exe }));
     }
     let launch = Launch { bin: bin.into(), args: all.clone(), dir: dir.to_path_buf(), service: service.into() };
-    let s = Service { tcp, socket, metrics, process, launch };
+    let s = Service { tcp, socket, metrics, process, launch, earlier_logs: String::new() };
     let channel = kuryr_runtime::client::channel(&s.tcp)?;
     wait_until(&format!("{bin} to serve {service}"), SERVE_TIMEOUT, || {
         kuryr_runtime::client::check_serving(channel.clone(), service)

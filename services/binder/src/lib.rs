@@ -4,7 +4,8 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live.
+//! stream is live. With `--lbaas` it also programs the node's Service dataplane in nftables from
+//! kuryr-lbaas's load balancer stream ([`lb`]); its health does not depend on that.
 
 pub mod attachments;
 pub mod cni;

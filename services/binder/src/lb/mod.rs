@@ -12,6 +12,7 @@
 //! is down; the rules already programmed stay in place). Whether the Service rules are in sync
 //! is logged on every change and exported as `kuryr_binder_lb_synced`.
 
+pub mod conntrack;
 pub mod hairpin;
 pub mod metrics;
 pub mod model;
@@ -216,6 +217,8 @@ impl Dataplane {
 #[derive(Debug, Default)]
 struct Programmer {
     programmed: BTreeMap<ServiceKey, Rendered>,
+    /// The Services as last programmed, to tell which UDP flows lost their member.
+    services: BTreeMap<ServiceKey, Service>,
     /// `VIP . proto . port` → the Service whose element it is.
     claimed: HashMap<String, ServiceKey>,
     forwarding: bool,
@@ -270,7 +273,14 @@ impl Programmer {
                     return Err(e);
                 }
                 self.programmed = next;
-                Ok(format!("{} Services", services.len()))
+                let mut stale = Vec::new();
+                let new: BTreeMap<ServiceKey, Service> = services.into_iter().map(|s| (s.key.clone(), s)).collect();
+                for (key, old) in &self.services {
+                    stale.extend(conntrack::stale_udp_flows(Some(old), new.get(key)));
+                }
+                self.services = new;
+                clear_later(stale);
+                Ok(format!("{} Services", self.services.len()))
             }
             Work::Delta { changes, .. } => {
                 for (key, _) in &changes {
@@ -295,8 +305,24 @@ impl Programmer {
                         self.programmed.insert(key, new);
                     }
                 }
+                let mut stale = Vec::new();
+                for (key, svc) in changes {
+                    stale.extend(conntrack::stale_udp_flows(self.services.get(&key), svc.as_ref()));
+                    match svc {
+                        Some(svc) => self.services.insert(key, svc),
+                        None => self.services.remove(&key),
+                    };
+                }
+                clear_later(stale);
                 Ok(names.join(" "))
             }
         }
+    }
+}
+
+/// Clears conntrack entries of UDP flows whose member is gone, off the programming path.
+fn clear_later(stale: Vec<conntrack::Flow>) {
+    if !stale.is_empty() {
+        tokio::spawn(conntrack::clear(stale));
     }
 }

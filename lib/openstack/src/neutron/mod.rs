@@ -37,7 +37,10 @@ impl Neutron {
     /// Creates one port.
     pub async fn create_port(&self, mut port: PortCreate) -> Result<Port, Error> {
         fill_project(&mut port.project_id, &self.client);
-        self.create("ports.create", "/ports", "port", &port).await
+        let created = self.create("ports.create", "/ports", "port", &port).await?;
+        let mut created = vec![created];
+        self.ensure_tags(std::slice::from_ref(&port), &mut created).await?;
+        Ok(created.remove(0))
     }
 
     /// Creates ports in one atomic bulk call: all or none. An empty list sends nothing.
@@ -49,7 +52,7 @@ impl Neutron {
             fill_project(&mut p.project_id, &self.client);
         }
         let req = ApiRequest::with_json(NET, "ports.create_bulk", Method::POST, "/ports", &Wrap::new("ports", &ports))?;
-        let created: Vec<Port> = self.client.json_field::<Vec<Port>>(req, "ports").await?;
+        let mut created: Vec<Port> = self.client.json_field::<Vec<Port>>(req, "ports").await?;
         if created.len() != ports.len() {
             return Err(Error::InvalidRequest(format!(
                 "ports.create_bulk: asked for {} ports, Neutron returned {}",
@@ -57,7 +60,23 @@ impl Neutron {
                 created.len()
             )));
         }
+        self.ensure_tags(&ports, &mut created).await?;
         Ok(created)
+    }
+
+    /// Neutron takes tags in a create only with the ML2 extension driver
+    /// `tag_ports_during_bulk_creation`, and silently drops them without it: tags asked for but
+    /// missing from the answer are set with one more call per port.
+    async fn ensure_tags(&self, asked: &[PortCreate], created: &mut [Port]) -> Result<(), Error> {
+        for (spec, port) in asked.iter().zip(created.iter_mut()) {
+            let Some(tags) = spec.tags.as_ref().filter(|t| !t.is_empty()) else { continue };
+            if tags.iter().all(|t| port.tags.contains(t)) {
+                continue;
+            }
+            tracing::debug!(port = %port.id, "tags not applied at creation, setting them");
+            port.tags = self.set_tags(TaggedResource::Port, &port.id, tags).await?;
+        }
+        Ok(())
     }
 
     pub async fn get_port(&self, id: &str) -> Result<Port, Error> {

@@ -165,3 +165,25 @@ fn create_bodies_leave_out_what_is_unset() {
     let f = FloatingIpCreate { floating_network_id: "ext".into(), port_id: Some("vip".into()), ..Default::default() };
     assert_eq!(serde_json::to_value(&f).unwrap(), json!({"floating_network_id": "ext", "port_id": "vip"}));
 }
+
+#[tokio::test]
+async fn tags_dropped_at_creation_are_set_afterwards() {
+    let (server, n) = neutron(|r, _| match (r.method.as_str(), r.path.as_str()) {
+        ("POST", "/v2.0/ports") => {
+            let mut p = port_json("p1");
+            p["tags"] = json!([]);
+            Reply::json(201, json!({"port": p}))
+        }
+        ("PUT", "/v2.0/ports/p1/tags") => Reply::json(200, r.json()),
+        _ => Reply::empty(500),
+    })
+    .await;
+    let p = n
+        .create_port(PortCreate { network_id: "n".into(), tags: Some(vec!["owner".into()]), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(p.tags, ["owner"]);
+    assert_eq!(server.count("PUT", "/ports/p1/tags"), 1);
+    n.create_port(PortCreate { network_id: "n".into(), ..Default::default() }).await.unwrap();
+    assert_eq!(server.count("PUT", "/ports/p1/tags"), 1, "nothing asked, nothing set");
+}

@@ -1,6 +1,7 @@
 //! Neutron resources as the API shows them, and the bodies to create or change them. Only fields
-//! this project reads or writes are modelled; unknown fields in answers are ignored, and `None`
-//! fields are left out of requests so Neutron applies its defaults.
+//! this project reads or writes are modelled; unknown fields in answers are ignored, absent ones
+//! take their default (lists asked with `fields=` return only those), and `None` fields are left
+//! out of requests so Neutron applies its defaults.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +16,7 @@ pub struct FixedIp {
 
 /// A Neutron port.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct Port {
     pub id: String,
     #[serde(default)]
@@ -92,8 +94,9 @@ pub struct PortCreate {
     pub security_groups: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_state_up: Option<bool>,
-    /// Set at creation (Neutron's `tag-ports-during-bulk-creation`), so a port is never seen
-    /// without its ownership tags.
+    /// Sent with the creation, so that with Neutron's ML2 extension driver
+    /// `tag_ports_during_bulk_creation` a port is never seen without its ownership tags; without
+    /// that driver the client sets them right after (one call per port).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tags: Option<Vec<String>>,
 }
@@ -118,6 +121,7 @@ pub struct PortUpdate {
 
 /// A Neutron network.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct Network {
     pub id: String,
     #[serde(default)]
@@ -177,6 +181,7 @@ pub struct HostRoute {
 
 /// A Neutron subnet.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct Subnet {
     pub id: String,
     #[serde(default)]
@@ -244,6 +249,7 @@ pub struct ExternalGateway {
 
 /// A Neutron router.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct Router {
     pub id: String,
     #[serde(default)]
@@ -295,6 +301,7 @@ pub struct RouterInterfaceInfo {
 
 /// A floating IP.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct FloatingIp {
     pub id: String,
     pub floating_ip_address: String,

@@ -149,7 +149,13 @@ impl Neutron {
 
     pub async fn create_network(&self, mut network: NetworkCreate) -> Result<Network, Error> {
         fill_project(&mut network.project_id, &self.client);
-        self.create("networks.create", "/networks", "network", &network).await
+        // Neutron refuses tags in the creation of these ("not allowed in POST"): set after.
+        let tags = network.tags.take().unwrap_or_default();
+        let mut created: Network = self.create("networks.create", "/networks", "network", &network).await?;
+        if !tags.is_empty() {
+            created.tags = self.set_tags(TaggedResource::Network, &created.id, &tags).await?;
+        }
+        Ok(created)
     }
 
     pub async fn get_network(&self, id: &str) -> Result<Network, Error> {
@@ -166,7 +172,13 @@ impl Neutron {
 
     pub async fn create_subnet(&self, mut subnet: SubnetCreate) -> Result<Subnet, Error> {
         fill_project(&mut subnet.project_id, &self.client);
-        self.create("subnets.create", "/subnets", "subnet", &subnet).await
+        // Neutron refuses tags in the creation of these ("not allowed in POST"): set after.
+        let tags = subnet.tags.take().unwrap_or_default();
+        let mut created: Subnet = self.create("subnets.create", "/subnets", "subnet", &subnet).await?;
+        if !tags.is_empty() {
+            created.tags = self.set_tags(TaggedResource::Subnet, &created.id, &tags).await?;
+        }
+        Ok(created)
     }
 
     pub async fn get_subnet(&self, id: &str) -> Result<Subnet, Error> {
@@ -185,7 +197,13 @@ impl Neutron {
 
     pub async fn create_router(&self, mut router: RouterCreate) -> Result<Router, Error> {
         fill_project(&mut router.project_id, &self.client);
-        self.create("routers.create", "/routers", "router", &router).await
+        // Neutron refuses tags in the creation of these ("not allowed in POST"): set after.
+        let tags = router.tags.take().unwrap_or_default();
+        let mut created: Router = self.create("routers.create", "/routers", "router", &router).await?;
+        if !tags.is_empty() {
+            created.tags = self.set_tags(TaggedResource::Router, &created.id, &tags).await?;
+        }
+        Ok(created)
     }
 
     pub async fn get_router(&self, id: &str) -> Result<Router, Error> {

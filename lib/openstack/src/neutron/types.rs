@@ -156,6 +156,7 @@ pub struct NetworkCreate {
     pub mtu: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_state_up: Option<bool>,
+    /// Set right after the creation (Neutron takes tags in the creation of ports only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tags: Option<Vec<String>>,
     #[serde(rename = "provider:network_type", skip_serializing_if = "Option::is_none")]

@@ -142,7 +142,6 @@ fn unique(prefix: &str) -> String {
 }
 
 #[tokio::test]
-#[ignore = "waits for Neutron in tests/env/openstack/up.sh"]
 async fn neutron_ports_networks_routers_and_floating_ips() {
     let env = OpenStackEnv::start(&[Service::Keystone, Service::Neutron]).await.unwrap();
     let net = env.pod_network().unwrap();
@@ -322,7 +321,6 @@ fn member(address: &str, port: u16) -> MemberCreate {
 }
 
 #[tokio::test]
-#[ignore = "waits for Octavia in tests/env/openstack/up.sh"]
 async fn octavia_fully_populated_batch_members_and_cascade_delete() {
     let env = OpenStackEnv::start(&[Service::Octavia]).await.unwrap();
     let project = "6d4c3a1f0e5b4b8e9a7f2c1d0b3e4f5a";

@@ -466,6 +466,19 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     assert_eq!(resp.vif.unwrap().state(), VifState::Ready);
     n1.until("p1 READY", |s| s.vif("p1").state() == VifState::Ready).await;
     assert_eq!(pod_vifs.get("p1").await.unwrap().status.unwrap().state, Some(CrdState::Ready));
+    // A binder whose stream broke resumes from its last point with the same allocator: no RESET,
+    // no snapshot; SNAPSHOT_COMPLETE first (it is live again), then only what it missed.
+    let point = n1.last.clone();
+    let resumed = alloc.watch("n1", &point).await;
+    n1.stream = resumed.stream;
+    n1.live = false;
+    client.report_plugged(report(&p1_uid, &v1.vif_id, false)).await.unwrap();
+    let first = n1.next().await.unwrap_or_else(|e| panic!("resumed stream: {e:?}"));
+    assert_eq!(first.r#type(), VifEventType::SnapshotComplete, "first event after a resume: {first:?}");
+    n1.until("p1 unplugged, on the resumed stream", |s| s.vif("p1").state() == VifState::Allocated).await;
+    assert_eq!((n1.resets, n1.live), (0, true));
+    client.report_plugged(report(&p1_uid, &v1.vif_id, true)).await.unwrap();
+    n1.until("p1 READY again", |s| s.vif("p1").state() == VifState::Ready).await;
     let got = client.get_vif(GetVifRequest { pod_uid: p1_uid.clone() }).await.unwrap().into_inner();
     assert_eq!((got.state(), got.vif_id.as_str()), (VifState::Ready, v1.vif_id.as_str()));
 

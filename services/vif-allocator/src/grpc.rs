@@ -11,12 +11,9 @@
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
 
-use kuryr_proto::allocator::v1::pool_manager_server::PoolManager;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocator;
 use kuryr_proto::allocator::v1::{
-    FreePoolRequest, FreePoolResponse, GetVifRequest, ListPoolsRequest, ListPoolsResponse, Pool, PoolKey,
-    PopulatePoolRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest,
-    WatchVifsResponse,
+    GetVifRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_runtime::Shutdown;
 use tokio::sync::{mpsc, watch};
@@ -216,6 +213,9 @@ impl Stream {
         let mut cursor = match start {
             Start::Resume { cursor } => {
                 self.metrics.started("resume");
+                // Resumed: the subscriber is caught up as of `cursor`, exactly as after a snapshot;
+                // without the marker a resuming binder could not tell it is live again.
+                self.send(marker(self.epoch.point(cursor), VifEventType::SnapshotComplete)).await?;
                 cursor
             }
             Start::Snapshot { reset, items, cursor } => {
@@ -283,29 +283,6 @@ pub fn response(resume_point: String, change: &Change) -> WatchVifsResponse {
         Change::RoutesDeleted(r) => (VifEventType::NodeRoutesDeleted, None, Some((**r).clone())),
     };
     WatchVifsResponse { resume_point, r#type: t as i32, vif, node_routes }
-}
-
-/// Port pools belong to the Neutron backend; until it exists every call says so.
-#[derive(Debug)]
-pub struct Pools;
-
-const NO_POOLS: &str =
-    "port pools belong to the Neutron backend; this kuryr-vif-allocator runs the embedded IPAM, which has none";
-
-#[tonic::async_trait]
-impl PoolManager for Pools {
-    async fn list_pools(&self, _: Request<ListPoolsRequest>) -> Result<Response<ListPoolsResponse>, Status> {
-        Err(Status::unimplemented(NO_POOLS))
-    }
-    async fn show_pool(&self, _: Request<PoolKey>) -> Result<Response<Pool>, Status> {
-        Err(Status::unimplemented(NO_POOLS))
-    }
-    async fn populate_pool(&self, _: Request<PopulatePoolRequest>) -> Result<Response<Pool>, Status> {
-        Err(Status::unimplemented(NO_POOLS))
-    }
-    async fn free_pool(&self, _: Request<FreePoolRequest>) -> Result<Response<FreePoolResponse>, Status> {
-        Err(Status::unimplemented(NO_POOLS))
-    }
 }
 
 #[cfg(test)]

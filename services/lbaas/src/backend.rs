@@ -4,8 +4,8 @@
 //! [`NodeBackend`] (the embedded default) publishes each spec to the [`LbLog`] that
 //! `WatchLoadBalancers` streams to every node's binder, which programs nftables. It reports a
 //! load balancer `PROGRAMMED` at the generation it published: the stream is the hand-over, and
-//! the binders apply each spec atomically (and from the snapshot after any restart). Octavia
-//! will slot in as another implementation.
+//! the binders apply each spec atomically (and from the snapshot after any restart).
+//! [`crate::octavia::OctaviaBackend`] programs Octavia load balancers.
 
 use std::future::Future;
 
@@ -39,8 +39,30 @@ pub struct Observed {
 pub struct BackendError {
     /// The backend's name.
     pub backend: &'static str,
+    /// A short, bounded label for metrics (`busy`, `unavailable`, `error_state`, ...).
+    pub reason: &'static str,
     /// What went wrong.
     pub message: String,
+    /// What the backend saw, to record in the status although it did not converge (its
+    /// `observed_generation` is ignored: the record keeps the last converged one).
+    pub observed: Option<Observed>,
+}
+
+/// What a backend's background maintenance (drift repair, garbage collection) may use.
+#[derive(Clone)]
+pub struct Maintenance {
+    /// The records, by Service key: what should exist.
+    pub records: crate::controller::Records,
+    /// Queues a Service key for reconciling.
+    pub enqueue: std::sync::Arc<dyn Fn(&str) + Send + Sync>,
+    /// Ends the maintenance.
+    pub shutdown: kuryr_runtime::Shutdown,
+}
+
+impl std::fmt::Debug for Maintenance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maintenance").finish_non_exhaustive()
+    }
 }
 
 /// A load balancer backend. Implementations are cheap to share; every operation is idempotent.
@@ -57,6 +79,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Removes the load balancer of `key`; nothing to remove is fine.
     fn delete(&self, key: &str) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Starts background maintenance once the records are recovered and the workers run; none
+    /// by default.
+    fn maintain(&self, _ctx: Maintenance) {}
 }
 
 /// The embedded node dataplane: specs streamed to every binder.

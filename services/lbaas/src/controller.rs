@@ -29,7 +29,7 @@ use kuryr_runtime::Shutdown;
 use kuryr_stream::{Outcome, WorkQueue};
 use tracing::Instrument as _;
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, Maintenance, Observed};
 use crate::crd::{ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
 use crate::k8s::{Kube, KubeError, Record};
 use crate::metrics::{Metrics, ResultLabels};
@@ -87,7 +87,7 @@ impl ReconcileError {
     fn reason(&self) -> &'static str {
         match &self.cause {
             Cause::Kube(e) => e.reason(),
-            Cause::Backend(_) => "backend",
+            Cause::Backend(e) => e.reason,
         }
     }
 }
@@ -136,6 +136,17 @@ impl<B: Backend> Controller<B> {
     /// A controller writing through `kube` and programming `backend`.
     pub fn new(kube: Kube, backend: B, view: SharedView, records: Records, metrics: Metrics) -> Self {
         Self { kube, backend, view, records, queue: Arc::new(WorkQueue::default()), metrics, told: Mutex::default() }
+    }
+
+    /// Starts the backend's background maintenance, feeding this controller's queue.
+    pub fn start_maintenance(self: &Arc<Self>, shutdown: Shutdown) {
+        let this = Arc::downgrade(self);
+        let enqueue = Arc::new(move |key: &str| {
+            if let Some(c) = this.upgrade() {
+                c.enqueue(key);
+            }
+        });
+        self.backend.maintain(Maintenance { records: self.records.clone(), enqueue, shutdown });
     }
 
     /// The view.
@@ -279,7 +290,15 @@ impl<B: Backend> Controller<B> {
         let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
         let record = self.ensure_record(key, &want).await.map_err(|e| fail("writing the record")(e.into()))?;
         spec.generation = record.generation;
-        let observed = self.backend.ensure(key, &spec).await.map_err(|e| fail("programming the backend")(e.into()))?;
+        let observed = match self.backend.ensure(key, &spec).await {
+            Ok(o) => o,
+            Err(e) => {
+                if let Some(seen) = &e.observed {
+                    self.record_unconverged(key, &record, seen).await;
+                }
+                return Err(fail("programming the backend")(e.into()));
+            }
+        };
         let status = ServiceLoadBalancerStatus {
             provisioning_status: Some(observed.provisioning_status),
             observed_generation: i64::try_from(observed.observed_generation).ok(),
@@ -288,6 +307,15 @@ impl<B: Backend> Controller<B> {
             message: Some(observed.message).filter(|s| !s.is_empty()),
         };
         if record.status.as_ref() != Some(&status) {
+            // The Service's ingress first: once the record says so, nothing would retry it.
+            let old_ingress = record.status.as_ref().and_then(|s| s.ingress_ip.clone());
+            if status.ingress_ip != old_ingress {
+                let ips: Vec<String> = status.ingress_ip.iter().cloned().collect();
+                self.kube
+                    .set_ingress(key, &entry.uid, &ips)
+                    .await
+                    .map_err(|e| fail("writing the Service's load balancer ingress")(e.into()))?;
+            }
             if let Err(e) = self.kube.write_status(key, &status).await {
                 // Deleted behind our back: forget it, so that the retry creates it again.
                 if matches!(e, KubeError::NotFound(_)) {
@@ -303,6 +331,30 @@ impl<B: Backend> Controller<B> {
                 listeners = spec.listeners.len(), members, "load balancer programmed");
         }
         Ok(())
+    }
+
+    /// Records what the backend saw although it did not converge (best effort: the failure itself
+    /// is reported by the caller); the last converged generation stays.
+    async fn record_unconverged(&self, key: &str, record: &Record, seen: &Observed) {
+        let old = record.status.clone().unwrap_or_default();
+        let status = ServiceLoadBalancerStatus {
+            provisioning_status: Some(seen.provisioning_status.clone()).filter(|s| !s.is_empty()),
+            observed_generation: old.observed_generation,
+            backend_id: Some(seen.backend_id.clone()).filter(|s| !s.is_empty()).or(old.backend_id),
+            ingress_ip: old.ingress_ip,
+            message: Some(seen.message.clone()).filter(|s| !s.is_empty()),
+        };
+        if record.status.as_ref() == Some(&status) {
+            return;
+        }
+        match self.kube.write_status(key, &status).await {
+            Ok(()) => {
+                if let Some(r) = locked(&self.records).get_mut(key) {
+                    r.status = Some(status);
+                }
+            }
+            Err(e) => tracing::debug!(service = key, error = %e, "could not record the unconverged status"),
+        }
     }
 
     /// The record of `key` holding `want`: created, or its spec replaced; kept in `records`.

@@ -331,6 +331,20 @@ impl Kube {
         Ok(())
     }
 
+    /// Sets the Service's `status.loadBalancer.ingress` to `ips` (empty clears it), only while it
+    /// is the Service of `uid`.
+    pub async fn set_ingress(&self, key: &str, uid: &str, ips: &[String]) -> Result<(), KubeError> {
+        let (ns, name) = split(key);
+        let ingress: Vec<serde_json::Value> = ips.iter().map(|ip| json!({"ip": ip})).collect();
+        let body = json!({"metadata": {"uid": uid}, "status": {"loadBalancer": {"ingress": ingress}}});
+        let pp = PatchParams { field_manager: Some(MANAGER.into()), ..Default::default() };
+        match self.services(ns).patch_status(name, &pp, &Patch::Merge(body)).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
+            Err(e) => Err(api_err(format!("setting the ingress of Service {key}"))(e)),
+        }
+    }
+
     /// Deletes the record `uid` of `key`; none is fine.
     pub async fn delete_record(&self, key: &str, uid: &str) -> Result<(), KubeError> {
         let (ns, name) = split(key);

@@ -32,6 +32,10 @@ pub mod follow;
 pub mod grpc;
 pub mod k8s;
 pub mod metrics;
+pub mod octavia;
+pub mod octavia_fip;
+pub mod octavia_metrics;
+pub mod octavia_plan;
 pub mod ready;
 pub mod spec;
 pub mod view;
@@ -51,6 +55,7 @@ use crate::controller::{Controller, Records, SharedView, locked};
 use crate::grpc::LbService;
 use crate::k8s::Kube;
 use crate::metrics::Metrics;
+use crate::octavia::OctaviaBackend;
 use crate::ready::Readiness;
 
 /// Deltas kept for resuming WatchLoadBalancers: a binder that reconnects within this many
@@ -62,6 +67,8 @@ pub const HISTORY: usize = kuryr_stream::log::DEFAULT_HISTORY;
 pub enum BackendKind {
     /// The embedded node dataplane: specs streamed to every binder, programmed into nftables.
     Node,
+    /// OpenStack Octavia: a load balancer per Service (the --os-cloud / --octavia-url flags).
+    Octavia,
 }
 
 /// Command-line configuration.
@@ -98,6 +105,10 @@ pub struct Config {
     #[arg(long, env = "KURYR_INSTANCE")]
     pub instance: Option<String>,
 
+    /// The Octavia backend's settings (with --backend octavia).
+    #[command(flatten)]
+    pub octavia: octavia::OctaviaArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -124,20 +135,29 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let recovered = Arc::new(AtomicBool::new(false));
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), rt.shutdown());
-    let backend = match config.backend {
-        BackendKind::Node => NodeBackend::new(log.clone()),
+    macro_rules! start {
+        ($backend:expr) => {
+            tokio::spawn(
+                Start {
+                    config: config.clone(),
+                    watcher,
+                    backend: $backend,
+                    log: log.clone(),
+                    records: records.clone(),
+                    recovered: recovered.clone(),
+                    readiness,
+                    metrics: metrics.clone(),
+                }
+                .run(rt.shutdown())
+                .instrument(tracing::info_span!("startup")),
+            )
+        };
+    }
+    match config.backend {
+        BackendKind::Node => start!(NodeBackend::new(log.clone())),
+        // Configuration errors end the process here, before any port is bound.
+        BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry())?),
     };
-    let start = Start {
-        config: config.clone(),
-        watcher,
-        backend,
-        log: log.clone(),
-        records: records.clone(),
-        recovered: recovered.clone(),
-        readiness,
-        metrics: metrics.clone(),
-    };
-    tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
     let service = LbService::new(log, records, recovered, metrics, rt.shutdown());
     let routes = tonic::service::Routes::new(LoadBalancersServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
@@ -188,6 +208,7 @@ impl<B: Backend> Start<B> {
         let view = SharedView::default();
         let controller = Arc::new(Controller::new(kube, backend, view, records, metrics.clone()));
         controller.spawn_workers(config.workers, shutdown.clone());
+        controller.start_maintenance(shutdown.clone());
         let follower = follow::Follower {
             channel: watcher,
             controller,

@@ -1,0 +1,63 @@
+//! Floating IPs of type=LoadBalancer Services: a Neutron floating IP on the load balancer's VIP
+//! port, tagged like the load balancer (cluster, Service, uid), found again by those tags.
+
+use kuryr_openstack::neutron::{FloatingIp, FloatingIpAssociation, FloatingIpCreate, Neutron, TaggedResource};
+use kuryr_openstack::{Error, Filter};
+
+use crate::octavia_plan::{TAG_SERVICE, cluster_tag};
+
+/// The floating IP of the Service tagged `tags` ([`crate::octavia_plan::tags`]), on `network`,
+/// associated with `port` (the VIP port) at `vip`: found by tags, or created and tagged.
+pub async fn ensure(
+    neutron: &Neutron,
+    network: &str,
+    tags: &[String],
+    port: &str,
+    vip: &str,
+) -> Result<FloatingIp, Error> {
+    let mut found = neutron.list_floating_ips(&Filter::new().tags(tags)).await?.into_iter();
+    let fip = match found.next() {
+        Some(fip) => {
+            for extra in found {
+                tracing::warn!(
+                    fip = extra.id,
+                    address = extra.floating_ip_address,
+                    "duplicate floating IP: deleting it"
+                );
+                neutron.delete_floating_ip(&extra.id).await?;
+            }
+            if fip.port_id.as_deref() == Some(port) {
+                fip
+            } else {
+                let assoc =
+                    FloatingIpAssociation { port_id: Some(port.to_string()), fixed_ip_address: Some(vip.to_string()) };
+                neutron.associate_floating_ip(&fip.id, &assoc).await?
+            }
+        }
+        None => {
+            let create = FloatingIpCreate {
+                floating_network_id: network.to_string(),
+                port_id: Some(port.to_string()),
+                fixed_ip_address: Some(vip.to_string()),
+                description: Some("Kubernetes Service ingress, managed by kuryr-lbaas".into()),
+                ..Default::default()
+            };
+            let fip = neutron.create_floating_ip(create).await?;
+            // Tagged right after: until then only the description says whose it is.
+            neutron.set_tags(TaggedResource::FloatingIp, &fip.id, tags).await?;
+            tracing::info!(fip = fip.id, address = fip.floating_ip_address, port, "floating IP created");
+            fip
+        }
+    };
+    Ok(fip)
+}
+
+/// Deletes every floating IP of this cluster tagged with the Service `key`.
+pub async fn delete(neutron: &Neutron, cluster: &str, key: &str) -> Result<(), Error> {
+    let tags = [cluster_tag(cluster), format!("{TAG_SERVICE}{key}")];
+    for fip in neutron.list_floating_ips(&Filter::new().tags(&tags)).await? {
+        neutron.delete_floating_ip(&fip.id).await?;
+        tracing::info!(fip = fip.id, address = fip.floating_ip_address, service = key, "floating IP deleted");
+    }
+    Ok(())
+}

@@ -1,0 +1,150 @@
+//! The Octavia backend's metrics, next to the OpenStack client's per-request ones
+//! (`openstack_requests_total{service="load-balancer",operation=...}` counts every attempt).
+//!
+//! They separate Octavia's own processing from lbaas' share: `..._active_seconds` is a change
+//! accepted → ACTIVE observed (Octavia's work plus at most one poll interval, which
+//! `..._poll_lag_seconds` bounds), and `..._overhead_seconds` is the rest of a reconcile (lbaas
+//! and the API calls themselves).
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// What one reconcile cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Octavia API calls (changes, reads and polls).
+    pub calls: u32,
+    /// Changes among them (each followed by a wait for ACTIVE).
+    pub changes: u32,
+    /// Time spent waiting for Octavia to finish changes.
+    pub waited: Duration,
+}
+
+/// The kind of a change.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `lb_create`, `lb_delete`, `listener_create`, `listener_delete`, `pool_create`,
+    /// `pool_delete`, `pool_update`, `members_replace`.
+    pub kind: &'static str,
+}
+
+/// How a reconcile ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `changed`, `unchanged` or `failed`.
+    pub outcome: &'static str,
+}
+
+fn calls_histogram() -> Histogram {
+    Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0])
+}
+
+/// The metrics; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct OctaviaMetrics {
+    /// Changes made, by kind.
+    pub changes: Family<KindLabels, Counter>,
+    /// Change accepted → ACTIVE observed, by kind.
+    pub active: Family<KindLabels, Histogram, fn() -> Histogram>,
+    /// How late ACTIVE may have been seen: the time since the last poll that was still pending.
+    pub poll_lag: Histogram,
+    /// Octavia API calls per reconcile, by outcome.
+    pub calls: Family<OutcomeLabels, Histogram, fn() -> Histogram>,
+    /// Reconcile time not spent waiting for Octavia, for reconciles that changed something.
+    pub overhead: Histogram,
+    /// Drift-repair passes made.
+    pub drift_passes: Counter,
+    /// Load balancers of this cluster deleted because their Service was gone.
+    pub orphans_deleted: Counter,
+    /// Maintenance steps that failed (retried at the next pass).
+    pub maintenance_failures: Counter,
+}
+
+impl Default for OctaviaMetrics {
+    fn default() -> Self {
+        Self {
+            changes: Family::default(),
+            active: Family::new_with_constructor(kuryr_runtime::metrics::latency_histogram),
+            poll_lag: kuryr_runtime::metrics::latency_histogram(),
+            calls: Family::new_with_constructor(calls_histogram),
+            overhead: kuryr_runtime::metrics::latency_histogram(),
+            drift_passes: Counter::default(),
+            orphans_deleted: Counter::default(),
+            maintenance_failures: Counter::default(),
+        }
+    }
+}
+
+impl OctaviaMetrics {
+    /// Creates the metrics and registers them.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register("kuryr_lbaas_octavia_changes", "Octavia changes made, by kind", m.changes.clone());
+        registry.register(
+            "kuryr_lbaas_octavia_active_seconds",
+            "Octavia change accepted to load balancer ACTIVE observed, by kind",
+            m.active.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_octavia_poll_lag_seconds",
+            "Upper bound on how late ACTIVE was observed (time since the last pending poll)",
+            m.poll_lag.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_octavia_calls_per_reconcile",
+            "Octavia API calls per reconcile (changes, reads, polls), by outcome",
+            m.calls.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_octavia_overhead_seconds",
+            "Time of a changing reconcile not spent waiting for Octavia to finish its changes",
+            m.overhead.clone(),
+        );
+        registry.register("kuryr_lbaas_octavia_drift_passes", "Drift-repair passes", m.drift_passes.clone());
+        registry.register(
+            "kuryr_lbaas_octavia_orphans_deleted",
+            "Load balancers of this cluster deleted because their Service was gone",
+            m.orphans_deleted.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_octavia_maintenance_failures",
+            "Maintenance steps (listing, orphan deletion) that failed",
+            m.maintenance_failures.clone(),
+        );
+        m
+    }
+
+    /// Counts a change of `kind`.
+    pub fn changed(&self, kind: &'static str) {
+        self.changes.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// A change of `kind` settled after `took`, seen at most `lag` late.
+    pub fn settled(&self, kind: &'static str, took: Duration, lag: Duration) {
+        self.active.get_or_create(&KindLabels { kind }).observe(took.as_secs_f64());
+        self.poll_lag.observe(lag.as_secs_f64());
+    }
+
+    /// A reconcile ended after `total`.
+    pub fn reconciled(&self, t: &Tally, total: Duration, ok: bool) {
+        let outcome = match (ok, t.changes) {
+            (false, _) => "failed",
+            (true, 0) => "unchanged",
+            (true, _) => "changed",
+        };
+        self.calls.get_or_create(&OutcomeLabels { outcome }).observe(f64::from(t.calls));
+        if ok && t.changes > 0 {
+            self.overhead.observe(total.saturating_sub(t.waited).as_secs_f64());
+        }
+    }
+
+    /// Counts a failed maintenance step.
+    pub fn maintenance_failed(&self) {
+        self.maintenance_failures.inc();
+    }
+}

@@ -1,6 +1,7 @@
-//! What the controller needs from the Kubernetes API and the IPAM, as a trait: the reconcile
-//! logic ([`crate::controller`]) stays free of kube, and its tests run against an in-memory fake.
-//! [`crate::k8s::KubeCluster`] is the real thing.
+//! What the controller needs from the Kubernetes API and the VIF backend, as a trait: the
+//! reconcile logic ([`crate::controller`]) stays free of kube, and its tests run against an
+//! in-memory fake. [`crate::k8s::KubeCluster`] is the real thing, with the backend of
+//! [`crate::backend`] (the embedded IPAM or Neutron).
 //!
 //! Every operation is idempotent, and every write that could hit another pod of the same name
 //! carries the pod's uid as a precondition.
@@ -48,6 +49,29 @@ pub enum ClusterError {
     /// The IPAM refused or failed.
     #[error("IPAM")]
     Ipam(#[source] StoreError),
+    /// A Neutron call failed.
+    #[error("{action}")]
+    Neutron {
+        /// What was being done.
+        action: String,
+        /// The client's error (quota, unavailable, ...); boxed, it is large.
+        #[source]
+        source: Box<kuryr_openstack::Error>,
+    },
+    /// Neutron could not bind the pod's port to the node; the port was deleted.
+    #[error(
+        "Neutron could not bind port {port} to host {host} (binding_failed; is an L2 agent running there?); \
+         the port was deleted and another is tried"
+    )]
+    BindingFailed {
+        /// The port.
+        port: String,
+        /// Its `binding:host_id`: the pod's node.
+        host: String,
+    },
+    /// The backend is not ready to allocate yet (recovering).
+    #[error("{0}")]
+    NotReady(String),
     /// A Kubernetes API call failed.
     #[error("{action}")]
     Api {
@@ -74,7 +98,25 @@ impl ClusterError {
                 StoreError::Kube { .. } => "api",
                 _ => "ipam",
             },
+            ClusterError::Neutron { source, .. } => match &**source {
+                kuryr_openstack::Error::QuotaExceeded(_) => "neutron_quota_exceeded",
+                e if e.is_transient() => "neutron_unavailable",
+                _ => "neutron",
+            },
+            ClusterError::BindingFailed { .. } => "binding_failed",
+            ClusterError::NotReady(_) => "not_ready",
             ClusterError::Api { .. } => "api",
+        }
+    }
+
+    /// The reason of the Warning Event for this failure when it deserves its own (the pod's
+    /// users can act on it), `None` for the generic one.
+    pub fn event_reason(&self) -> Option<&'static str> {
+        match self.reason() {
+            "neutron_quota_exceeded" => Some("NeutronQuotaExceeded"),
+            "neutron_unavailable" => Some("NeutronUnavailable"),
+            "binding_failed" => Some("PortBindingFailed"),
+            _ => None,
         }
     }
 }
@@ -125,6 +167,15 @@ pub trait Cluster: Send + Sync + 'static {
     /// Releases every address the pod holds (searching `node`'s blocks when given); returns
     /// whether anything was released.
     fn release(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<bool, ClusterError>> + Send;
+
+    /// Whether a VIF the binder reports plugged is READY at once (the embedded backend) or only
+    /// once the backend confirms it (Neutron: port ACTIVE), see [`Cluster::watch_ready`].
+    fn ready_when_plugged(&self) -> bool {
+        true
+    }
+
+    /// Starts (`watch`) or stops watching a plugged VIF's readiness in the backend.
+    fn watch_ready(&self, _pod_uid: &str, _vif_id: &str, _watch: bool) {}
 
     /// Tells the pod's users why its VIF is late (a Warning Event); best effort.
     fn warn(&self, pod: &PodKey, reason: &'static str, note: String) -> impl Future<Output = ()> + Send;

@@ -195,7 +195,8 @@ impl<C: Cluster> Controller<C> {
         tracing::warn!(pod = %format!("{}/{}", e.pod.namespace, e.pod.name), uid = %e.pod.uid, op = e.op, reason,
             error, "reconcile failed; retrying with backoff");
         if !e.gone {
-            let why = if e.op == "apply" { REASON_ALLOCATION_FAILED } else { REASON_RELEASE_FAILED };
+            let generic = if e.op == "apply" { REASON_ALLOCATION_FAILED } else { REASON_RELEASE_FAILED };
+            let why = e.source.event_reason().unwrap_or(generic);
             self.cluster.warn(&e.pod, why, error).await;
         }
     }
@@ -321,13 +322,32 @@ impl<C: Cluster> Controller<C> {
         Ok(())
     }
 
+    /// The backend confirmed that a plugged VIF works (Neutron: the port is ACTIVE): READY,
+    /// recorded first, then streamed. A VIF no longer PLUGGED (released, replaced, unplugged)
+    /// is left alone.
+    pub async fn mark_ready(&self, pod_uid: &str, vif_id: &str) -> Result<bool, ClusterError> {
+        let _guard = self.locks.lock(pod_uid).await;
+        let Some(vif) = lock(&self.index).get(pod_uid) else { return Ok(false) };
+        if vif.vif_id != vif_id || state_from_proto(vif.state()) != Some(VifState::Plugged) {
+            return Ok(false);
+        }
+        let pod = vif.pod.clone().unwrap_or_default();
+        let key = PodKey::new(pod.namespace, pod.name, pod.uid);
+        self.cluster.record_state(&key, vif_id, VifState::Ready).await?;
+        lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(VifState::Ready));
+        tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = pod_uid, vif = vif_id, "VIF ready");
+        Ok(true)
+    }
+
     /// The VIF of a pod.
     pub fn get_vif(&self, pod_uid: &str) -> Option<Arc<Vif>> {
         lock(&self.index).get(pod_uid)
     }
 
     /// The binder plugged (or unplugged) a VIF: with the embedded backend a plugged VIF is
-    /// READY at once, an unplugged one ALLOCATED again (its addresses stay with the pod).
+    /// READY at once; with Neutron it is PLUGGED until the backend sees the port ACTIVE
+    /// ([`Controller::mark_ready`]). An unplugged one is ALLOCATED again (its addresses stay
+    /// with the pod).
     pub async fn report_plugged(
         &self,
         pod_uid: &str,
@@ -348,7 +368,17 @@ impl<C: Cluster> Controller<C> {
                 vif_node(&vif)
             )));
         }
-        let want = if plugged { VifState::Ready } else { VifState::Allocated };
+        let immediate = self.cluster.ready_when_plugged();
+        let want = match (plugged, immediate) {
+            (false, _) => VifState::Allocated,
+            (true, true) => VifState::Ready,
+            // Already confirmed (a repeated report after READY) stays READY.
+            (true, false) if state_from_proto(vif.state()) == Some(VifState::Ready) => VifState::Ready,
+            (true, false) => VifState::Plugged,
+        };
+        if !immediate {
+            self.cluster.watch_ready(pod_uid, vif_id, want == VifState::Plugged);
+        }
         if state_from_proto(vif.state()) == Some(want) {
             return Ok(vif);
         }

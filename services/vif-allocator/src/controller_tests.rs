@@ -72,6 +72,7 @@ fn record(i: u32) -> VifRecord {
         ips: vec![VifIp { address: format!("10.0.0.{i}/24"), gateway: Some("10.0.0.1".into()) }],
         routes: Vec::new(),
         bridge: "kuryr0".into(),
+        ..VifRecord::default()
     }
 }
 

@@ -3,11 +3,11 @@
 
 use kuryr_proto::allocator::v1 as pb;
 
-use crate::crd::{VifRecord, VifState};
+use crate::crd::{VifBinding, VifRecord, VifState};
 use crate::ipam::ipnet::IpNet;
 use crate::ipam::store::PodKey;
 
-/// The `backend` of every VIF this allocator hands out.
+/// The `backend` of VIFs whose record names none (the embedded IPAM's).
 pub const BACKEND: &str = "embedded";
 
 /// The streamed state of a recorded one.
@@ -33,13 +33,17 @@ pub fn state_from_proto(state: pb::VifState) -> Option<VifState> {
 
 /// The VIF of `pod` on `node`, as streamed.
 pub fn to_proto(pod: &PodKey, node: &str, network: &str, record: &VifRecord, state: VifState) -> pb::Vif {
-    // The subnets are the blocks the addresses come from: the address with its prefix, truncated.
-    let subnet_ids = record
-        .ips
-        .iter()
-        .filter_map(|ip| ip.address.parse::<IpNet>().ok())
-        .map(|net| net.trunc().to_string())
-        .collect();
+    // Embedded: the subnets are the blocks the addresses come from (the address with its
+    // prefix, truncated). Neutron records its subnet ids.
+    let subnet_ids = if record.subnet_ids.is_empty() {
+        record.ips.iter().filter_map(|ip| ip.address.parse::<IpNet>().ok()).map(|net| net.trunc().to_string()).collect()
+    } else {
+        record.subnet_ids.clone()
+    };
+    let driver = match record.binding {
+        Some(VifBinding::Ovs) => pb::BindingDriver::Ovs,
+        Some(VifBinding::Bridge) | None => pb::BindingDriver::Bridge,
+    };
     pb::Vif {
         pod: Some(pb::PodRef {
             namespace: pod.namespace.clone(),
@@ -60,16 +64,12 @@ pub fn to_proto(pod: &PodKey, node: &str, network: &str, record: &VifRecord, sta
             .iter()
             .map(|r| pb::Route { destination: r.destination.clone(), gateway: r.gateway.clone().unwrap_or_default() })
             .collect(),
-        binding: Some(pb::Binding {
-            driver: pb::BindingDriver::Bridge as i32,
-            bridge: record.bridge.clone(),
-            host_ifname: String::new(),
-        }),
+        binding: Some(pb::Binding { driver: driver as i32, bridge: record.bridge.clone(), host_ifname: String::new() }),
         state: state_to_proto(state) as i32,
-        backend: BACKEND.to_string(),
-        network_id: network.to_string(),
+        backend: record.backend.clone().unwrap_or_else(|| BACKEND.to_string()),
+        network_id: record.network_id.clone().unwrap_or_else(|| network.to_string()),
         subnet_ids,
-        security_groups: Vec::new(),
+        security_groups: record.security_groups.clone(),
         message: String::new(),
         dns: None,
     }
@@ -94,6 +94,7 @@ mod tests {
             ],
             routes: vec![RouteSpec { destination: "10.96.0.0/12".into(), gateway: Some("10.244.3.1".into()) }],
             bridge: "kuryr0".into(),
+            ..VifRecord::default()
         };
         let pod = PodKey::new("ns", "p", "u1");
         let v = to_proto(&pod, "n1", "pods", &record, VifState::Ready);

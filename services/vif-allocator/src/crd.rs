@@ -248,7 +248,7 @@ pub struct PodVifStatus {
 }
 
 /// A VIF as recorded: the allocator's `Vif` message less the pod and state.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct VifRecord {
     /// The backend's identifier (Neutron port id, or `<network>/<address>` for the embedded IPAM).
@@ -264,6 +264,31 @@ pub struct VifRecord {
     pub routes: Vec<RouteSpec>,
     /// The bridge the host end is attached to.
     pub bridge: String,
+    /// How the host end is attached: a Linux bridge when absent (the embedded backend), or
+    /// Open vSwitch with the port id as `iface-id` (Neutron).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binding: Option<VifBinding>,
+    /// The backend that allocated the VIF (`neutron`); the embedded IPAM when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The backend's network (the Neutron network id); the PodNetwork when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_id: Option<String>,
+    /// The backend's subnets of the addresses (Neutron subnet ids).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub subnet_ids: Vec<String>,
+    /// Security groups of the port (Neutron).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub security_groups: Vec<String>,
+}
+
+/// How a VIF's host end is attached.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum VifBinding {
+    /// A veth into the node's Linux bridge.
+    Bridge,
+    /// A veth into an Open vSwitch bridge with the `external_ids` Neutron's agent expects.
+    Ovs,
 }
 
 impl VifRecord {
@@ -287,6 +312,7 @@ impl VifRecord {
                 })
                 .collect(),
             bridge: vif.bridge.clone(),
+            ..VifRecord::default()
         }
     }
 }

@@ -197,6 +197,8 @@ async fn a_node_gets_its_vifs_and_the_other_nodes_routes_then_deltas() {
     // Resume: only what was missed.
     srv.pod("e", "n1").await;
     let mut s1 = srv.watch("n1", &last).await.unwrap();
+    // A resumed stream starts with SNAPSHOT_COMPLETE: the binder is caught up, live again.
+    assert_eq!(next(&mut s1).await.r#type(), VifEventType::SnapshotComplete);
     assert_eq!(show(&next(&mut s1).await), "+uid-e Allocated");
     // A point of another epoch: RESET, then a fresh snapshot.
     let mut s2 = srv.watch("n1", "other-3").await.unwrap();

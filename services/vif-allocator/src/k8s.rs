@@ -21,6 +21,7 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use kuryr_runtime::Shutdown;
 use serde_json::json;
 
+use crate::backend::{AnyBackend, VifBackend as _};
 use crate::cluster::{Cluster, ClusterError, PodMeta, Recorded};
 use crate::crd::{AddressBlock, PodNetwork, PodNetworkSpec, PodVif, PodVifSpec, VifRecord, VifState};
 use crate::index::{SharedIndex, lock};
@@ -205,11 +206,11 @@ pub async fn follow_blocks(
     }
 }
 
-/// The [`Cluster`] of a real API server and the embedded IPAM.
+/// The [`Cluster`] of a real API server and a VIF backend (the embedded IPAM or Neutron).
 #[derive(Clone)]
 pub struct KubeCluster {
     client: kube::Client,
-    store: Arc<IpamStore>,
+    backend: AnyBackend,
     network: String,
     /// Publishes Events (events.k8s.io/v1), folding repeats into a series.
     recorder: Recorder,
@@ -217,7 +218,10 @@ pub struct KubeCluster {
 
 impl std::fmt::Debug for KubeCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubeCluster").field("network", &self.network).finish_non_exhaustive()
+        f.debug_struct("KubeCluster")
+            .field("network", &self.network)
+            .field("backend", &self.backend.name())
+            .finish_non_exhaustive()
     }
 }
 
@@ -234,11 +238,12 @@ fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterErro
 }
 
 impl KubeCluster {
-    /// Operations on `network` with `client`, reporting Events as `instance`.
-    pub fn new(client: kube::Client, store: Arc<IpamStore>, network: &str, instance: Option<String>) -> Self {
+    /// Operations on `network` (the PodNetwork, or the Neutron network id) with `client` and
+    /// `backend`, reporting Events as `instance`.
+    pub fn new(client: kube::Client, backend: AnyBackend, network: &str, instance: Option<String>) -> Self {
         let reporter = Reporter { controller: "kuryr-vif-allocator".into(), instance };
         let recorder = Recorder::new(client.clone(), reporter);
-        Self { client, store, network: network.to_string(), recorder }
+        Self { client, backend, network: network.to_string(), recorder }
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -400,17 +405,19 @@ impl Cluster for KubeCluster {
     }
 
     async fn allocate(&self, pod: &PodKey, node: &str) -> Result<VifRecord, ClusterError> {
-        let a = self.store.allocate(&self.network, node, pod).await.map_err(ClusterError::Ipam)?;
-        Ok(VifRecord::from_config(a.vif_id, &a.vif))
+        self.backend.allocate(pod, node).await
     }
 
     async fn release(&self, pod: &PodKey, node: &str) -> Result<bool, ClusterError> {
-        let released = if node.is_empty() {
-            self.store.release(&self.network, &pod.uid).await
-        } else {
-            self.store.release_on_node(&self.network, node, &pod.uid).await
-        };
-        released.map_err(ClusterError::Ipam)
+        self.backend.release(pod, node).await
+    }
+
+    fn ready_when_plugged(&self) -> bool {
+        self.backend.ready_when_plugged()
+    }
+
+    fn watch_ready(&self, pod_uid: &str, vif_id: &str, watch: bool) {
+        self.backend.watch_ready(pod_uid, vif_id, watch);
     }
 
     async fn warn(&self, pod: &PodKey, reason: &'static str, note: String) {

@@ -1,6 +1,6 @@
-//! kuryr-vif-allocator: gives every scheduled pod that is not on the host network a VIF from the
-//! embedded IPAM, records pod → VIF in the Kubernetes API, and streams each node's VIFs to that
-//! node's binder.
+//! kuryr-vif-allocator: gives every scheduled pod that is not on the host network a VIF from its
+//! backend ([`backend`]: the embedded IPAM, or Neutron ports with pools — [`neutron`]), records
+//! pod → VIF in the Kubernetes API, and streams each node's VIFs to that node's binder.
 //!
 //! **Watches** pods and nodes through the watcher's Subscribe stream ([`follow`]), the network's
 //! AddressBlocks (metadata only, for node routes) and nothing else.
@@ -18,9 +18,16 @@
 //! deltas once the watcher's nodes and the address blocks are in); once the watcher's snapshot
 //! is in, PodVifs whose pod no longer exists are cleaned up.
 //!
-//! Readiness ([`ready`]): NOT_SERVING until the PodNetwork exists, the PodVifs were loaded and
-//! the watcher's stream is live.
+//! With `--backend neutron`, recovery also rebuilds the port pools and who holds which port from
+//! Neutron (the ports tagged for the cluster) before anything is served, VIFs recorded as
+//! PLUGGED are watched for ACTIVE again, and ports held by pods that no longer exist are handed
+//! to cleanup once the watcher's snapshot is in (and every `--orphan-gc-interval` after).
+//!
+//! Readiness ([`ready`]): NOT_SERVING until the pod network exists (the PodNetwork, or the
+//! Neutron network), the PodVifs (and Neutron ports) were loaded and the watcher's stream is
+//! live.
 
+pub mod backend;
 pub mod cluster;
 pub mod controller;
 pub mod convert;
@@ -31,12 +38,16 @@ pub mod index;
 pub mod ipam;
 pub mod k8s;
 pub mod metrics;
+pub mod neutron;
 pub mod pods;
+pub mod pool_api;
 pub mod queue;
 pub mod ready;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
@@ -44,13 +55,18 @@ use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
 use tracing::Instrument as _;
 
-use crate::controller::{Controller, SharedView};
-use crate::crd::PodNetworkSpec;
-use crate::grpc::{AllocatorService, ControllerCell, Pools};
+use crate::backend::{AnyBackend, EmbeddedBackend, VifBackend as _};
+use crate::controller::{Controller, SharedView, view_lock};
+use crate::crd::{PodNetworkSpec, VifState};
+use crate::grpc::{AllocatorService, ControllerCell};
 use crate::index::{SharedIndex, VifIndex, lock};
 use crate::ipam::store::IpamStore;
 use crate::k8s::KubeCluster;
 use crate::metrics::Metrics;
+use crate::neutron::config::NeutronArgs;
+use crate::neutron::metrics::NeutronMetrics;
+use crate::neutron::{Channels, NeutronBackend};
+use crate::pool_api::{BackendCell, PoolApi};
 use crate::queue::WorkQueue;
 use crate::ready::Readiness;
 
@@ -73,6 +89,11 @@ pub struct Config {
     /// Kubeconfig file; when unset, the in-cluster service account (or $KUBECONFIG) is used.
     #[arg(long, env = "KURYR_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// Where VIFs come from: `embedded` (the IPAM in CRDs) or `neutron` (a Neutron port per
+    /// pod, from port pools; see the --os-cloud, --pod-network-id and --pool-* flags).
+    #[arg(long, env = "KURYR_BACKEND", value_enum, default_value_t = BackendKind::Embedded)]
+    pub backend: BackendKind,
 
     /// The PodNetwork (embedded IPAM) pods get their addresses from.
     #[arg(long, env = "KURYR_NETWORK", default_value = "default")]
@@ -110,8 +131,25 @@ pub struct Config {
     #[arg(long, env = "KURYR_INSTANCE")]
     pub instance: Option<String>,
 
+    /// With `--backend neutron`: how often ports held by pods that no longer exist are looked
+    /// for (also once as soon as the watcher's snapshot is in).
+    #[arg(long, env = "KURYR_ORPHAN_GC_INTERVAL", default_value = "60s", value_parser = kuryr_runtime::config::parse_duration)]
+    pub orphan_gc_interval: Duration,
+
+    #[command(flatten)]
+    pub neutron: NeutronArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// The VIF backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The embedded IPAM: addresses kept in CRDs, a Linux bridge per node.
+    Embedded,
+    /// Neutron ports, plugged into Open vSwitch.
+    Neutron,
 }
 
 impl Config {
@@ -160,12 +198,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
     let metrics = Metrics::register(rt.registry());
+    // The Neutron side is checked before any port is bound: a bad flag fails the start.
+    let neutron = match config.backend {
+        BackendKind::Embedded => None,
+        BackendKind::Neutron => {
+            config.neutron.validate()?;
+            let os_metrics = kuryr_openstack::Metrics::register(rt.registry());
+            let client = config.neutron.client(os_metrics)?;
+            Some((client, NeutronMetrics::register(rt.registry())))
+        }
+    };
     let index = VifIndex::new(index::Epoch::random(), index::DEFAULT_HISTORY);
-    tracing::info!(epoch = %index.epoch(), network = config.network, workers = config.workers, "starting");
+    tracing::info!(epoch = %index.epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
     let index = index.shared();
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), rt.shutdown());
     let cell: ControllerCell<KubeCluster> = Arc::default();
+    let pools = BackendCell::default();
+    let pool_api = if neutron.is_some() { PoolApi::neutron(pools.clone()) } else { PoolApi::embedded() };
     let start = Start {
         config: config.clone(),
         spec,
@@ -174,11 +224,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         readiness,
         metrics: metrics.clone(),
         cell: cell.clone(),
+        neutron,
+        pools,
     };
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
     let service = AllocatorService::new(index, cell, metrics, rt.shutdown());
     let routes =
-        tonic::service::Routes::new(VifAllocatorServer::new(service)).add_service(PoolManagerServer::new(Pools));
+        tonic::service::Routes::new(VifAllocatorServer::new(service)).add_service(PoolManagerServer::new(pool_api));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }
 
@@ -191,33 +243,39 @@ struct Start {
     readiness: Readiness,
     metrics: Metrics,
     cell: ControllerCell<KubeCluster>,
+    /// The OpenStack client and the backend's metrics, with `--backend neutron`.
+    neutron: Option<(kuryr_openstack::Client, NeutronMetrics)>,
+    pools: BackendCell,
+}
+
+/// What the backend-specific part of the start hands on.
+struct Prepared {
+    backend: AnyBackend,
+    /// The network PodVifs name: the PodNetwork, or the Neutron network id.
+    network: String,
+    found: Vec<k8s::Found>,
+    /// The embedded IPAM's store (node routes follow its blocks).
+    store: Option<Arc<IpamStore>>,
+    /// VIFs the Neutron backend found ACTIVE.
+    ready: Option<tokio::sync::mpsc::UnboundedReceiver<neutron::ReadyVif>>,
 }
 
 impl Start {
     async fn run(self, shutdown: Shutdown) {
-        let Start { config, spec, watcher, index, readiness, metrics, cell } = self;
-        let network = config.network.clone();
-        let kubeconfig = config.kubeconfig.clone();
+        let kubeconfig = self.config.kubeconfig.clone();
         let Some(client) =
             k8s::retry("building a Kubernetes client", &shutdown, || k8s::kube_client(kubeconfig.as_deref())).await
         else {
             return;
         };
-        let store = Arc::new(IpamStore::new(client.clone()));
-        let ensured = k8s::retry("looking up the PodNetwork", &shutdown, || {
-            k8s::ensure_network(&client, &store, &network, spec.as_ref())
-        })
-        .await;
-        if ensured.is_none() {
-            return;
-        }
-        readiness.set_network();
+        let prepared = match self.neutron.clone() {
+            None => self.prepare_embedded(&client, &shutdown).await,
+            Some((os, nm)) => self.prepare_neutron(&client, os, nm, &shutdown).await,
+        };
+        let Some(Prepared { backend, network, found, store, ready }) = prepared else { return };
+        let Start { config, watcher, index, readiness, metrics, cell, .. } = self;
 
         // Recovery: every recorded VIF into the index before any stream is served.
-        let Some(found) = k8s::retry("loading PodVifs", &shutdown, || k8s::list_pod_vifs(&client, &network)).await
-        else {
-            return;
-        };
         let held = {
             let mut idx = lock(&index);
             for f in &found {
@@ -228,19 +286,41 @@ impl Start {
             idx.set_ready();
             idx.len()
         };
+        if !backend.ready_when_plugged() {
+            // Plugged before the restart and not yet confirmed: watch them again.
+            for f in &found {
+                if let Some((record, VifState::Plugged)) = &f.recorded {
+                    backend.watch_ready(&f.pod.uid, &record.vif_id, true);
+                }
+            }
+        }
         metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
         tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
         readiness.set_recovered();
 
         let instance = config.instance_name();
-        let cluster = KubeCluster::new(client.clone(), store.clone(), &network, Some(instance.clone()));
+        let cluster = KubeCluster::new(client.clone(), backend.clone(), &network, Some(instance.clone()));
         let queue = Arc::new(WorkQueue::default());
         let view = SharedView::default();
         let controller = Arc::new(Controller::new(cluster, &network, view, index.clone(), queue, metrics.clone()));
         let _ = cell.set(controller.clone());
         controller.spawn_workers(config.workers, shutdown.clone());
-        let blocks = k8s::follow_blocks(client, store, network, index.clone(), shutdown.clone());
-        tokio::spawn(blocks.instrument(tracing::info_span!("address-blocks")));
+        if let Some(store) = store {
+            let blocks = k8s::follow_blocks(client, store, network, index.clone(), shutdown.clone());
+            tokio::spawn(blocks.instrument(tracing::info_span!("address-blocks")));
+        }
+        if let (AnyBackend::Neutron(b), Some(rx)) = (&backend, ready) {
+            let ready = mark_ready(controller.clone(), b.clone(), rx, shutdown.clone());
+            tokio::spawn(ready.instrument(tracing::info_span!("ready")));
+            let gc = collect_orphans(
+                controller.clone(),
+                b.clone(),
+                readiness.clone(),
+                config.orphan_gc_interval,
+                shutdown.clone(),
+            );
+            tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
+        }
         let follower = follow::Follower {
             channel: watcher,
             controller,
@@ -251,5 +331,120 @@ impl Start {
             subscriber: format!("kuryr-vif-allocator/{instance}"),
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
+    }
+
+    async fn prepare_embedded(&self, client: &kube::Client, shutdown: &Shutdown) -> Option<Prepared> {
+        let network = self.config.network.clone();
+        let store = Arc::new(IpamStore::new(client.clone()));
+        k8s::retry("looking up the PodNetwork", shutdown, || {
+            k8s::ensure_network(client, &store, &network, self.spec.as_ref())
+        })
+        .await?;
+        self.readiness.set_network();
+        let found = k8s::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
+        let backend = AnyBackend::Embedded(EmbeddedBackend::new(store.clone(), &network));
+        Some(Prepared { backend, network, found, store: Some(store), ready: None })
+    }
+
+    async fn prepare_neutron(
+        &self,
+        client: &kube::Client,
+        os: kuryr_openstack::Client,
+        nm: NeutronMetrics,
+        shutdown: &Shutdown,
+    ) -> Option<Prepared> {
+        let args = &self.config.neutron;
+        let (backend, Channels { ready, refill }) =
+            k8s::retry("reading the pod network from Neutron", shutdown, || {
+                NeutronBackend::connect(args, os.clone(), nm.clone())
+            })
+            .await?;
+        let backend = Arc::new(backend);
+        self.readiness.set_network();
+        let network = backend.network_id().to_string();
+        let found = k8s::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
+        let recorded: HashMap<String, String> = found
+            .iter()
+            .filter_map(|f| f.recorded.as_ref().map(|(r, _)| (f.pod.uid.clone(), r.vif_id.clone())))
+            .collect();
+        let summary = k8s::retry("recovering the cluster's Neutron ports", shutdown, || async {
+            Ok(backend.recover(&recorded).await?)
+        })
+        .await?;
+        tracing::info!(
+            in_use = summary.in_use,
+            free = summary.free,
+            recycling = summary.recycling,
+            deleted = summary.deleted,
+            "recovered the Neutron ports and pools"
+        );
+        backend.spawn(refill, shutdown.clone());
+        let _ = self.pools.set(backend.clone());
+        Some(Prepared { backend: AnyBackend::Neutron(backend), network, found, store: None, ready: Some(ready) })
+    }
+}
+
+/// Marks VIFs READY as the status poller finds their ports ACTIVE; a VIF whose state could not
+/// be recorded is watched again (and so retried).
+async fn mark_ready(
+    controller: Arc<Controller<KubeCluster>>,
+    backend: Arc<NeutronBackend>,
+    mut ready: tokio::sync::mpsc::UnboundedReceiver<neutron::ReadyVif>,
+    shutdown: Shutdown,
+) {
+    loop {
+        let r = tokio::select! {
+            r = ready.recv() => match r { Some(r) => r, None => return },
+            () = shutdown.clone().wait() => return,
+        };
+        let (ctl, b) = (controller.clone(), backend.clone());
+        tokio::spawn(async move {
+            if let Err(e) = ctl.mark_ready(&r.pod_uid, &r.vif_id).await {
+                tracing::warn!(uid = %r.pod_uid, vif = %r.vif_id, error = %cluster::chain(&e),
+                    "could not record READY; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                b.watch_ready(&r.pod_uid, &r.vif_id, true);
+            }
+        });
+    }
+}
+
+/// Hands ports held by pods the allocator does not know (deleted while no allocator ran, or
+/// before their PodVif existed) to the controller's cleanup, once the watcher's snapshot is in
+/// and then every `interval`.
+async fn collect_orphans(
+    controller: Arc<Controller<KubeCluster>>,
+    backend: Arc<NeutronBackend>,
+    readiness: Readiness,
+    interval: Duration,
+    shutdown: Shutdown,
+) {
+    let mut ran_once = false;
+    loop {
+        let wait = if ran_once { interval } else { Duration::from_secs(1) };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = shutdown.clone().wait() => return,
+        }
+        if !readiness.get().watcher {
+            continue;
+        }
+        ran_once = true;
+        let orphans: Vec<_> = {
+            let holders = backend.holders();
+            let view = view_lock(controller.view());
+            holders.into_iter().filter(|(k, _)| view.get(&k.uid).is_none()).collect()
+        };
+        for (key, node) in orphans {
+            tracing::info!(uid = %key.uid, pod = %format!("{}/{}", key.namespace, key.name), node,
+                "port held by a pod that no longer exists; cleaning up");
+            if key.name.is_empty() {
+                if let Err(e) = backend.release(&key, &node).await {
+                    tracing::warn!(uid = %key.uid, error = %cluster::chain(&e), "releasing an orphaned port failed");
+                }
+            } else {
+                controller.adopt_orphan(key, &node);
+            }
+        }
     }
 }

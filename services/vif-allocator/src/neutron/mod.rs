@@ -1,0 +1,656 @@
+//! The Neutron VIF backend: every pod gets a Neutron port — `device_owner` (`compute:kuryr`),
+//! `device_id` = the pod's uid, `binding:host_id` = its node, the project, the security groups,
+//! fixed IPs from the pod subnets (IPv4 and IPv6) and the tag `kuryr.openstack.org/cluster=<id>`
+//! — and the VIF is that port ([`vif`]): MAC, addresses, gateways, MTU, and the `ovs` binding
+//! with the port id as `iface-id`.
+//!
+//! **Pools** ([`pool`]): ports are created ahead per (node, project, network, security groups)
+//! in bulk, so a pod's allocation is one port update (`device_id`, `name`) instead of a create.
+//! A pool is refilled in the background when it falls below its minimum; a pod that finds its
+//! pool empty gets a port created on its path. Released ports are recycled (`device_id`
+//! cleared, security groups reset) and handed out again once Neutron sees them unplugged.
+//!
+//! **Readiness** ([`status`]): a VIF the binder reports plugged is READY only once Neutron says
+//! the port is ACTIVE. Neutron never pushes, so one poller reads the status of every watched
+//! port in batched list calls (`?id=..&id=..`), backing off while nothing changes.
+//!
+//! **No duplicates, no leaks.** Before the allocator serves, [`NeutronBackend::recover`] lists
+//! every port tagged for the cluster and rebuilds the pools and who holds what, so a pod whose
+//! port was assigned just before a crash gets the same port again. A pod with no port in the
+//! inventory is looked up by `device_id` in Neutron before a port is created for it (a create
+//! whose answer was lost). Ports held by pods that no longer exist are handed to the controller
+//! for cleanup ([`NeutronBackend::holders`]); ports that failed to bind are deleted.
+
+pub mod config;
+pub mod metrics;
+pub mod pool;
+pub mod status;
+pub mod vif;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use kuryr_openstack::neutron::{FixedIp, Neutron, Port, PortCreate, PortUpdate};
+use kuryr_openstack::{Client, Filter};
+use kuryr_runtime::Shutdown;
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tracing::Instrument as _;
+
+use self::config::NeutronArgs;
+use self::metrics::{NeutronMetrics, PoolLabels};
+use self::pool::{Inventory, Limits, PoolKey, PoolView};
+use self::vif::{SubnetInfo, VifShape};
+use crate::backend::VifBackend;
+use crate::cluster::ClusterError;
+use crate::crd::VifRecord;
+use crate::ipam::store::PodKey;
+
+/// Most ports asked for in one bulk create: Neutron handles a bulk as one transaction, and
+/// measured here it is no faster per port than single creates beyond a few dozen.
+const BULK_MAX: u32 = 50;
+
+/// Port deletions in flight at once when a pool is freed.
+const DELETE_CONCURRENCY: usize = 8;
+
+/// A VIF the status poller found ACTIVE.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadyVif {
+    /// The pod.
+    pub pod_uid: String,
+    /// Its port.
+    pub vif_id: String,
+}
+
+/// A plugged port waiting for ACTIVE.
+#[derive(Clone, Debug)]
+struct Watched {
+    pod_uid: String,
+    since: Instant,
+}
+
+/// The receiving ends the backend's tasks and the allocator consume.
+#[derive(Debug)]
+pub struct Channels {
+    /// VIFs found ACTIVE, for the controller to mark READY.
+    pub ready: mpsc::UnboundedReceiver<ReadyVif>,
+    /// Pools to refill, for [`NeutronBackend::spawn`].
+    pub refill: mpsc::UnboundedReceiver<PoolKey>,
+}
+
+/// What recovery found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    /// Ports held by pods.
+    pub in_use: usize,
+    /// Free ports (ready to hand out).
+    pub free: usize,
+    /// Released ports still seen ACTIVE.
+    pub recycling: usize,
+    /// Ports deleted: failed bindings and second ports of one pod.
+    pub deleted: usize,
+}
+
+/// The Neutron backend.
+#[derive(Debug)]
+pub struct NeutronBackend {
+    neutron: Neutron,
+    shape: VifShape,
+    project: String,
+    /// Sorted; empty: the project's default group.
+    security_groups: Vec<String>,
+    tag: String,
+    device_owner: String,
+    limits: Limits,
+    poll: (Duration, Duration),
+    inv: Mutex<Inventory>,
+    /// Port id → the pod waiting for it to turn ACTIVE.
+    watched: Mutex<HashMap<String, Watched>>,
+    wake: Notify,
+    ready_tx: mpsc::UnboundedSender<ReadyVif>,
+    refill_tx: mpsc::UnboundedSender<PoolKey>,
+    /// Pools with a refill running.
+    filling: Mutex<HashSet<PoolKey>>,
+    bulk: Semaphore,
+    recovered: AtomicBool,
+    metrics: NeutronMetrics,
+}
+
+fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Plain collections: a panic elsewhere leaves them consistent.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn neutron_err(action: impl Into<String>) -> impl FnOnce(kuryr_openstack::Error) -> ClusterError {
+    let action = action.into();
+    move |source| ClusterError::Neutron { action, source: Box::new(source) }
+}
+
+impl NeutronBackend {
+    /// Reads the pod network, its subnets and the project from Neutron (and Keystone), checking
+    /// that they fit together; errors name the flag at fault.
+    pub async fn connect(
+        args: &NeutronArgs,
+        client: Client,
+        metrics: NeutronMetrics,
+    ) -> anyhow::Result<(NeutronBackend, Channels)> {
+        let neutron = client.network();
+        let network_id = args.pod_network_id.clone().unwrap_or_default();
+        let network = neutron.get_network(&network_id).await.map_err(|e| match e {
+            e if e.is_not_found() => anyhow::anyhow!("--pod-network-id {network_id}: no such Neutron network"),
+            e => anyhow::anyhow!("reading Neutron network {network_id}: {e}"),
+        })?;
+        let subnet_ids =
+            if args.pod_subnet_ids.is_empty() { network.subnets.clone() } else { args.pod_subnet_ids.clone() };
+        anyhow::ensure!(
+            !subnet_ids.is_empty(),
+            "Neutron network {network_id} has no subnet; create one or pass --pod-subnet-ids"
+        );
+        let mut subnets = Vec::new();
+        for id in &subnet_ids {
+            let s = neutron.get_subnet(id).await.map_err(|e| match e {
+                e if e.is_not_found() => anyhow::anyhow!("--pod-subnet-ids: no such Neutron subnet {id}"),
+                e => anyhow::anyhow!("reading Neutron subnet {id}: {e}"),
+            })?;
+            anyhow::ensure!(
+                s.network_id == network_id,
+                "--pod-subnet-ids: subnet {id} is on network {}, not on --pod-network-id {network_id}",
+                s.network_id
+            );
+            subnets.push(SubnetInfo::from_subnet(&s).map_err(|e| anyhow::anyhow!(e))?);
+        }
+        let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
+            Some(p) => p,
+            None => client
+                .project_id()
+                .await
+                .map_err(|e| anyhow::anyhow!("finding the project from Keystone: {e}"))?
+                .ok_or_else(|| anyhow::anyhow!("no project: pass --project-id or use a project-scoped cloud"))?,
+        };
+        let mut security_groups = args.security_groups.clone();
+        security_groups.sort();
+        security_groups.dedup();
+        let (ready_tx, ready) = mpsc::unbounded_channel();
+        let (refill_tx, refill) = mpsc::unbounded_channel();
+        let shape = VifShape { network_id, subnets, mtu: network.mtu.unwrap_or(1500), bridge: args.ovs_bridge.clone() };
+        tracing::info!(network = %shape.network_id, subnets = ?subnet_ids, mtu = shape.mtu, project, ?security_groups,
+            limits = ?args.limits(), "Neutron pod network");
+        let backend = NeutronBackend {
+            neutron,
+            shape,
+            project,
+            security_groups,
+            tag: args.cluster_tag(),
+            device_owner: args.device_owner.clone(),
+            limits: args.limits(),
+            poll: (args.status_poll_min, args.status_poll_max),
+            inv: Mutex::default(),
+            watched: Mutex::default(),
+            wake: Notify::new(),
+            ready_tx,
+            refill_tx,
+            filling: Mutex::default(),
+            bulk: Semaphore::new(args.pool_bulk_concurrency),
+            recovered: AtomicBool::new(false),
+            metrics,
+        };
+        Ok((backend, Channels { ready, refill }))
+    }
+
+    /// The network id: what PodVifs of this backend name as their network.
+    pub fn network_id(&self) -> &str {
+        &self.shape.network_id
+    }
+
+    /// The pool of `node` for this allocator's project, network and security groups.
+    pub fn key_for(&self, node: &str) -> PoolKey {
+        PoolKey::new(node, &self.project, &self.shape.network_id, self.security_groups.clone())
+    }
+
+    /// The pool key the pool API means: empty fields are this allocator's.
+    pub fn complete_key(&self, node: &str, project: &str, network: &str, security_groups: &[String]) -> PoolKey {
+        let pick = |v: &str, d: &str| if v.is_empty() { d.to_string() } else { v.to_string() };
+        let sgs = if security_groups.is_empty() { self.security_groups.clone() } else { security_groups.to_vec() };
+        PoolKey::new(node, &pick(project, &self.project), &pick(network, &self.shape.network_id), sgs)
+    }
+
+    /// Whether `key` is a pool this allocator can create ports for.
+    pub fn serves(&self, key: &PoolKey) -> bool {
+        key.project == self.project
+            && key.network == self.shape.network_id
+            && key.security_groups == self.security_groups
+    }
+
+    /// The configured pool limits.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Whether recovery finished.
+    pub fn is_recovered(&self) -> bool {
+        self.recovered.load(Ordering::Acquire)
+    }
+
+    fn port_create(&self, node: &str, pod: Option<&PodKey>) -> PortCreate {
+        PortCreate {
+            network_id: self.shape.network_id.clone(),
+            name: pod.map(port_name),
+            project_id: Some(self.project.clone()),
+            fixed_ips: Some(
+                self.shape
+                    .subnets
+                    .iter()
+                    .map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None })
+                    .collect(),
+            ),
+            device_id: pod.map(|p| p.uid.clone()),
+            device_owner: Some(self.device_owner.clone()),
+            binding_host_id: Some(node.to_string()),
+            security_groups: (!self.security_groups.is_empty()).then(|| self.security_groups.clone()),
+            admin_state_up: Some(true),
+            tags: Some(vec![self.tag.clone()]),
+            ..PortCreate::default()
+        }
+    }
+
+    fn record(&self, port: &Port) -> Result<VifRecord, ClusterError> {
+        self.shape.record(port).map_err(ClusterError::NotReady)
+    }
+
+    /// Publishes the pool sizes.
+    fn gauges(&self) {
+        let views = guard(&self.inv).views();
+        for v in views {
+            for (state, n) in
+                [("free", v.free.len() as i64), ("recycling", v.recycling.into()), ("in_use", v.in_use.into())]
+            {
+                self.metrics.pool_ports.get_or_create(&PoolLabels { node: v.key.node.clone(), state }).set(n);
+            }
+        }
+    }
+
+    async fn delete_port(&self, id: &str, why: &'static str) -> Result<(), ClusterError> {
+        self.neutron.delete_port(id).await.map_err(neutron_err(format!("deleting port {id}")))?;
+        self.metrics.deleted(why);
+        Ok(())
+    }
+
+    /// The pod's port from a pool, if a free one can be had.
+    async fn take_from_pool(&self, pod: &PodKey, key: &PoolKey) -> Result<Option<Port>, ClusterError> {
+        loop {
+            let Some(port) = guard(&self.inv).take(key) else { return Ok(None) };
+            let update =
+                PortUpdate { device_id: Some(pod.uid.clone()), name: Some(port_name(pod)), ..PortUpdate::default() };
+            match self.neutron.update_port(&port.id, &update, None).await {
+                Ok(p) if p.binding_failed() => {
+                    tracing::warn!(port = %p.id, node = %key.node, "pool port failed to bind; deleting it");
+                    let _ = self.delete_port(&p.id, "binding_failed").await;
+                }
+                Ok(p) => return Ok(Some(p)),
+                Err(e) if e.is_not_found() => {
+                    tracing::warn!(port = %port.id, "pool port deleted behind our back; taking the next");
+                }
+                Err(e) => {
+                    guard(&self.inv).untake(key, port.clone());
+                    return Err(neutron_err(format!("assigning pool port {} to the pod", port.id))(e));
+                }
+            }
+        }
+    }
+
+    /// The pod's port created on its allocation path, after making sure none exists already
+    /// (a create whose answer was lost, a port assigned before a crash and not yet tagged).
+    async fn create_for(&self, pod: &PodKey, node: &str) -> Result<(Port, &'static str), ClusterError> {
+        let filter = Filter::new().network_id(&self.shape.network_id).device_id(&pod.uid);
+        let mut found = self
+            .neutron
+            .list_ports(&filter)
+            .await
+            .map_err(neutron_err(format!("looking up the port of pod {}", pod.uid)))?;
+        found.retain(|p| p.device_owner == self.device_owner);
+        if let Some(existing) = found.first().cloned() {
+            for extra in &found[1..] {
+                tracing::warn!(port = %extra.id, uid = %pod.uid, "second port for one pod; deleting it");
+                self.delete_port(&extra.id, "duplicate").await?;
+            }
+            if !existing.tags.contains(&self.tag) {
+                self.neutron
+                    .add_tag(kuryr_openstack::neutron::TaggedResource::Port, &existing.id, &self.tag)
+                    .await
+                    .map_err(neutron_err(format!("tagging port {}", existing.id)))?;
+            }
+            return Ok((existing, "existing"));
+        }
+        let port = self
+            .neutron
+            .create_port(self.port_create(node, Some(pod)))
+            .await
+            .map_err(neutron_err(format!("creating a port for pod {}/{} on {node}", pod.namespace, pod.name)))?;
+        self.metrics.created("add", 1);
+        if port.binding_failed() {
+            self.delete_port(&port.id, "binding_failed").await?;
+            return Err(ClusterError::BindingFailed { port: port.id, host: node.to_string() });
+        }
+        Ok((port, "add"))
+    }
+
+    /// Creates `n` ports into a pool, in bulk calls of at most a batch, a bounded number at
+    /// once over all pools. Returns how many joined the pool.
+    async fn create_into_pool(&self, key: &PoolKey, n: u32) -> Result<u32, ClusterError> {
+        if n == 0 {
+            return Ok(0);
+        }
+        guard(&self.inv).creating(key, n);
+        let chunk = self.limits.batch.clamp(1, BULK_MAX);
+        let mut sizes = Vec::new();
+        let mut left = n;
+        while left > 0 {
+            let c = left.min(chunk);
+            sizes.push(c);
+            left -= c;
+        }
+        let calls = sizes.into_iter().map(|c| async move {
+            let result = async {
+                let _permit = self.bulk.acquire().await.map_err(|_| ClusterError::NotReady("shutting down".into()))?;
+                let specs = (0..c).map(|_| self.port_create(&key.node, None)).collect();
+                self.neutron
+                    .create_ports(specs)
+                    .await
+                    .map_err(neutron_err(format!("creating {c} ports for the pool of {}", key.node)))
+            }
+            .await;
+            guard(&self.inv).created(key, c);
+            let ports = result?;
+            self.metrics.created("pool", ports.len() as u64);
+            let mut joined = 0;
+            for p in ports {
+                if p.binding_failed() {
+                    tracing::warn!(port = %p.id, node = %key.node, "new pool port failed to bind; deleting it");
+                    let _ = self.delete_port(&p.id, "binding_failed").await;
+                } else {
+                    guard(&self.inv).put_free(key, p);
+                    joined += 1;
+                }
+            }
+            Ok::<u32, ClusterError>(joined)
+        });
+        let results = futures::future::join_all(calls).await;
+        self.gauges();
+        let mut joined = 0;
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(j) => joined += j,
+                Err(e) if first_err.is_none() => first_err = Some(e),
+                Err(_) => {}
+            }
+        }
+        match first_err {
+            Some(e) if joined == 0 => Err(e),
+            Some(e) => {
+                tracing::warn!(pool = %key.node, joined, error = %crate::cluster::chain(&e), "some pool creations failed");
+                Ok(joined)
+            }
+            None => Ok(joined),
+        }
+    }
+
+    /// Rebuilds the inventory from Neutron: every port of the network with this cluster's tag.
+    /// `recorded` (pod uid → port id, from the PodVifs) decides which port a pod keeps should
+    /// it hold two; the other is deleted, as are ports that failed to bind.
+    pub async fn recover(&self, recorded: &HashMap<String, String>) -> Result<Recovered, ClusterError> {
+        let filter = Filter::new()
+            .network_id(&self.shape.network_id)
+            .device_owner(&self.device_owner)
+            .tags(std::slice::from_ref(&self.tag));
+        let mut ports = self.neutron.list_ports(&filter).await.map_err(neutron_err("listing the cluster's ports"))?;
+        // The recorded port of a pod first, so that it is the one kept.
+        ports.sort_by_key(|p| recorded.get(&p.device_id) != Some(&p.id));
+        let now = Instant::now();
+        let mut inv = Inventory::default();
+        let mut doomed: Vec<(String, &'static str)> = Vec::new();
+        let mut summary = Recovered::default();
+        for p in ports {
+            let sgs = if self.security_groups.is_empty() { Vec::new() } else { p.security_groups.clone() };
+            let node = p.binding_host_id.clone().unwrap_or_default();
+            let project = p.project_id.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| self.project.clone());
+            let key = PoolKey::new(&node, &project, &p.network_id, sgs);
+            if p.binding_failed() || node.is_empty() {
+                doomed.push((p.id.clone(), "binding_failed"));
+            } else if !p.device_id.is_empty() {
+                if inv.held(&p.device_id).is_some() {
+                    doomed.push((p.id.clone(), "duplicate"));
+                } else {
+                    inv.assign(&p.device_id.clone(), &key, p);
+                    summary.in_use += 1;
+                }
+            } else if p.is_active() {
+                inv.put_recycling(&key, p, now);
+                summary.recycling += 1;
+            } else {
+                inv.put_free(&key, p);
+                summary.free += 1;
+            }
+        }
+        *guard(&self.inv) = inv;
+        for (id, why) in doomed {
+            tracing::warn!(port = %id, why, "deleting a port found at recovery");
+            self.delete_port(&id, why).await?;
+            summary.deleted += 1;
+        }
+        self.recovered.store(true, Ordering::Release);
+        self.gauges();
+        self.wake.notify_one();
+        Ok(summary)
+    }
+
+    /// Every pod holding a port: (pod, node). The namespace and name come from the port's name
+    /// (`<namespace>/<name>`), empty when it does not have that form.
+    pub fn holders(&self) -> Vec<(PodKey, String)> {
+        guard(&self.inv)
+            .holders()
+            .map(|(uid, key, port)| {
+                let (ns, name) = port.name.split_once('/').unwrap_or(("", ""));
+                (PodKey::new(ns, name, uid), key.node.clone())
+            })
+            .collect()
+    }
+
+    /// Every pool.
+    pub fn pools(&self) -> Vec<PoolView> {
+        guard(&self.inv).views()
+    }
+
+    /// One pool.
+    pub fn pool(&self, key: &PoolKey) -> Option<PoolView> {
+        guard(&self.inv).view(key)
+    }
+
+    /// Creates ports until the pool has `count` spare ones (within its maximum); returns the pool.
+    pub async fn populate(&self, key: &PoolKey, count: u32) -> Result<PoolView, ClusterError> {
+        let n = guard(&self.inv).top_up(key, count, self.limits);
+        let joined = self.create_into_pool(key, n).await?;
+        tracing::info!(node = %key.node, asked = count, created = joined, "pool populated");
+        let view = guard(&self.inv).view(key);
+        Ok(view.unwrap_or_else(|| PoolView {
+            key: key.clone(),
+            free: Vec::new(),
+            recycling: 0,
+            in_use: 0,
+            creating: 0,
+        }))
+    }
+
+    /// Deletes the free ports of the pools `which` selects; returns how many were deleted.
+    /// Ports whose deletion failed go back to their pool, and the first failure is returned.
+    pub async fn free(&self, which: impl Fn(&PoolKey) -> bool) -> Result<u32, ClusterError> {
+        let drained = guard(&self.inv).drain_free(which);
+        let results: Vec<_> = futures::stream::iter(drained)
+            .map(|(key, port)| async move {
+                let r = self.delete_port(&port.id, "freed").await;
+                (key, port, r)
+            })
+            .buffer_unordered(DELETE_CONCURRENCY)
+            .collect()
+            .await;
+        let mut deleted = 0;
+        let mut first_err = None;
+        for (key, port, r) in results {
+            match r {
+                Ok(()) => deleted += 1,
+                Err(e) => {
+                    guard(&self.inv).put_free(&key, port);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.gauges();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(deleted),
+        }
+    }
+
+    /// Runs the background work — the status poller, pool refills, and handing READY VIFs to
+    /// `on_ready` — until shutdown.
+    pub fn spawn(self: &Arc<Self>, refill: mpsc::UnboundedReceiver<PoolKey>, shutdown: Shutdown) {
+        let this = self.clone();
+        let sd = shutdown.clone();
+        tokio::spawn(async move { this.poll_status(sd).await }.instrument(tracing::info_span!("port-status")));
+        let this = self.clone();
+        tokio::spawn(async move { this.refills(refill, shutdown).await }.instrument(tracing::info_span!("pools")));
+    }
+
+    async fn refills(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<PoolKey>, shutdown: Shutdown) {
+        loop {
+            let key = tokio::select! {
+                k = rx.recv() => match k { Some(k) => k, None => return },
+                () = shutdown.clone().wait() => return,
+            };
+            if !guard(&self.filling).insert(key.clone()) {
+                continue;
+            }
+            let this = self.clone();
+            let span = tracing::info_span!("refill", node = %key.node);
+            tokio::spawn(
+                async move {
+                    let mut delay = Duration::from_millis(500);
+                    loop {
+                        let n = guard(&this.inv).refill(&key, this.limits);
+                        if n == 0 {
+                            break;
+                        }
+                        match this.create_into_pool(&key, n).await {
+                            Ok(joined) => {
+                                tracing::info!(created = joined, "pool refilled");
+                                if joined == 0 {
+                                    break;
+                                }
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %crate::cluster::chain(&e), retry_in = ?delay, "pool refill failed");
+                                tokio::time::sleep(delay).await;
+                                delay = (delay * 2).min(Duration::from_secs(30));
+                            }
+                        }
+                    }
+                    guard(&this.filling).remove(&key);
+                }
+                .instrument(span),
+            );
+        }
+    }
+
+    /// Chain for the channel of READY VIFs (the status poller sends, the allocator receives).
+    fn send_ready(&self, pod_uid: String, vif_id: String) {
+        let _ = self.ready_tx.send(ReadyVif { pod_uid, vif_id });
+    }
+}
+
+/// The name of a pod's port: `<namespace>/<name>`, what orphan collection reads back.
+fn port_name(pod: &PodKey) -> String {
+    format!("{}/{}", pod.namespace, pod.name)
+}
+
+impl VifBackend for NeutronBackend {
+    fn name(&self) -> &'static str {
+        vif::BACKEND
+    }
+
+    async fn allocate(&self, pod: &PodKey, node: &str) -> Result<VifRecord, ClusterError> {
+        if !self.is_recovered() {
+            return Err(ClusterError::NotReady("the Neutron ports are still being recovered".into()));
+        }
+        if let Some(port) = guard(&self.inv).held(&pod.uid).cloned() {
+            return self.record(&port);
+        }
+        let key = self.key_for(node);
+        let (port, source) = match self.take_from_pool(pod, &key).await? {
+            Some(p) => (p, "pool"),
+            None => self.create_for(pod, node).await?,
+        };
+        let record = self.record(&port);
+        guard(&self.inv).assign(&pod.uid, &key, port);
+        self.metrics.source(source);
+        let _ = self.refill_tx.send(key);
+        self.gauges();
+        record
+    }
+
+    async fn release(&self, pod: &PodKey, _node: &str) -> Result<bool, ClusterError> {
+        let (taken, keep) = {
+            let mut inv = guard(&self.inv);
+            let taken = inv.unassign(&pod.uid);
+            let keep = taken.as_ref().is_some_and(|(k, _)| inv.keeps(k, self.limits) && self.serves(k));
+            (taken, keep)
+        };
+        let Some((key, port)) = taken else { return Ok(false) };
+        guard(&self.watched).remove(&port.id);
+        let outcome = if keep {
+            let update = PortUpdate {
+                device_id: Some(String::new()),
+                name: Some(String::new()),
+                security_groups: (!self.security_groups.is_empty()).then(|| self.security_groups.clone()),
+                ..PortUpdate::default()
+            };
+            match self.neutron.update_port(&port.id, &update, None).await {
+                Ok(p) => {
+                    guard(&self.inv).put_recycling(&key, p, Instant::now());
+                    self.metrics.recycles.inc();
+                    self.wake.notify_one();
+                    Ok(())
+                }
+                Err(e) if e.is_not_found() => Ok(()),
+                Err(e) => Err(neutron_err(format!("recycling port {}", port.id))(e)),
+            }
+        } else {
+            match self.delete_port(&port.id, "released").await {
+                Err(ClusterError::Neutron { source, .. }) if source.is_not_found() => Ok(()),
+                other => other,
+            }
+        };
+        if let Err(e) = outcome {
+            guard(&self.inv).assign(&pod.uid, &key, port);
+            return Err(e);
+        }
+        self.gauges();
+        Ok(true)
+    }
+
+    fn ready_when_plugged(&self) -> bool {
+        false
+    }
+
+    fn watch_ready(&self, pod_uid: &str, vif_id: &str, watch: bool) {
+        let mut w = guard(&self.watched);
+        if watch {
+            w.insert(vif_id.to_string(), Watched { pod_uid: pod_uid.to_string(), since: Instant::now() });
+            drop(w);
+            self.wake.notify_one();
+        } else {
+            w.remove(vif_id);
+        }
+    }
+}

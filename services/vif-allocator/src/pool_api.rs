@@ -1,0 +1,168 @@
+//! The PoolManager gRPC service: list, show, populate and free the Neutron backend's port pools
+//! (in place of Kuryr's unix-socket pool manager). With the embedded backend every call answers
+//! UNIMPLEMENTED; with Neutron, UNAVAILABLE until the pools were recovered.
+
+use std::sync::{Arc, OnceLock};
+
+use kuryr_proto::allocator::v1::pool_manager_server::PoolManager;
+use kuryr_proto::allocator::v1::{
+    FreePoolRequest, FreePoolResponse, ListPoolsRequest, ListPoolsResponse, Pool, PoolKey, PopulatePoolRequest,
+};
+use tonic::{Request, Response, Status};
+
+use crate::cluster::{ClusterError, chain};
+use crate::neutron::NeutronBackend;
+use crate::neutron::pool::{self, PoolView};
+
+/// Most free ports one PopulatePool may ask for.
+pub const MAX_POPULATE: u32 = 1000;
+
+/// The Neutron backend, once it is connected (the server starts before that).
+pub type BackendCell = Arc<OnceLock<Arc<NeutronBackend>>>;
+
+const NO_POOLS: &str =
+    "port pools belong to the Neutron backend; this kuryr-vif-allocator runs the embedded IPAM, which has none";
+
+/// The PoolManager service.
+#[derive(Debug, Clone)]
+pub struct PoolApi {
+    /// `None` with the embedded backend.
+    backend: Option<BackendCell>,
+}
+
+impl PoolApi {
+    /// The service of an allocator with the embedded backend: everything UNIMPLEMENTED.
+    pub fn embedded() -> Self {
+        Self { backend: None }
+    }
+
+    /// The service of the Neutron backend in `cell`.
+    pub fn neutron(cell: BackendCell) -> Self {
+        Self { backend: Some(cell) }
+    }
+
+    fn backend(&self) -> Result<&Arc<NeutronBackend>, Status> {
+        let cell = self.backend.as_ref().ok_or_else(|| Status::unimplemented(NO_POOLS))?;
+        cell.get()
+            .filter(|b| b.is_recovered())
+            .ok_or_else(|| Status::unavailable("the Neutron ports are not recovered yet; try again shortly"))
+    }
+}
+
+/// Checks a pool key of a request (`field` names it), completing empty parts with the
+/// backend's own.
+fn key_of(backend: &NeutronBackend, field: &str, key: Option<&PoolKey>) -> Result<pool::PoolKey, Status> {
+    let key = key.ok_or_else(|| Status::invalid_argument(format!("{field}: required")))?;
+    let node = key.node_name.trim();
+    if node.is_empty() {
+        return Err(Status::invalid_argument(format!("{field}.node_name: required")));
+    }
+    if node.len() > 253 || !node.split('.').all(is_dns_label) {
+        return Err(Status::invalid_argument(format!("{field}.node_name: `{node}` is not a valid node name")));
+    }
+    if key.security_groups.iter().any(|s| s.trim().is_empty()) {
+        return Err(Status::invalid_argument(format!("{field}.security_groups: empty id in the list")));
+    }
+    Ok(backend.complete_key(node, key.project_id.trim(), key.network_id.trim(), &key.security_groups))
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn to_proto(v: PoolView, limits: pool::Limits) -> Pool {
+    Pool {
+        key: Some(PoolKey {
+            node_name: v.key.node,
+            project_id: v.key.project,
+            network_id: v.key.network,
+            security_groups: v.key.security_groups,
+        }),
+        free_port_ids: v.free,
+        in_use: v.in_use,
+        min: limits.min,
+        batch: limits.batch,
+        max: limits.max,
+    }
+}
+
+fn backend_status(e: &ClusterError) -> Status {
+    match e {
+        ClusterError::Neutron { source, .. } if source.is_transient() => Status::unavailable(chain(e)),
+        ClusterError::Neutron { source, .. } if matches!(**source, kuryr_openstack::Error::QuotaExceeded(_)) => {
+            Status::resource_exhausted(chain(e))
+        }
+        ClusterError::NotReady(_) => Status::unavailable(chain(e)),
+        _ => Status::internal(chain(e)),
+    }
+}
+
+#[tonic::async_trait]
+impl PoolManager for PoolApi {
+    async fn list_pools(&self, _: Request<ListPoolsRequest>) -> Result<Response<ListPoolsResponse>, Status> {
+        let b = self.backend()?;
+        let limits = b.limits();
+        Ok(Response::new(ListPoolsResponse { pools: b.pools().into_iter().map(|v| to_proto(v, limits)).collect() }))
+    }
+
+    async fn show_pool(&self, req: Request<PoolKey>) -> Result<Response<Pool>, Status> {
+        let b = self.backend()?;
+        let req = req.into_inner();
+        let key = key_of(b, "key", Some(&req))?;
+        let view = b.pool(&key).ok_or_else(|| Status::not_found(format!("no pool for {key:?}")))?;
+        Ok(Response::new(to_proto(view, b.limits())))
+    }
+
+    async fn populate_pool(&self, req: Request<PopulatePoolRequest>) -> Result<Response<Pool>, Status> {
+        let b = self.backend()?;
+        let req = req.into_inner();
+        let key = key_of(b, "key", req.key.as_ref())?;
+        if req.count == 0 || req.count > MAX_POPULATE {
+            return Err(Status::invalid_argument(format!("count: between 1 and {MAX_POPULATE}")));
+        }
+        if !b.serves(&key) {
+            return Err(Status::invalid_argument(format!(
+                "key: this allocator creates ports only for project {}, network {} and security groups {:?}",
+                b.key_for("").project,
+                b.network_id(),
+                b.key_for("").security_groups
+            )));
+        }
+        let view = b.populate(&key, req.count).await.map_err(|e| backend_status(&e))?;
+        Ok(Response::new(to_proto(view, b.limits())))
+    }
+
+    async fn free_pool(&self, req: Request<FreePoolRequest>) -> Result<Response<FreePoolResponse>, Status> {
+        let b = self.backend()?;
+        let req = req.into_inner();
+        let deleted = match req.key.as_ref() {
+            None => b.free(|_| true).await,
+            Some(k) => {
+                let key = key_of(b, "key", Some(k))?;
+                b.free(|kk| *kk == key).await
+            }
+        }
+        .map_err(|e| backend_status(&e))?;
+        tracing::info!(deleted, "pool ports freed");
+        Ok(Response::new(FreePoolResponse { deleted }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn embedded_allocators_have_no_pools_and_neutron_ones_wait_for_recovery() {
+        let api = PoolApi::embedded();
+        let e = api.list_pools(Request::new(ListPoolsRequest {})).await.err();
+        assert_eq!(e.map(|s| s.code()), Some(tonic::Code::Unimplemented));
+        let api = PoolApi::neutron(BackendCell::default());
+        let e = api.free_pool(Request::new(FreePoolRequest { key: None })).await.err();
+        assert_eq!(e.map(|s| s.code()), Some(tonic::Code::Unavailable));
+    }
+}

@@ -9,6 +9,7 @@
 
 pub mod attachments;
 pub mod cni;
+pub mod cniconf;
 pub mod lb;
 pub mod metrics;
 pub mod netns;
@@ -74,6 +75,12 @@ pub struct Config {
     #[arg(long, env = "KURYR_VIF_WAIT_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub vif_wait_timeout: Duration,
 
+    /// Write the runtime's CNI configuration (a conflist naming `kuryr-cni` and this binder's unix
+    /// socket) to this path once the binder can serve ADDs, e.g.
+    /// `/etc/cni/net.d/10-kuryr.conflist`; not written when unset.
+    #[arg(long, env = "KURYR_CNI_CONFLIST")]
+    pub cni_conflist: Option<PathBuf>,
+
     /// The OVS database for the `ovs` binding (passed to ovs-vsctl --db), e.g.
     /// unix:/run/openvswitch/db.sock; ovs-vsctl's default when unset.
     #[arg(long, env = "KURYR_OVS_DB")]
@@ -106,6 +113,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
+    if let Some(path) = &config.cni_conflist {
+        let socket = config.listen.iter().find_map(|l| match l {
+            ListenAddr::Unix(p) => Some(p.clone()),
+            ListenAddr::Tcp { .. } => None,
+        });
+        let socket =
+            socket.ok_or_else(|| anyhow::anyhow!("--cni-conflist needs a unix:/path in --listen for kuryr-cni"))?;
+        tokio::spawn(cniconf::write_when_live(vifs.clone(), path.clone(), socket, rt.shutdown()));
+    }
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         tracing::info!(lbaas = target, "Service dataplane enabled");

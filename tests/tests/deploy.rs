@@ -1,0 +1,107 @@
+//! The install manifests: each kustomize overlay renders, the real API server accepts every object
+//! (`kubectl apply --dry-run=server -k`), and every container's command line is accepted by the
+//! binary it runs — so a renamed or removed flag breaks this test, not a user's rollout.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::services::bin_path;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn kubectl(kubeconfig: Option<&Path>, args: &[&str]) -> (bool, String) {
+    let mut cmd = std::process::Command::new("kubectl");
+    if let Some(k) = kubeconfig {
+        cmd.arg("--kubeconfig").arg(k);
+    }
+    let out = cmd.args(args).current_dir(repo()).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// The objects of an overlay as the API server accepts them (`apply --dry-run=server`, as JSON).
+fn dry_run(kubeconfig: &Path, overlay: &str) -> Vec<serde_json::Value> {
+    let (ok, out) = kubectl(
+        Some(kubeconfig),
+        &["apply", "--dry-run=server", "-o", "json", "-k", &format!("deploy/overlays/{overlay}")],
+    );
+    assert!(ok, "{overlay}: the API server refused: {out}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{overlay}: {e}: {out}"));
+    list["items"].as_array().unwrap().clone()
+}
+
+fn kinds(objs: &[serde_json::Value], kind: &str) -> Vec<String> {
+    let mut v: Vec<String> = objs
+        .iter()
+        .filter(|o| o["kind"] == kind)
+        .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Runs each container's binary with the manifest's arguments (and the env values that name flags
+/// are checked the same way by clap) plus `--help`: clap parses every argument before it acts on
+/// `--help`, so an unknown flag or a bad value fails.
+fn check_command_lines(overlay: &str, objs: &[serde_json::Value]) {
+    let mut checked = 0;
+    for o in objs.iter().filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet") {
+        for c in o["spec"]["template"]["spec"]["containers"].as_array().unwrap() {
+            let command = c["command"][0].as_str().unwrap();
+            let bin = Path::new(command).file_name().unwrap().to_str().unwrap();
+            let args: Vec<&str> = c["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+            let out = std::process::Command::new(bin_path(bin).unwrap())
+                .args(&args)
+                .arg("--help")
+                .env_clear()
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{overlay}: {bin} rejects the manifest's arguments {args:?}:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4, "{overlay}: expected 4 service containers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries() {
+    let kube = KubeEnv::start().await.unwrap();
+    let kc = kube.kubeconfig_path();
+    // Server-side dry run needs the namespace to exist for namespaced objects.
+    let (ok, out) = kubectl(Some(kc), &["apply", "-f", "deploy/base/namespace.yaml"]);
+    assert!(ok, "{out}");
+    for overlay in ["embedded", "openstack"] {
+        let objs = dry_run(kc, overlay);
+        assert_eq!(
+            kinds(&objs, "CustomResourceDefinition"),
+            [
+                "addressblocks.kuryr.openstack.org",
+                "podnetworks.kuryr.openstack.org",
+                "podvifs.kuryr.openstack.org",
+                "serviceloadbalancers.kuryr.openstack.org"
+            ]
+        );
+        assert_eq!(
+            kinds(&objs, "ServiceAccount"),
+            ["kuryr-binder", "kuryr-lbaas", "kuryr-vif-allocator", "kuryr-watcher"]
+        );
+        assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-vif-allocator", "kuryr-watcher"]);
+        assert_eq!(kinds(&objs, "DaemonSet"), ["kuryr-binder"]);
+        // Each service runs under its own account, and the binder mounts no token.
+        for o in objs.iter().filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet") {
+            let name = o["metadata"]["name"].as_str().unwrap();
+            assert_eq!(o["spec"]["template"]["spec"]["serviceAccountName"], name, "{overlay}: {name}");
+            assert_eq!(o["metadata"]["namespace"], "kuryr-system", "{overlay}: {name}");
+        }
+        let binder = objs.iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+        assert_eq!(binder["spec"]["template"]["spec"]["automountServiceAccountToken"], false);
+        check_command_lines(overlay, &objs);
+    }
+}

@@ -48,6 +48,7 @@ bench: tools
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
 	$(MAKE) --no-print-directory bench-e2e
+	$(MAKE) --no-print-directory bench-octavia
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
 ## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
@@ -57,6 +58,15 @@ bench-e2e: tools
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/e2e-bench
+
+## bench-octavia: kuryr-lbaas --backend octavia against a real Octavia, optimised: endpoint change →
+## load balancer converged and recorded, Octavia's own processing vs the rest, Octavia API calls per
+## change (BENCH_OCTAVIA_ROUNDS, BENCH_OCTAVIA_MEMBERS)
+.PHONY: bench-octavia
+bench-octavia: tools openstack
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-lbaas -p kuryr-tests --bin kuryr-watcher --bin kuryr-lbaas --bin octavia-bench
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-lbaas target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/octavia-bench
 
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack

@@ -560,13 +560,25 @@ impl Inner {
                 tree.listeners.retain(|l| l.id != id);
             }
             Step::CreateListener(w) => {
+                // Octavia 19 fails (500) on a default pool inside a single listener create: the
+                // listener first, then its pool (and members) as the next changes.
+                let mut body = w.listener_create(&want.tags, Some(lb_id.to_string()));
+                body.default_pool = None;
                 let l = self
                     .octavia
-                    .create_listener(&w.listener_create(&want.tags, Some(lb_id.to_string())))
+                    .create_listener(&body)
                     .await
                     .map_err(|e| failed(&format!("creating listener {}", w.name), e))?;
-                let pool = l.default_pool_id.clone().map(|id| built_pool(id, &w));
-                tree.listeners.push(ObservedListener { id: l.id, protocol: l.protocol, port: l.protocol_port, pool });
+                tree.listeners.push(ObservedListener {
+                    id: l.id.clone(),
+                    protocol: l.protocol,
+                    port: l.protocol_port,
+                    pool: None,
+                });
+                self.metrics.changed(kind);
+                self.settle_change(lb_id, kind, t).await?;
+                let step = Step::CreatePool { listener_id: l.id, listener: w };
+                return Box::pin(self.apply(lb_id, want, step, tree, t)).await;
             }
             Step::CreatePool { listener_id, listener: w } => {
                 // Octavia 19 fails (500) on members inside a single pool create: the pool first,

@@ -12,9 +12,11 @@
 //!   address family (the amphora's LVS cannot mix them).
 //! - [`plan`] compares with what Octavia holds and lists the changes, each one a separate call
 //!   after which the load balancer is immutable until ACTIVE again: deletions first (freeing
-//!   ports), then new listeners (with their pool and members in the same call), pools missing
-//!   under existing listeners, persistence updates, and a batch member update per pool whose
-//!   members differ.
+//!   ports), then new listeners and pools missing under existing listeners, persistence updates,
+//!   and a batch member update per pool whose members differ. (A new listener on an existing
+//!   load balancer is three changes — listener, pool, members — because Octavia 19 answers 500
+//!   to a pool or members nested in a single listener or pool create; only the load balancer's
+//!   fully-populated create takes the whole tree.)
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -190,7 +192,8 @@ impl DesiredListener {
         }
     }
 
-    /// The listener with its pool and members: one call creates all three.
+    /// The listener with its pool and members, as a fully-populated load balancer create nests
+    /// it.
     pub fn listener_create(&self, tags: &[String], loadbalancer_id: Option<String>) -> ListenerCreate {
         ListenerCreate {
             name: Some(self.name.clone()),
@@ -276,7 +279,7 @@ pub enum Step {
         /// For logs.
         name: String,
     },
-    /// A new listener with its pool and members, in one call.
+    /// A new listener, then its pool and members.
     CreateListener(DesiredListener),
     /// A pool (with its members) under a listener that lost its pool.
     CreatePool {

@@ -1,0 +1,630 @@
+//! kuryr-lbaas with `--backend octavia` as users run it: its own process under the
+//! `kuryr-lbaas` ServiceAccount (deploy/rbac), fed by a real kuryr-watcher, against a real
+//! kube-apiserver and a real Octavia (API + worker over RabbitMQ, amphora provider with the
+//! no-op drivers, tests/env/openstack). Everything is read back from Octavia's own API.
+//!
+//! The life of a Service's load balancer: created in one fully-populated call with a listener
+//! and a named pool per port and the ready endpoints as members, recorded ACTIVE at its
+//! generation; endpoint churn → one batch member update per changed pool; ports added and
+//! removed → listeners and pools follow; a pool and a whole load balancer deleted behind lbaas'
+//! back → recreated by the drift pass; kill -9 and restart → the load balancer adopted (no
+//! second one) and an orphan of this cluster removed; the Octavia worker and then the API
+//! stopped in the middle of a change → retries with backoff, failures reported (status,
+//! metrics, Events), convergence once they return; Service deleted → cascade delete, record and
+//! finalizer gone.
+//!
+//! Members carry no `subnet_id`: with the no-op network driver, removing a member whose subnet
+//! is the VIP subnet fails inside the worker (tests/env/openstack, RECIPES), which real Neutron
+//! does not do.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
+use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
+use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root, unique_id};
+use serde_json::{Value, json};
+
+/// Bound on one convergence: Octavia takes 0.3–4 s per change on an idle machine, several
+/// times that on a loaded one.
+const CONVERGE: Duration = Duration::from_secs(120);
+/// Bound on becoming SERVING.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
+const FINALIZER: &str = "kuryr.openstack.org/lbaas";
+const NS: &str = "lbo";
+/// The project owning the load balancers (Octavia runs with noauth: any id will do).
+const PROJECT: &str = "5b0c8e1f3a2d4c6b9e7f1a2b3c4d5e6f";
+/// Any id is a VIP subnet for the no-op network driver.
+const VIP_SUBNET: &str = "6d1f5a2c-9b3e-4c7d-8e0f-1a2b3c4d5e6f";
+
+struct Cluster {
+    _env: KubeEnv,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    lbaas_kubeconfig: PathBuf,
+}
+
+async fn cluster() -> Cluster {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for n in ["kuryr-system", NS] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
+    }
+    for (file, _) in crd::crds() {
+        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
+    }
+    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    for (_, c) in crd::crds() {
+        let name = c.metadata.name.unwrap();
+        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
+            let c = crds.get(&name).await?;
+            let ok = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established");
+            anyhow::ensure!(ok, "not yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
+    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
+    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+}
+
+struct Svc {
+    proc: ServiceProcess,
+    addr: String,
+    metrics_url: String,
+}
+
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
+    let mport = free_port().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), format!("127.0.0.1:{mport}")]);
+    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+}
+
+impl Cluster {
+    fn watcher(&self) -> Svc {
+        spawn(
+            "kuryr-watcher",
+            vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()],
+            self.dir.path(),
+        )
+    }
+
+    fn lbaas(&self, watcher: &Svc, octavia_url: &str, cluster_name: &str) -> Svc {
+        let args = [
+            "--kubeconfig",
+            &self.lbaas_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "octavia",
+            "--octavia-url",
+            octavia_url,
+            "--os-project-id",
+            PROJECT,
+            "--vip-subnet-id",
+            VIP_SUBNET,
+            "--cluster-name",
+            cluster_name,
+            "--drift-interval",
+            "3s",
+            "--octavia-active-timeout",
+            "8s",
+            "--log",
+            "info,kuryr_lbaas=debug",
+        ];
+        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
+    }
+
+    fn services(&self) -> Api<Service> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn records(&self) -> Api<ServiceLoadBalancer> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    async fn put_slice(&self, name: &str, service: &str, ports: Value, eps: Value) {
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "ports": ports,
+            "endpoints": eps,
+        }))
+        .unwrap();
+        let api: Api<EndpointSlice> = Api::namespaced(self.admin.clone(), NS);
+        match api.get_opt(name).await.unwrap() {
+            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
+            Some(old) => {
+                let mut slice = slice;
+                slice.metadata.resource_version = old.metadata.resource_version;
+                api.replace(name, &PostParams::default(), &slice).await.unwrap();
+            }
+        }
+    }
+
+    /// The record once it is ACTIVE at its current generation.
+    async fn converged(&self, name: &str, lbaas: &Svc) -> ServiceLoadBalancer {
+        wait_until(&format!("{name}'s record ACTIVE at its generation"), CONVERGE, || async {
+            let r = self.records().get(name).await?;
+            let st = r.status.clone().unwrap_or_default();
+            anyhow::ensure!(
+                st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
+                "{st:?} at generation {:?}",
+                r.metadata.generation
+            );
+            Ok(r)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)))
+    }
+
+    async fn events_about(&self, name: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.admin.clone(), NS);
+        let all = events.list(&ListParams::default()).await.unwrap().items;
+        all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
+    }
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+impl Svc {
+    async fn wait_serving(&self) {
+        wait_until("kuryr-lbaas SERVING", PHASE_TIMEOUT, || async {
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+    }
+
+    async fn metrics(&self) -> String {
+        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
+        assert!(out.status.success(), "GET {} failed", self.metrics_url);
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// The sum of the samples of `name` whose labels contain every one of `labels`.
+    async fn metric(&self, name: &str, labels: &[&str]) -> f64 {
+        sum_metric(&self.metrics().await, name, labels)
+    }
+}
+
+fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Octavia's API read directly, as an operator would.
+#[derive(Clone)]
+struct OctaviaApi {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl OctaviaApi {
+    fn new(url: &str) -> Self {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        Self { http, base: format!("{url}/v2/lbaas") }
+    }
+
+    async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
+        let resp = self.http.get(format!("{}/{path}", self.base)).header("X-Project-Id", PROJECT).send().await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await.unwrap_or(Value::Null)))
+    }
+
+    async fn ok(&self, path: &str) -> anyhow::Result<Value> {
+        let (status, body) = self.get(path).await?;
+        anyhow::ensure!(status == 200, "GET {path}: {status} {body}");
+        Ok(body)
+    }
+
+    async fn delete(&self, path: &str) -> u16 {
+        let resp = self.http.delete(format!("{}/{path}", self.base)).header("X-Project-Id", PROJECT).send().await;
+        resp.unwrap().status().as_u16()
+    }
+
+    /// Load balancers carrying `tag`.
+    async fn lbs_tagged(&self, tag: &str) -> anyhow::Result<Vec<Value>> {
+        let body = self.ok(&format!("loadbalancers?tags={}", urlencode(tag))).await?;
+        Ok(body["loadbalancers"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Listeners as `PROTO:port`, and per listener its pool's members as `address:port`.
+    async fn tree(&self, lb: &str) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+        let listeners = self.ok(&format!("listeners?loadbalancer_id={lb}")).await?;
+        let mut out = Vec::new();
+        for l in listeners["listeners"].as_array().cloned().unwrap_or_default() {
+            let name = format!("{}:{}", l["protocol"].as_str().unwrap(), l["protocol_port"]);
+            let mut members = Vec::new();
+            match l["default_pool_id"].as_str() {
+                Some(pool) => {
+                    let ms = self.ok(&format!("pools/{pool}/members")).await?;
+                    for m in ms["members"].as_array().cloned().unwrap_or_default() {
+                        anyhow::ensure!(m["provisioning_status"] == "ACTIVE", "member not ACTIVE: {m}");
+                        members.push(format!("{}:{}", m["address"].as_str().unwrap(), m["protocol_port"]));
+                    }
+                }
+                None => members.push("(no pool)".into()),
+            }
+            members.sort();
+            out.push((name, members));
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Waits until the load balancer `lb` is ACTIVE with exactly `want`.
+    async fn wait_tree(&self, lb: &str, want: &[(&str, &[&str])], lbaas: &Svc) {
+        let want: Vec<(String, Vec<String>)> =
+            want.iter().map(|(l, ms)| (l.to_string(), ms.iter().map(ToString::to_string).collect())).collect();
+        wait_until(&format!("load balancer {lb} with {want:?}"), CONVERGE, || async {
+            let body = self.ok(&format!("loadbalancers/{lb}")).await?;
+            anyhow::ensure!(body["loadbalancer"]["provisioning_status"] == "ACTIVE", "{}", body["loadbalancer"]);
+            let have = self.tree(lb).await?;
+            anyhow::ensure!(have == want, "have {have:?}");
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+fn endpoint(addr: &str, ready: bool, pod: &str) -> Value {
+    json!({
+        "addresses": [addr],
+        "conditions": {"ready": ready, "serving": ready, "terminating": false},
+        "nodeName": "n1",
+        "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
+    })
+}
+
+fn backend_id(r: &ServiceLoadBalancer) -> String {
+    r.status.as_ref().and_then(|s| s.backend_id.clone()).unwrap_or_default()
+}
+
+const REPLACE: &str = r#"operation="members.replace""#;
+const CREATE: &str = r#"operation="loadbalancers.create""#;
+const REQUESTS: &str = "openstack_requests_total";
+
+#[tokio::test]
+async fn services_become_octavia_load_balancers_that_converge_through_faults() {
+    let started = Instant::now();
+    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let os = os.unwrap();
+    eprintln!("API server and Octavia up in {:?}", started.elapsed());
+    let octavia_url = os.octavia_url().unwrap().to_string();
+    let api = OctaviaApi::new(&octavia_url);
+    let cluster_name = format!("t{}", unique_id());
+    let cluster_tag = format!("kuryr-cluster={cluster_name}");
+    let web_tag = format!("kuryr-service={NS}/web");
+
+    let watcher = c.watcher();
+    let mut lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name);
+    lbaas.wait_serving().await;
+    // The API server's own `default/kubernetes` Service gets a load balancer too; counts of
+    // calls below start once it has one.
+    wait_until("default/kubernetes ACTIVE", CONVERGE, || async {
+        let api: Api<ServiceLoadBalancer> = Api::namespaced(c.admin.clone(), "default");
+        let st = api.get("kubernetes").await?.status.unwrap_or_default();
+        anyhow::ensure!(st.provisioning_status.as_deref() == Some("ACTIVE"), "{st:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    let creates = lbaas.metric(REQUESTS, &[CREATE]).await;
+
+    // A Service with two ports; two ready endpoints and one that is not.
+    let svc: Service = serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"ports": [
+        {"name": "http", "port": 80, "targetPort": 8080},
+        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+    ]}}))
+    .unwrap();
+    let web = c.services().create(&PostParams::default(), &svc).await.unwrap();
+    let uid = web.metadata.uid.clone().unwrap();
+    let vip = web.spec.as_ref().unwrap().cluster_ip.clone().unwrap();
+    let both =
+        json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
+    let created = Instant::now();
+    c.put_slice(
+        "web-a",
+        "web",
+        both.clone(),
+        json!([
+            endpoint("10.244.0.5", true, "a"),
+            endpoint("10.244.0.6", true, "b"),
+            endpoint("10.244.0.9", false, "c")
+        ]),
+    )
+    .await;
+    let record = c.converged("web", &lbaas).await;
+    eprintln!("Service created → load balancer ACTIVE and recorded: {:?}", created.elapsed());
+    let lb = backend_id(&record);
+    assert!(!lb.is_empty(), "{record:?}");
+    let body = api.ok(&format!("loadbalancers/{lb}")).await.unwrap();
+    let l = &body["loadbalancer"];
+    assert_eq!(l["vip_address"], vip.as_str(), "{l}");
+    assert_eq!(l["vip_subnet_id"], VIP_SUBNET);
+    assert_eq!(l["name"], format!("{cluster_name}/{NS}/web"));
+    let tags: BTreeSet<&str> = l["tags"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let want_tags = [cluster_tag.clone(), format!("kuryr-service={NS}/web"), format!("kuryr-service-uid={uid}")];
+    assert!(want_tags.iter().all(|t| tags.contains(t.as_str())), "{tags:?}");
+    api.wait_tree(
+        &lb,
+        &[("TCP:80", &["10.244.0.5:8080", "10.244.0.6:8080"]), ("UDP:53", &["10.244.0.5:5353", "10.244.0.6:5353"])],
+        &lbaas,
+    )
+    .await;
+    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "one fully-populated create");
+    assert_eq!(lbaas.metric(REQUESTS, &[r#"operation="listeners.create""#]).await, 0.0);
+    assert!(
+        c.services().get("web").await.unwrap().metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER)
+    );
+    let got = LoadBalancersClient::new(kuryr_runtime::client::channel(&lbaas.addr).unwrap())
+        .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (got.backend.as_str(), got.backend_id.as_str(), got.provisioning_status.as_str()),
+        ("octavia", lb.as_str(), "ACTIVE")
+    );
+    assert_eq!(got.observed_generation, u64::try_from(record.metadata.generation.unwrap()).unwrap());
+
+    // Endpoint churn. A change in the slice of both ports: one batch update per pool, two.
+    let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
+    let changed = Instant::now();
+    c.put_slice(
+        "web-a",
+        "web",
+        both.clone(),
+        json!([
+            endpoint("10.244.0.5", true, "a"),
+            endpoint("10.244.0.7", true, "d"),
+            endpoint("10.244.0.9", true, "c")
+        ]),
+    )
+    .await;
+    api.wait_tree(
+        &lb,
+        &[
+            ("TCP:80", &["10.244.0.5:8080", "10.244.0.7:8080", "10.244.0.9:8080"]),
+            ("UDP:53", &["10.244.0.5:5353", "10.244.0.7:5353", "10.244.0.9:5353"]),
+        ],
+        &lbaas,
+    )
+    .await;
+    c.converged("web", &lbaas).await;
+    eprintln!("endpoint change (2 pools) → converged and recorded: {:?}", changed.elapsed());
+    assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 2.0, "one member PUT per changed pool");
+    // A slice serving only the http port: one pool changes, one PUT.
+    let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
+    let changed = Instant::now();
+    c.put_slice(
+        "web-b",
+        "web",
+        json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
+        json!([endpoint("10.244.1.3", true, "e")]),
+    )
+    .await;
+    api.wait_tree(
+        &lb,
+        &[
+            ("TCP:80", &["10.244.0.5:8080", "10.244.0.7:8080", "10.244.0.9:8080", "10.244.1.3:8081"]),
+            ("UDP:53", &["10.244.0.5:5353", "10.244.0.7:5353", "10.244.0.9:5353"]),
+        ],
+        &lbaas,
+    )
+    .await;
+    c.converged("web", &lbaas).await;
+    eprintln!("endpoint change (1 pool) → converged and recorded: {:?}", changed.elapsed());
+    assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
+    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
+    let m = lbaas.metrics().await;
+    for want in [
+        r#"kuryr_lbaas_octavia_changes_total{kind="members_replace"}"#,
+        r#"kuryr_lbaas_octavia_active_seconds_count{kind="lb_create"}"#,
+        r#"kuryr_lbaas_octavia_calls_per_reconcile_count{outcome="changed"}"#,
+        "kuryr_lbaas_octavia_overhead_seconds_count",
+    ] {
+        assert!(
+            m.contains(want),
+            "metrics lack `{want}`:\n{}",
+            m.lines().filter(|l| l.contains("octavia")).collect::<Vec<_>>().join("\n")
+        );
+    }
+
+    // Ports change: dns goes, https comes; its listener and pool follow.
+    let patch = json!({"spec": {"ports": [
+        {"name": "http", "port": 80, "targetPort": 8080},
+        {"name": "https", "port": 443, "targetPort": 8443},
+    ]}});
+    c.services().patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    c.put_slice(
+        "web-a",
+        "web",
+        json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "https", "port": 8443, "protocol": "TCP"}]),
+        json!([endpoint("10.244.0.5", true, "a")]),
+    )
+    .await;
+    let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.3:8081"];
+    api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
+    c.converged("web", &lbaas).await;
+
+    // Drift: a pool deleted behind lbaas' back is created again by the periodic pass.
+    let listeners = api.ok(&format!("listeners?loadbalancer_id={lb}")).await.unwrap();
+    let https = listeners["listeners"].as_array().unwrap().iter().find(|l| l["protocol_port"] == 443).unwrap().clone();
+    let pool = https["default_pool_id"].as_str().unwrap().to_string();
+    assert_eq!(api.delete(&format!("pools/{pool}")).await, 204);
+    api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
+    let listeners = api.ok(&format!("listeners?loadbalancer_id={lb}")).await.unwrap();
+    let new_pool = listeners["listeners"].as_array().unwrap().iter().find(|l| l["protocol_port"] == 443).unwrap()
+        ["default_pool_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(new_pool, pool, "the pool was not re-created");
+
+    // Drift: the whole load balancer deleted out of band is created again.
+    assert_eq!(api.delete(&format!("loadbalancers/{lb}?cascade=true")).await, 204);
+    let deleted = Instant::now();
+    let record = wait_until("a new load balancer recorded", CONVERGE, || async {
+        let r = c.records().get("web").await?;
+        anyhow::ensure!(!backend_id(&r).is_empty() && backend_id(&r) != lb, "still {}", backend_id(&r));
+        Ok(r)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    let lb = backend_id(&record);
+    api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
+    eprintln!("load balancer deleted out of band → re-created: {:?}", deleted.elapsed());
+    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 2.0);
+
+    // kill -9 and restart. Meanwhile an orphan of this cluster appears (its Service is gone).
+    lbaas.proc.kill().await.unwrap();
+    let orphan = api
+        .http
+        .post(format!("{}/loadbalancers", api.base))
+        .header("X-Project-Id", PROJECT)
+        .json(&json!({"loadbalancer": {
+            "name": "orphan", "vip_subnet_id": VIP_SUBNET,
+            "tags": [cluster_tag.clone(), format!("kuryr-service={NS}/ghost"), "kuryr-service-uid=gone"],
+        }}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(orphan.status().as_u16(), 201);
+    let orphan: Value = orphan.json().await.unwrap();
+    let orphan = orphan["loadbalancer"]["id"].as_str().unwrap().to_string();
+    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name);
+    lbaas.wait_serving().await;
+    wait_until("the orphan deleted, web's load balancer adopted", CONVERGE, || async {
+        let (status, body) = api.get(&format!("loadbalancers/{orphan}")).await?;
+        anyhow::ensure!(status == 404 || body["loadbalancer"]["provisioning_status"] == "DELETED", "orphan: {status}");
+        let ours: Vec<String> = api
+            .lbs_tagged(&web_tag)
+            .await?
+            .iter()
+            .filter(|l| l["provisioning_status"] != "DELETED")
+            .map(|l| l["id"].as_str().unwrap_or_default().to_string())
+            .collect();
+        anyhow::ensure!(ours == [lb.clone()], "load balancers of the cluster: {ours:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    let record = c.converged("web", &lbaas).await;
+    assert_eq!(backend_id(&record), lb, "adopted, not replaced");
+    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await, 0.0, "the restarted lbaas created a load balancer");
+    assert!(lbaas.metric("kuryr_lbaas_octavia_orphans_deleted_total", &[]).await >= 1.0);
+
+    // The worker stops in the middle of a change: the load balancer stays PENDING_UPDATE, the
+    // wait times out (8 s here), is retried with backoff and reported; it converges once the
+    // worker is back.
+    os.stop_process("octavia-worker").await.unwrap();
+    let failures = lbaas.metric("kuryr_lbaas_failures_total", &[]).await;
+    c.put_slice(
+        "web-b",
+        "web",
+        json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
+        json!([endpoint("10.244.1.4", true, "f")]),
+    )
+    .await;
+    wait_until("the stalled change reported", CONVERGE, || async {
+        let r = c.records().get("web").await?;
+        let st = r.status.unwrap_or_default();
+        anyhow::ensure!(st.provisioning_status.as_deref() == Some("PENDING_UPDATE"), "{st:?}");
+        anyhow::ensure!(lbaas.metric("kuryr_lbaas_failures_total", &[]).await > failures, "no failure counted");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    os.start_process("octavia-worker").await.unwrap();
+    let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.4:8081"];
+    api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
+    c.converged("web", &lbaas).await;
+
+    // The API stops: calls fail to connect, are retried, reported as Events; converges after.
+    os.stop_process("octavia-api").await.unwrap();
+    let failures = lbaas.metric("kuryr_lbaas_failures_total", &[r#"reason="unavailable""#]).await;
+    c.put_slice(
+        "web-b",
+        "web",
+        json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
+        json!([endpoint("10.244.1.5", true, "g")]),
+    )
+    .await;
+    wait_until("failures while the API is down", CONVERGE, || async {
+        let n = lbaas.metric("kuryr_lbaas_failures_total", &[r#"reason="unavailable""#]).await;
+        anyhow::ensure!(n >= failures + 2.0, "{n} failures");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    let events = c.events_about("web").await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("LoadBalancerFailed") && e.type_.as_deref() == Some("Warning")),
+        "{events:?}"
+    );
+    assert!(lbaas.proc.pid().is_some_and(|p| Path::new(&format!("/proc/{p}")).exists()), "lbaas died");
+    os.start_process("octavia-api").await.unwrap();
+    let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.5:8081"];
+    api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
+    c.converged("web", &lbaas).await;
+
+    // Deletion: cascade delete, then the record and the finalizer go, and the Service with them.
+    c.services().delete("web", &DeleteParams::default()).await.unwrap();
+    wait_until("web, its record and its load balancer gone", CONVERGE, || async {
+        anyhow::ensure!(c.services().get_opt("web").await?.is_none(), "Service still there");
+        anyhow::ensure!(c.records().get_opt("web").await?.is_none(), "record still there");
+        let (status, _) = api.get(&format!("loadbalancers/{lb}")).await?;
+        anyhow::ensure!(status == 404, "load balancer answers {status}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    assert!(api.lbs_tagged(&web_tag).await.unwrap().iter().all(|l| l["provisioning_status"] == "DELETED"));
+    eprintln!("whole test {:?}", started.elapsed());
+}

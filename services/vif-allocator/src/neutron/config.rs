@@ -17,6 +17,11 @@ pub struct NeutronArgs {
     #[arg(long, env = "KURYR_OS_CLOUD")]
     pub os_cloud: Option<String>,
 
+    /// The clouds.yaml to read, instead of the standard search path (`OS_CLIENT_CONFIG_FILE`,
+    /// `./clouds.yaml`, `~/.config/openstack/`, `/etc/openstack/`).
+    #[arg(long, env = "KURYR_CLOUDS_YAML")]
+    pub clouds_yaml: Option<std::path::PathBuf>,
+
     /// Neutron's URL for deployments without Keystone (e.g. `http://neutron:9696`): requests
     /// carry no token and `--project-id` owns the ports. Replaces the cloud configuration.
     #[arg(long, env = "KURYR_NEUTRON_URL")]
@@ -150,7 +155,12 @@ impl NeutronArgs {
                 endpoint_overrides: BTreeMap::from([(ServiceType::Network, parsed)]),
             });
         }
-        CloudConfig::load(&ConfigSource::from_process(self.os_cloud.clone()))
+        let mut source = ConfigSource::from_process(self.os_cloud.clone());
+        if let Some(path) = &self.clouds_yaml {
+            anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
+            source.clouds_files = Some(vec![path.clone()]);
+        }
+        CloudConfig::load(&source)
             .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))
     }
 

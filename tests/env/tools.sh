@@ -3,6 +3,7 @@
 # ${KURYR_TOOLS_DIR:-/var/cache/kuryr-rs/bin}:
 #
 #   kube-apiserver  k8s.io/kubernetes v1.34.4          (module: go/kube)
+#   kube-controller-manager  the same release          (module: go/kcm)
 #   etcd            go.etcd.io/etcd/server/v3 v3.6.5   (module: go/etcd)
 #   grpcurl         github.com/fullstorydev/grpcurl v1.9.3 (module: go/grpcurl)
 #   cnitool         github.com/containernetworking/cni v1.3.0 (module: go/cnitool)
@@ -34,8 +35,8 @@ die() { log "error: $*"; exit 1; }
 # Prints "module-dir module package version extra-ldflags" for a tool name.
 tool_spec() {
     case "$1" in
-        kube-apiserver)
-            # The apiserver reports these in /version; without them it says v0.0.0-master.
+        kube-apiserver | kube-controller-manager)
+            # Both report these in /version and logs; without them they say v0.0.0-master.
             local v="${KUBE_VERSION#v}" major minor
             major="${v%%.*}"
             minor="${v#*.}"
@@ -45,7 +46,9 @@ tool_spec() {
                 x+=" -X ${pkg}.gitVersion=${KUBE_VERSION} -X ${pkg}.gitMajor=${major}"
                 x+=" -X ${pkg}.gitMinor=${minor} -X ${pkg}.gitTreeState=clean"
             done
-            echo "kube k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver ${KUBE_VERSION}${x}"
+            local moddir=kube
+            [[ $1 == kube-controller-manager ]] && moddir=kcm
+            echo "$moddir k8s.io/kubernetes k8s.io/kubernetes/cmd/$1 ${KUBE_VERSION}${x}"
             ;;
         etcd) echo "etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 ${ETCD_VERSION}" ;;
         grpcurl)
@@ -56,7 +59,7 @@ tool_spec() {
             echo "cnitool github.com/containernetworking/cni github.com/containernetworking/cni/cnitool" \
                 "${CNI_VERSION}"
             ;;
-        *) die "unknown tool '$1' (known: kube-apiserver etcd grpcurl cnitool)" ;;
+        *) die "unknown tool '$1' (known: kube-apiserver kube-controller-manager etcd grpcurl cnitool)" ;;
     esac
 }
 
@@ -87,6 +90,7 @@ build_tool() {
 
     local note=""
     [[ $name == kube-apiserver ]] && note=" (cold: 10-15 minutes on 2 cores; warm: seconds)"
+    [[ $name == kube-controller-manager ]] && note=" (after kube-apiserver, mostly from its Go build cache)"
     log "$name $version: building $pkg$note"
     local start=$SECONDS tmp="$TOOLS_DIR/.$name.tmp.$$"
     # -mod=readonly: the committed go.sum is the source of truth; a missing or changed hash fails.
@@ -108,7 +112,7 @@ command -v flock >/dev/null || die "'flock' (util-linux) is not on PATH"
 mkdir -p "$TOOLS_DIR" || die "cannot create the tools directory $TOOLS_DIR (set KURYR_TOOLS_DIR)"
 
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(kube-apiserver etcd grpcurl cnitool)
+[[ ${#tools[@]} -gt 0 ]] || tools=(kube-apiserver kube-controller-manager etcd grpcurl cnitool)
 for t in "${tools[@]}"; do tool_spec "$t" >/dev/null; done
 
 # One builder at a time per tools directory: test binaries starting concurrently may all find a

@@ -13,16 +13,23 @@
 //!   its unix socket), registered as a Node object (InternalIP = its underlay addresses, Ready)
 //!   and run by a [`Kubelet`].
 //!
+//! With [`ClusterOptions::services`], Services work too: the real `kube-controller-manager`
+//! running its EndpointSlice controller ([`controllers`]), `kuryr-lbaas` (node backend) under its
+//! ServiceAccount following the watcher, and every node's binder given `--lbaas`, so that it
+//! programs the Service dataplane (nftables table `inet kuryr`) in the node's namespace.
+//!
 //! [`Cluster::shutdown`] stops everything by pid in dependency order and deletes every network
 //! namespace and link it made; dropping a cluster does the same, best effort. What the cluster
 //! made on the host is also written down as it goes ([`Manifest`]), so that another process can
 //! remove it after this one died.
 
 pub mod checks;
+pub mod controllers;
 mod manifest;
 pub mod preflight;
 pub mod reach;
 mod register;
+pub mod svc;
 mod underlay;
 
 use std::fmt;
@@ -45,6 +52,7 @@ use crate::kubelet::{Kubelet, KubeletOptions};
 use crate::node::Node;
 use crate::services::{ServiceProcess, bin_path, wait_until};
 use crate::util::{free_port, repo_root};
+use controllers::ControllerManager;
 use register::register_node;
 use underlay::Underlay;
 
@@ -54,6 +62,8 @@ pub const SYSTEM_NAMESPACE: &str = "kuryr-system";
 pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
 /// The allocator's ServiceAccount (`deploy/rbac/vif-allocator.yaml`).
 pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
+/// kuryr-lbaas's ServiceAccount (`deploy/rbac/lbaas.yaml`).
+pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
 /// Bound on a service turning SERVING after start.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a service gets to drain after SIGTERM.
@@ -93,6 +103,9 @@ pub struct ClusterOptions {
     pub kubelet: bool,
     /// Let the kubelets run the pods' containers too (see [`KubeletOptions::containers`]).
     pub run_containers: bool,
+    /// Services: kube-controller-manager (EndpointSlices), kuryr-lbaas, and `--lbaas` for the
+    /// binders.
+    pub services: bool,
     /// `--log` of the services.
     pub service_log: String,
     /// Start-up progress reports.
@@ -109,6 +122,7 @@ impl Default for ClusterOptions {
             underlay_id: u8::try_from(std::process::id() % 200 + 20).unwrap_or(20),
             kubelet: true,
             run_containers: false,
+            services: false,
             service_log: "info".into(),
             progress: None,
         }
@@ -124,6 +138,7 @@ impl fmt::Debug for ClusterOptions {
             .field("underlay_id", &self.underlay_id)
             .field("kubelet", &self.kubelet)
             .field("run_containers", &self.run_containers)
+            .field("services", &self.services)
             .finish_non_exhaustive()
     }
 }
@@ -186,8 +201,10 @@ pub struct ClusterNode {
 pub struct Cluster {
     kubelets: Vec<Kubelet>,
     nodes: Vec<ClusterNode>,
+    lbaas: Option<Service>,
     allocator: Service,
     watcher: Service,
+    controller_manager: Option<ControllerManager>,
     underlay: Underlay,
     client: kube::Client,
     manifest: Manifest,
@@ -203,6 +220,8 @@ impl fmt::Debug for Cluster {
             .field("nodes", &self.nodes)
             .field("watcher", &self.watcher)
             .field("allocator", &self.allocator)
+            .field("lbaas", &self.lbaas)
+            .field("controller_manager", &self.controller_manager)
             .field("underlay", &self.underlay)
             .field("kube", &self.kube)
             .finish_non_exhaustive()
@@ -250,6 +269,19 @@ impl Cluster {
         install_manifests(&kube).await?;
         progress.step("namespace kuryr-system, CRDs (Established), RBAC", t);
 
+        let controller_manager = if opts.services {
+            let t = Instant::now();
+            let kcm = ControllerManager::start(&kube, dir.path()).await?;
+            if let Some(pid) = kcm.pid() {
+                let exe = kcm.exe().to_path_buf();
+                progress.record(|m| m.processes.push(ProcessRecord { name: controllers::BINARY.into(), pid, exe }));
+            }
+            progress.step(&format!("kube-controller-manager ({}) healthy", controllers::CONTROLLERS), t);
+            Some(kcm)
+        } else {
+            None
+        };
+
         let t = Instant::now();
         let networks: Api<PodNetwork> = Api::all(client.clone());
         let network = PodNetwork::new(&opts.network, PodNetworkSpec::new(opts.network_cidrs.clone()));
@@ -293,6 +325,32 @@ impl Cluster {
         progress
             .step(&format!("kuryr-vif-allocator serving on {} and {}", allocator.tcp, allocator.socket.display()), t);
 
+        let lbaas = if opts.services {
+            let t = Instant::now();
+            let lbaas_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, LBAAS_ACCOUNT).await?;
+            let lbaas_args = [
+                "--kubeconfig".into(),
+                lbaas_config.display().to_string(),
+                "--watcher".into(),
+                watcher.unix_target(),
+                "--backend".into(),
+                "node".into(),
+            ];
+            let lbaas = start_service(
+                "kuryr-lbaas",
+                dir.path(),
+                &lbaas_args,
+                &opts.service_log,
+                service_names::LOAD_BALANCERS,
+                &progress,
+            )
+            .await?;
+            progress.step(&format!("kuryr-lbaas serving on {} and {}", lbaas.tcp, lbaas.socket.display()), t);
+            Some(lbaas)
+        } else {
+            None
+        };
+
         let t = Instant::now();
         let underlay = Underlay::new(opts.underlay_id)?;
         progress.record(|m| m.underlay_netns = Some(underlay.netns_name().to_string()));
@@ -300,7 +358,8 @@ impl Cluster {
 
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
-            start_node(name, i, &client, &underlay, &allocator, &opts, &progress)
+            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref() };
+            start_node(name, i, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
 
@@ -327,8 +386,10 @@ impl Cluster {
         Ok(Cluster {
             kubelets,
             nodes,
+            lbaas,
             allocator,
             watcher,
+            controller_manager,
             underlay,
             client,
             manifest,
@@ -384,6 +445,16 @@ impl Cluster {
         &self.allocator
     }
 
+    /// kuryr-lbaas (with [`ClusterOptions::services`]).
+    pub fn lbaas(&self) -> Option<&Service> {
+        self.lbaas.as_ref()
+    }
+
+    /// kube-controller-manager (with [`ClusterOptions::services`]).
+    pub fn controller_manager(&self) -> Option<&ControllerManager> {
+        self.controller_manager.as_ref()
+    }
+
     /// The PodNetwork's name.
     pub fn network(&self) -> &str {
         &self.network
@@ -416,6 +487,9 @@ impl Cluster {
             self.watcher.logs(),
             self.allocator.logs()
         );
+        if let Some(l) = &self.lbaas {
+            out.push_str(&format!("==== kuryr-lbaas\n{}\n", l.logs()));
+        }
         for n in &self.nodes {
             out.push_str(&format!("==== kuryr-binder {}\n{}\n", n.name, n.node.binder_logs()));
         }
@@ -428,7 +502,7 @@ impl Cluster {
     /// returns how long it took. Every step runs even if one fails; the errors are combined.
     pub async fn shutdown(self) -> Result<Duration> {
         let t = Instant::now();
-        let Cluster { kubelets, nodes, mut allocator, mut watcher, underlay, dir, kube, .. } = self;
+        let Cluster { kubelets, nodes, lbaas, allocator, watcher, controller_manager, underlay, dir, kube, .. } = self;
         drop(kubelets);
         let mut errors = Vec::new();
         let results = futures::future::join_all(nodes.into_iter().map(|n| async move {
@@ -437,10 +511,16 @@ impl Cluster {
         }))
         .await;
         errors.extend(results.into_iter().filter_map(Result::err));
-        for s in [&mut allocator, &mut watcher] {
+        for s in lbaas.into_iter().chain([allocator, watcher]) {
+            let mut s = s;
             if let Err(e) = s.process.terminate(STOP_TIMEOUT).await {
                 errors.push(e);
             }
+        }
+        if let Some(mut kcm) = controller_manager
+            && let Err(e) = kcm.stop(STOP_TIMEOUT).await
+        {
+            errors.push(e);
         }
         drop(underlay);
         drop(kube);
@@ -466,26 +546,29 @@ pub enum ServiceKind {
     Watcher,
     /// `kuryr-vif-allocator`.
     Allocator,
+    /// `kuryr-lbaas` (with [`ClusterOptions::services`]).
+    Lbaas,
 }
 
 impl Cluster {
-    fn service_mut(&mut self, kind: ServiceKind) -> &mut Service {
+    fn service_mut(&mut self, kind: ServiceKind) -> Result<&mut Service> {
         match kind {
-            ServiceKind::Watcher => &mut self.watcher,
-            ServiceKind::Allocator => &mut self.allocator,
+            ServiceKind::Watcher => Ok(&mut self.watcher),
+            ServiceKind::Allocator => Ok(&mut self.allocator),
+            ServiceKind::Lbaas => self.lbaas.as_mut().context("this cluster runs no kuryr-lbaas (services: false)"),
         }
     }
 
     /// Kills a service with SIGKILL, as a crash or an OOM kill would: no drain, no cleanup.
     pub async fn kill_service(&mut self, kind: ServiceKind) -> Result<()> {
-        self.service_mut(kind).process.kill().await
+        self.service_mut(kind)?.process.kill().await
     }
 
     /// Starts a service again with the command line it had (same addresses, same unix socket,
     /// left stale by a crash) and waits until it serves its API; its new pid joins the manifest.
     /// A service still running is killed first.
     pub async fn restart_service(&mut self, kind: ServiceKind) -> Result<()> {
-        let s = self.service_mut(kind);
+        let s = self.service_mut(kind)?;
         s.process.kill().await?;
         s.earlier_logs.push_str(&format!("{}---- restarted ----\n", s.process.logs()));
         let Launch { bin, args, dir, service } = s.launch.clone();
@@ -512,11 +595,25 @@ async fn install_manifests(kube: &KubeEnv) -> Result<()> {
         "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SYSTEM_NAMESPACE}\n  labels:\n    app.kubernetes.io/part-of: kuryr\n"
     ))
     .await?;
-    let crds = deploy.join("crds");
-    kube.apply_file(&crds).await?;
-    let crds = crds.to_str().context("path is not UTF-8")?;
-    kube.kubectl(&["wait", "--for=condition=Established", "--timeout=60s", "-f", crds]).await?;
-    kube.apply_file(&deploy.join("rbac")).await?;
+    // Both directories are kustomizations (their kustomization.yaml lists the manifests).
+    let (crds, rbac) = (deploy.join("crds"), deploy.join("rbac"));
+    let (crds, rbac) = (crds.to_str().context("path is not UTF-8")?, rbac.to_str().context("path is not UTF-8")?);
+    kube.kubectl(&["apply", "-k", crds]).await?;
+    // The CRDs the kustomization renders, waited for by name.
+    let rendered = kube.kubectl(&["kustomize", crds]).await?;
+    let crd_names: Vec<String> = rendered
+        .split("\n---")
+        .filter(|doc| doc.contains("kind: CustomResourceDefinition"))
+        .filter_map(|doc| {
+            let meta = doc.split("\nmetadata:").nth(1)?;
+            meta.lines().find_map(|l| l.strip_prefix("  name: ")).map(|n| format!("crd/{}", n.trim()))
+        })
+        .collect();
+    anyhow::ensure!(!crd_names.is_empty(), "{crds} renders no CustomResourceDefinition");
+    let mut wait = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+    wait.extend(crd_names.iter().map(String::as_str));
+    kube.kubectl(&wait).await?;
+    kube.kubectl(&["apply", "-k", rbac]).await?;
     Ok(())
 }
 
@@ -562,6 +659,13 @@ async fn start_service(
     Ok(s)
 }
 
+/// The services a node's binder follows.
+#[derive(Clone, Copy)]
+struct Upstream<'a> {
+    allocator: &'a Service,
+    lbaas: Option<&'a Service>,
+}
+
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
 /// then the shim, its conflist and the binder.
 async fn start_node(
@@ -569,7 +673,7 @@ async fn start_node(
     index: usize,
     client: &kube::Client,
     underlay: &Underlay,
-    allocator: &Service,
+    Upstream { allocator, lbaas }: Upstream<'_>,
     opts: &ClusterOptions,
     progress: &Progress,
 ) -> Result<ClusterNode> {
@@ -588,7 +692,10 @@ async fn start_node(
     progress.step(&format!("{name}: Node object registered (Ready, InternalIP {})", join(&ips)), t);
 
     let t = Instant::now();
-    let binder_args = ["--log".to_string(), opts.service_log.clone()];
+    let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
+    if let Some(lbaas) = lbaas {
+        binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
+    }
     let node = Node::with_containerd(ctd, &name, &allocator.unix_target(), &binder_args)
         .await
         .with_context(|| format!("{name}: kuryr-binder"))?;

@@ -113,6 +113,75 @@ impl KubeEnv {
         Ok(out)
     }
 
+    /// Writes a kubeconfig that authenticates as the user `user` in `groups` with a client
+    /// certificate signed by the cluster's CA — how control-plane components such as
+    /// kube-controller-manager (`system:kube-controller-manager`) are credentialed. The user's
+    /// rights are whatever RBAC grants that name (the bootstrap policy has roles for the
+    /// `system:` components). The key stays in the state directory's `pki/`.
+    pub async fn user_kubeconfig(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
+        anyhow::ensure!(
+            !user.is_empty() && user.chars().all(|c| c.is_ascii_alphanumeric() || ":-_.@".contains(c)),
+            "user name {user:?} must be non-empty ASCII letters, digits and :-_.@"
+        );
+        let pki = self.state_dir.join("pki");
+        let file = user.replace(':', "-");
+        let (key, csr, cert) =
+            (pki.join(format!("{file}.key")), pki.join(format!("{file}.csr")), pki.join(format!("{file}.crt")));
+        let ext = pki.join(format!("{file}.ext"));
+        let subject: String = groups.iter().map(|g| format!("/O={g}")).chain([format!("/CN={user}")]).collect();
+        std::fs::write(
+            &ext,
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n",
+        )?;
+        let p = |p: &Path| p.display().to_string();
+        let steps: [Vec<String>; 3] = [
+            ["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out"]
+                .iter()
+                .map(ToString::to_string)
+                .chain([p(&key)])
+                .collect(),
+            vec!["req".into(), "-new".into(), "-key".into(), p(&key), "-subj".into(), subject, "-out".into(), p(&csr)],
+            vec![
+                "x509".into(),
+                "-req".into(),
+                "-in".into(),
+                p(&csr),
+                "-CA".into(),
+                p(&pki.join("ca.crt")),
+                "-CAkey".into(),
+                p(&pki.join("ca.key")),
+                "-CAcreateserial".into(),
+                "-days".into(),
+                "365".into(),
+                "-sha256".into(),
+                "-extfile".into(),
+                p(&ext),
+                "-out".into(),
+                p(&cert),
+            ],
+        ];
+        for args in steps {
+            let mut cmd = Command::new("openssl");
+            cmd.args(&args);
+            run(cmd, None, KUBECTL_TIMEOUT).await.with_context(|| format!("a client certificate for {user}"))?;
+        }
+        let _ = std::fs::remove_file(&csr);
+        let _ = std::fs::remove_file(&ext);
+        // Paths rather than inlined data: the files stay in the state directory as long as the
+        // cluster does.
+        let kubeconfig = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: kuryr-test\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\nusers:\n- name: {file}\n  user:\n    client-certificate: {crt}\n    client-key: {key}\ncontexts:\n- name: {file}@kuryr-test\n  context:\n    cluster: kuryr-test\n    user: {file}\ncurrent-context: {file}@kuryr-test\n",
+            server = self.apiserver_url(),
+            ca = p(&pki.join("ca.crt")),
+            crt = p(&cert),
+            key = p(&key),
+        );
+        let out = self.state_dir.join("users").join(format!("{file}.kubeconfig"));
+        std::fs::create_dir_all(out.parent().context("no parent")?)?;
+        std::fs::write(&out, kubeconfig).with_context(|| format!("writing {}", out.display()))?;
+        Ok(out)
+    }
+
     /// A client authenticated as the ServiceAccount `ns/sa` (see
     /// [`service_account_kubeconfig`](Self::service_account_kubeconfig)).
     pub async fn service_account_client(&self, ns: &str, sa: &str) -> Result<kube::Client> {

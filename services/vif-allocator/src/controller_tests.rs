@@ -29,6 +29,10 @@ pub(crate) struct FakeState {
     /// Calls that fail, by name, and how many more times.
     fail: HashMap<&'static str, u32>,
     events: Vec<(String, &'static str)>,
+    /// Behave like a backend whose plugged VIFs wait for confirmation (Neutron).
+    confirmed_readiness: bool,
+    /// watch_ready calls: (vif id, watch).
+    watches: Vec<(String, bool)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -176,6 +180,12 @@ impl Cluster for Fake {
     }
     async fn warn(&self, pod: &PodKey, reason: &'static str, _note: String) {
         self.s().events.push((pod.uid.clone(), reason));
+    }
+    fn ready_when_plugged(&self) -> bool {
+        !self.s().confirmed_readiness
+    }
+    fn watch_ready(&self, _pod_uid: &str, vif_id: &str, watch: bool) {
+        self.s().watches.push((vif_id.to_string(), watch));
     }
 }
 
@@ -417,6 +427,53 @@ async fn plug_reports_are_checked_persisted_then_streamed() {
     assert_eq!(v.state(), PbState::Allocated);
     assert!(fake.s().allocations.contains_key("uid-a"));
     assert_eq!(deltas(&index), ["+a Allocated", "+a Ready", "+a Allocated"]);
+}
+
+#[tokio::test]
+async fn with_confirmed_readiness_a_plugged_vif_waits_for_the_backend() {
+    let Setup { fake, ctl, index, .. } = setup();
+    fake.s().confirmed_readiness = true;
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    let id = ctl.get_vif("uid-a").unwrap().vif_id.clone();
+    assert!(!ctl.mark_ready("uid-a", &id).await.unwrap(), "not plugged yet: nothing to confirm");
+
+    let v = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    assert_eq!(v.state(), PbState::Plugged);
+    assert_eq!(fake.s().watches, [(id.clone(), true)]);
+    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Plugged);
+    assert!(!ctl.mark_ready("uid-a", "net/other").await.unwrap(), "another VIF");
+    fake.s().fail.insert("record_state", 1);
+    assert!(ctl.mark_ready("uid-a", &id).await.is_err(), "an unrecorded READY is not streamed");
+    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Plugged);
+    assert!(ctl.mark_ready("uid-a", &id).await.unwrap());
+    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Ready);
+    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
+    // A repeated plug report keeps READY; unplugging stops the watch.
+    assert_eq!(ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap().state(), PbState::Ready);
+    assert_eq!(ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap().state(), PbState::Allocated);
+    assert_eq!(fake.s().watches.last(), Some(&(id.clone(), false)));
+    assert_eq!(deltas(&index), ["+a Allocated", "+a Plugged", "+a Ready", "+a Allocated"]);
+}
+
+#[test]
+fn neutron_failures_have_their_own_event_reasons() {
+    let quota = kuryr_openstack::Error::QuotaExceeded(kuryr_openstack::Fault {
+        service: kuryr_openstack::ServiceType::Network,
+        operation: "ports.create",
+        status: http::StatusCode::CONFLICT,
+        kind: Some("OverQuota".into()),
+        message: "Quota exceeded for resources: ['port']".into(),
+        request_id: None,
+    });
+    let e = ClusterError::Neutron { action: "creating a port".into(), source: Box::new(quota) };
+    assert_eq!((e.reason(), e.event_reason()), ("neutron_quota_exceeded", Some("NeutronQuotaExceeded")));
+    let e = ClusterError::BindingFailed { port: "p".into(), host: "n1".into() };
+    assert_eq!((e.reason(), e.event_reason()), ("binding_failed", Some("PortBindingFailed")));
+    assert!(chain(&e).contains("binding_failed"), "{}", chain(&e));
+    let e = ClusterError::Conflict("x".into());
+    assert_eq!(e.event_reason(), None, "the generic VifAllocationFailed");
 }
 
 #[tokio::test(start_paused = true)]

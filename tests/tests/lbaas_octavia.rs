@@ -13,12 +13,17 @@
 //! metrics, Events), convergence once they return; Service deleted → cascade delete, record and
 //! finalizer gone.
 //!
+//! type=LoadBalancer against real Neutron too: lbaas creates the VIP port in Neutron (the
+//! no-op network driver of Octavia would only invent a port id), Octavia takes it, and a
+//! floating IP from an external network behind a router lands on it and in the Service's
+//! `status.loadBalancer.ingress`; deleting the Service removes the floating IP and the port.
+//!
 //! Members carry no `subnet_id`: with the no-op network driver, removing a member whose subnet
 //! is the VIP subnet fails inside the worker (tests/env/openstack, RECIPES), which real Neutron
 //! does not do.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -29,6 +34,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_openstack::neutron::{ExternalGateway, NetworkCreate, RouterCreate, RouterInterface, SubnetCreate};
+use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, Metrics};
 use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
@@ -111,10 +118,11 @@ impl Cluster {
         )
     }
 
-    fn lbaas(&self, watcher: &Svc, octavia_url: &str, cluster_name: &str) -> Svc {
-        let args = [
+    fn lbaas(&self, watcher: &Svc, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
+        let kubeconfig = self.lbaas_kubeconfig.display().to_string();
+        let mut args = vec![
             "--kubeconfig",
-            &self.lbaas_kubeconfig.display().to_string(),
+            &kubeconfig,
             "--watcher",
             &watcher.addr,
             "--backend",
@@ -123,8 +131,6 @@ impl Cluster {
             octavia_url,
             "--os-project-id",
             PROJECT,
-            "--vip-subnet-id",
-            VIP_SUBNET,
             "--cluster-name",
             cluster_name,
             "--drift-interval",
@@ -134,6 +140,10 @@ impl Cluster {
             "--log",
             "info,kuryr_lbaas=debug",
         ];
+        if !extra.contains(&"--vip-subnet-id") {
+            args.extend(["--vip-subnet-id", VIP_SUBNET]);
+        }
+        args.extend_from_slice(extra);
         spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
     }
 
@@ -340,7 +350,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let web_tag = format!("kuryr-service={NS}/web");
 
     let watcher = c.watcher();
-    let mut lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name);
+    let mut lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &[]);
     lbaas.wait_serving().await;
     // The API server's own `default/kubernetes` Service gets a load balancer too; counts of
     // calls below start once it has one.
@@ -536,7 +546,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(orphan.status().as_u16(), 201);
     let orphan: Value = orphan.json().await.unwrap();
     let orphan = orphan["loadbalancer"]["id"].as_str().unwrap().to_string();
-    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name);
+    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &[]);
     lbaas.wait_serving().await;
     wait_until("the orphan deleted, web's load balancer adopted", CONVERGE, || async {
         let (status, body) = api.get(&format!("loadbalancers/{orphan}")).await?;
@@ -627,4 +637,112 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
     assert!(api.lbs_tagged(&web_tag).await.unwrap().iter().all(|l| l["provisioning_status"] == "DELETED"));
     eprintln!("whole test {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
+    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Neutron, OsService::Octavia]));
+    let os = os.unwrap();
+    let (octavia_url, neutron_url) = (os.octavia_url().unwrap().to_string(), os.neutron_url().unwrap().to_string());
+    let vars = HashMap::from([
+        ("OS_AUTH_TYPE".to_string(), "none".to_string()),
+        ("OS_PROJECT_ID".to_string(), PROJECT.to_string()),
+        ("OS_NETWORK_ENDPOINT_OVERRIDE".to_string(), neutron_url.clone()),
+    ]);
+    let client =
+        Client::new(&CloudConfig::from_env(&vars).unwrap(), ClientOptions::default(), Metrics::unregistered().into())
+            .unwrap();
+    let n = client.network();
+    // The Service network: the API server's Service range (10.96.0.0/16), its gateway away from
+    // the addresses Services get; behind a router to an external network.
+    let svc_net =
+        n.create_network(NetworkCreate { name: Some("services".into()), ..Default::default() }).await.unwrap();
+    let svc_sub = n
+        .create_subnet(SubnetCreate {
+            network_id: svc_net.id.clone(),
+            ip_version: 4,
+            cidr: Some("10.96.0.0/16".into()),
+            gateway_ip: Some("10.96.255.254".into()),
+            enable_dhcp: Some(false),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let ext = n
+        .create_network(NetworkCreate { name: Some("public".into()), external: Some(true), ..Default::default() })
+        .await
+        .unwrap();
+    n.create_subnet(SubnetCreate {
+        network_id: ext.id.clone(),
+        ip_version: 4,
+        cidr: Some("203.0.113.0/24".into()),
+        enable_dhcp: Some(false),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let router = n
+        .create_router(RouterCreate {
+            name: Some("services".into()),
+            external_gateway_info: Some(ExternalGateway { network_id: ext.id.clone(), enable_snat: None }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    n.add_router_interface(&router.id, &RouterInterface::SubnetId(svc_sub.id.clone())).await.unwrap();
+
+    let watcher = c.watcher();
+    let cluster_name = format!("f{}", unique_id());
+    let extra = [
+        "--vip-subnet-id",
+        &svc_sub.id,
+        "--neutron-url",
+        &neutron_url,
+        "--vip-network-id",
+        &svc_net.id,
+        "--vip-port-precreate",
+        "--floating-network-id",
+        &ext.id,
+    ];
+    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &extra);
+    lbaas.wait_serving().await;
+    let api = OctaviaApi::new(&octavia_url);
+
+    let svc: Service = serde_json::from_value(json!({"metadata": {"name": "pub"}, "spec": {
+        "type": "LoadBalancer", "clusterIP": "10.96.7.7", "ports": [{"port": 80, "targetPort": 8080}]}}))
+    .unwrap();
+    c.services().create(&PostParams::default(), &svc).await.unwrap();
+    c.put_slice("pub-a", "pub", json!([{"port": 8080, "protocol": "TCP"}]), json!([endpoint("10.244.2.5", true, "a")]))
+        .await;
+    let record = c.converged("pub", &lbaas).await;
+    let ingress = record.status.as_ref().and_then(|s| s.ingress_ip.clone()).unwrap_or_default();
+    assert!(ingress.starts_with("203.0.113."), "ingress {ingress:?} is not a floating IP: {record:?}");
+    let svc = c.services().get("pub").await.unwrap();
+    let shown = svc.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default();
+    assert_eq!(shown.first().and_then(|i| i.ip.as_deref()), Some(ingress.as_str()), "Service status");
+
+    // Octavia's VIP port is the real Neutron port lbaas made, and the floating IP is on it.
+    let lb = api.ok(&format!("loadbalancers/{}", backend_id(&record))).await.unwrap();
+    let port_id = lb["loadbalancer"]["vip_port_id"].as_str().unwrap().to_string();
+    assert_eq!(lb["loadbalancer"]["vip_address"], "10.96.7.7");
+    let port = n.get_port(&port_id).await.unwrap();
+    assert_eq!(port.device_owner, "kuryr:lbaas-vip", "{port:?}");
+    assert!(port.fixed_ips.iter().any(|f| f.ip_address.as_deref() == Some("10.96.7.7")), "{port:?}");
+    let fips = n.list_floating_ips(&Filter::new().eq("floating_network_id", ext.id.clone())).await.unwrap();
+    let fip = fips.iter().find(|f| f.floating_ip_address == ingress).unwrap_or_else(|| panic!("{fips:?}"));
+    assert_eq!(fip.port_id.as_deref(), Some(port_id.as_str()));
+    assert_eq!(fip.fixed_ip_address.as_deref(), Some("10.96.7.7"));
+    assert!(fip.tags.iter().any(|t| t == &format!("kuryr-service={NS}/pub")), "{fip:?}");
+
+    // Deleted: the load balancer, the floating IP and the VIP port go, then the Service.
+    c.services().delete("pub", &DeleteParams::default()).await.unwrap();
+    wait_until("pub, its floating IP and its VIP port gone", CONVERGE, || async {
+        anyhow::ensure!(c.services().get_opt("pub").await?.is_none(), "Service still there");
+        anyhow::ensure!(n.get_port(&port_id).await.is_err_and(|e| e.is_not_found()), "VIP port still there");
+        let left = n.list_floating_ips(&Filter::new().eq("floating_network_id", ext.id.clone())).await?;
+        anyhow::ensure!(left.iter().all(|f| f.floating_ip_address != ingress), "floating IP still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
 }

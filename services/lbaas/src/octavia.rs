@@ -94,6 +94,12 @@ pub struct OctaviaArgs {
     #[arg(long, env = "KURYR_FLOATING_NETWORK_ID")]
     pub floating_network_id: Option<String>,
 
+    /// lbaas creates each VIP port in Neutron (the cluster IP on the VIP subnet, on
+    /// --vip-network-id) and hands it to Octavia, instead of letting Octavia allocate it;
+    /// deleted after the load balancer.
+    #[arg(long, env = "KURYR_VIP_PORT_PRECREATE")]
+    pub vip_port_precreate: bool,
+
     /// The Octavia provider (amphora, ovn, ...); Octavia's default when unset.
     #[arg(long = "octavia-provider", env = "KURYR_OCTAVIA_PROVIDER")]
     pub provider: Option<String>,
@@ -152,6 +158,10 @@ impl OctaviaArgs {
             .ok_or_else(|| anyhow::anyhow!("--vip-subnet-id is required with --backend octavia"))?;
         anyhow::ensure!(!self.cluster_name.trim().is_empty(), "--cluster-name must not be empty");
         anyhow::ensure!(
+            !self.vip_port_precreate || self.vip_network_id.is_some(),
+            "--vip-port-precreate needs --vip-network-id"
+        );
+        anyhow::ensure!(
             !self.cluster_name.contains(','),
             "--cluster-name must not contain a comma (tags are filtered as comma lists)"
         );
@@ -193,6 +203,7 @@ struct Inner {
     neutron: Neutron,
     shape: Shape,
     floating_network_id: Option<String>,
+    vip_port_precreate: bool,
     active_timeout: Duration,
     drift_interval: Duration,
     metrics: OctaviaMetrics,
@@ -242,6 +253,7 @@ impl OctaviaBackend {
                 client,
                 shape,
                 floating_network_id: args.floating_network_id.clone().filter(|s| !s.is_empty()),
+                vip_port_precreate: args.vip_port_precreate,
                 active_timeout: args.active_timeout,
                 drift_interval: args.drift_interval,
                 metrics: OctaviaMetrics::register(registry),
@@ -477,12 +489,27 @@ impl Inner {
 
     /// One fully-populated create; waits for ACTIVE.
     async fn create(&self, want: &DesiredLb, uid: &str, t: &mut Tally) -> Result<Known, BackendError> {
+        let mut body = want.create_body(&self.shape);
+        if self.vip_port_precreate {
+            let network = self.shape.vip_network_id.clone().unwrap_or_default();
+            let port = crate::octavia_fip::ensure_vip_port(
+                &self.neutron,
+                &network,
+                &self.shape.vip_subnet_id,
+                &want.vip_address,
+                &want.name,
+                &want.tags,
+            )
+            .await
+            .map_err(|e| os_fail("creating the VIP port", &e, None))?;
+            body.vip_port_id = Some(port.id);
+        }
         t.calls += 1;
         t.changes += 1;
         let accepted = Instant::now();
         let lb = self
             .octavia
-            .create_load_balancer(want.create_body(&self.shape))
+            .create_load_balancer(body)
             .await
             .map_err(|e| os_fail("creating the load balancer", &e, None))?;
         self.metrics.changed("lb_create");
@@ -744,6 +771,11 @@ impl Inner {
             crate::octavia_fip::delete(&self.neutron, &self.shape.cluster, key)
                 .await
                 .map_err(|e| os_fail("deleting the floating IP", &e, None))?;
+        }
+        if self.vip_port_precreate {
+            crate::octavia_fip::delete_vip_ports(&self.neutron, &self.shape.cluster, key)
+                .await
+                .map_err(|e| os_fail("deleting the VIP port", &e, None))?;
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 //! `kuryr-lab up` checks the prerequisites, brings up a [`Cluster`] (real API server, watcher,
 //! allocator, N nodes of containerd + kuryr-cni + kuryr-binder, each run by the test kubelet),
 //! applies the sample workload of `deploy/lab/`, waits for its pods, prints their addresses and
-//! how long each took to get its network, pings every pod from every other one, prints how to
+//! how long each took to get its network, pings every pod from every other one, connects to each
+//! Service's ClusterIP from a pod on every node and shows which backends answered, prints how to
 //! inspect everything, and stays up until it gets SIGTERM/SIGINT (`kuryr-lab down` sends SIGTERM
 //! and waits). Its state file (`.lab/state.json` in the repository, or `--state-dir`) records
 //! what it made on the host, so `kuryr-lab down` can also clean up after a lab that crashed.
@@ -18,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, ListParams};
 use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
+use kuryr_tests::cluster::svc;
 use kuryr_tests::cluster::{Cluster, ClusterOptions, Manifest, ProcessRecord, Step, preflight};
 use kuryr_tests::kubelet::PodRecord;
 use kuryr_tests::services::tool_path;
@@ -271,6 +273,7 @@ async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duratio
         network_cidrs: cidrs,
         underlay_id: 1,
         run_containers: true,
+        services: true,
         service_log: "info".into(),
         progress: Some(progress),
         ..ClusterOptions::default()
@@ -485,7 +488,107 @@ async fn workload(cluster: &Cluster, t0: Instant, ready_timeout: Duration) -> Re
     if let Some(p) = pings.iter().find(|p| !p.ok) {
         bail!("{} cannot reach {} at {}: {}", endpoints[p.from].pod, endpoints[p.to].pod, p.ip, p.output.trim());
     }
+    services(cluster, &endpoints, t0).await
+}
+
+/// Connections per Service port and client in the Services table.
+const CONNECTIONS: usize = 24;
+/// Bound on a Service's endpoints being ready and answering from every node.
+const SERVICE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The Services table: for each Service of the sample workload, its ready endpoints (from the
+/// EndpointSlices the controller wrote) and, from a pod on each node, who answered connections to
+/// its ClusterIP and port. Every ready backend must answer every client.
+async fn services(cluster: &Cluster, endpoints: &[PodEndpoint], t0: Instant) -> Result<()> {
+    let client = cluster.client();
+    let list = Api::<Service>::namespaced(client.clone(), DEMO_NAMESPACE).list(&ListParams::default()).await?.items;
+    println!(
+        "\nServices (TCP connections from a pod on each node to the ClusterIP; the web pods' container is\n\
+         busybox `nc -ll -p 8080 -e /bin/hostname`, which answers with the pod's name):"
+    );
+    println!(
+        "\n  {:<10} {:<18} {:<22} {:<16} ANSWERED BY ({CONNECTIONS} connections)",
+        "SERVICE", "CLUSTER-IP:PORT", "READY ENDPOINTS", "FROM"
+    );
+    let t = Instant::now();
+    let mut failures = Vec::new();
+    for s in &list {
+        let name = s.metadata.name.clone().unwrap_or_default();
+        let (vip, ports) = svc::cluster_ip(&client, DEMO_NAMESPACE, &name).await?;
+        // Every Running pod the selector matches should be a ready endpoint.
+        let selector = s.spec.as_ref().and_then(|sp| sp.selector.clone()).unwrap_or_default();
+        let selected = Api::<Pod>::namespaced(client.clone(), DEMO_NAMESPACE)
+            .list(
+                &ListParams::default()
+                    .labels(&selector.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")),
+            )
+            .await?
+            .items
+            .len();
+        let ready = wait_until_ready(&client, &name, selected).await;
+        let mut names: Vec<String> = ready.iter().map(|(_, pod)| pod.clone()).collect();
+        names.dedup();
+        let want: Vec<&str> = names.iter().map(String::as_str).collect();
+        for port in ports {
+            for (i, node) in cluster.nodes().iter().enumerate() {
+                // A client that is not itself a backend, on this node.
+                let from = endpoints
+                    .iter()
+                    .filter(|e| e.node == node.name)
+                    .find(|e| !want.contains(&short(&e.pod)))
+                    .or_else(|| endpoints.iter().find(|e| e.node == node.name));
+                let Some(from) = from else { continue };
+                let got = svc::wait_answers(&from.netns, vip, port, CONNECTIONS, &want, SERVICE_TIMEOUT).await;
+                let (ok, shown) = match &got {
+                    Ok(a) => (true, svc::describe(a)),
+                    Err(e) => (false, format!("{e:#}")),
+                };
+                let (svc_col, ip_col, eps_col) = if i == 0 {
+                    (format!("{DEMO_NAMESPACE}/{name}"), format!("{vip}:{port}"), want.join(", "))
+                } else {
+                    Default::default()
+                };
+                println!(
+                    "  {svc_col:<10} {ip_col:<18} {eps_col:<22} {:<16} {} {shown}",
+                    format!("{} ({})", short(&from.pod), from.node),
+                    if ok { "✓" } else { "✗" }
+                );
+                if !ok {
+                    failures.push(format!("{name} from {}: {shown}", short(&from.pod)));
+                }
+            }
+        }
+    }
+    if !failures.is_empty() {
+        bail!("Services not answered by all their backends: {}", failures.join("; "));
+    }
+    println!(
+        "{} ✓ every Service answered by all its ready backends, from pods on every node ({})",
+        stamp(t0),
+        ms(t.elapsed())
+    );
     Ok(())
+}
+
+/// The Service's ready endpoints once there are `want` of them (or whatever there is after
+/// [`SERVICE_TIMEOUT`]).
+async fn wait_until_ready(client: &kube::Client, name: &str, want: usize) -> Vec<(IpAddr, String)> {
+    let deadline = Instant::now() + SERVICE_TIMEOUT;
+    loop {
+        let ready = svc::ready_endpoints(client, DEMO_NAMESPACE, name).await.unwrap_or_default();
+        let pods = ready.iter().map(|(_, p)| p).collect::<std::collections::BTreeSet<_>>().len();
+        if pods >= want || Instant::now() > deadline {
+            let mut ready = ready;
+            ready.sort_by(|a, b| (&a.1, a.0).cmp(&(&b.1, b.0)));
+            return ready;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `demo/web-0` → `web-0`.
+fn short(pod: &str) -> &str {
+    pod.rsplit('/').next().unwrap_or(pod)
 }
 
 fn is_running(p: &Pod) -> bool {
@@ -578,6 +681,28 @@ fn print_usage(cluster: &Cluster, files: &Files) {
             a.socket.display()
         ),
     ];
+    let mut lines = lines.to_vec();
+    if let Some(l) = cluster.lbaas() {
+        lines.extend([
+            String::new(),
+            "  # Services: EndpointSlices from kube-controller-manager, load balancer specs from kuryr-lbaas".into(),
+            "  kubectl -n demo get svc,endpointslices,slb -o wide".into(),
+            "  kubectl -n demo delete pod web-1    # its address leaves every node's rules".into(),
+            format!(
+                r#"  $G -plaintext -max-time 2 -d '{{"subscriber":"me"}}' {} kuryr.lbaas.v1.LoadBalancers/WatchLoadBalancers"#,
+                l.tcp
+            ),
+        ]);
+        if let Some((n, e)) = cluster.nodes().first().zip(cluster.kubelets().first())
+            && let Some(netns) = e.pods().into_iter().find_map(|p| p.netns)
+        {
+            lines.push(format!(
+                "  nsenter --net={} busybox nc -w 2 $(kubectl -n demo get svc web -o jsonpath='{{.spec.clusterIP}}') 80    # from a pod on {}",
+                netns.display(),
+                n.name
+            ));
+        }
+    }
     println!("\n{}", lines.join("\n"));
     for n in cluster.nodes() {
         println!("  $G -plaintext unix://{} list    # kuryr-binder on {}", n.node.binder.socket.display(), n.name);
@@ -587,12 +712,25 @@ fn print_usage(cluster: &Cluster, files: &Files) {
     for n in cluster.nodes() {
         println!("  nsenter --net={} ip route    # {}", n.node.netns_path().display(), n.name);
     }
+    if cluster.lbaas().is_some() {
+        for n in cluster.nodes() {
+            println!(
+                "  nsenter --net={} nft list table inet kuryr    # Service rules on {}",
+                n.node.netns_path().display(),
+                n.name
+            );
+        }
+    }
     if let Some((p, ns)) =
         cluster.kubelets().first().and_then(|k| k.pods().into_iter().find_map(|p| p.netns.clone().map(|ns| (p, ns))))
     {
         println!("  nsenter --net={} ip addr    # pod {}/{}", ns.display(), p.namespace, p.name);
     }
-    println!("\n  Logs: {} (services), {} (kubelets)", cluster.dir().display(), files.log().display());
+    println!(
+        "\n  Logs: {} (services, kube-controller-manager), {} (kubelets)",
+        cluster.dir().display(),
+        files.log().display()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

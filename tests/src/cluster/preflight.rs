@@ -6,9 +6,9 @@ use std::path::Path;
 use crate::services::{bin_path, tool_path};
 
 /// The Go tools `tests/env/tools.sh` builds that a cluster runs.
-pub const TOOLS: [&str; 3] = ["kube-apiserver", "etcd", "grpcurl"];
+pub const TOOLS: [&str; 4] = ["kube-apiserver", "kube-controller-manager", "etcd", "grpcurl"];
 /// The project's binaries a cluster runs.
-pub const BINARIES: [&str; 4] = ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-binder", "kuryr-cni"];
+pub const BINARIES: [&str; 5] = ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-binder", "kuryr-cni"];
 
 /// One prerequisite.
 #[derive(Debug, Clone)]

@@ -4,8 +4,9 @@
 //!
 //! **Apply** (scheduled, not host network, not deleting, not finished), each step idempotent:
 //! 1. our finalizer on the pod, first — from then on the pod cannot disappear before cleanup;
-//! 2. the PodVif (named after the pod, owned by it, spec only);
-//! 3. the addresses from the IPAM (idempotent per pod uid);
+//! 2. the PodVif (named after the pod, owned by it, spec only) and, at the same time,
+//! 3. the addresses from the IPAM (idempotent per pod uid; neither step needs the other, and
+//!    the finalizer already guarantees the addresses are released whatever happens next);
 //! 4. the PodVif status `{vif, state}` — the record;
 //! 5. only then the VIF into the index, which streams VIF_APPLIED to the pod's node.
 //!
@@ -225,7 +226,10 @@ impl<C: Cluster> Controller<C> {
         if !entry.info.has_finalizer && !self.ensure_finalizer(key).await.map_err(fail("adding the finalizer"))? {
             return Ok(());
         }
-        let recorded = match self.cluster.ensure_pod_vif(key, node).await {
+        // Two independent requests, so they go out together: one round trip less per pod.
+        let (recorded, allocated) =
+            tokio::join!(self.cluster.ensure_pod_vif(key, node), self.cluster.allocate(key, node));
+        let recorded = match recorded {
             Err(ClusterError::StalePodVif { namespace, name, other_uid, node: other_node }) => {
                 // Clean the earlier pod's up first; this pod is retried after.
                 let stale = PodKey::new(&namespace, &name, &other_uid);
@@ -235,7 +239,7 @@ impl<C: Cluster> Controller<C> {
             }
             other => other.map_err(fail("creating the PodVif"))?,
         };
-        let record = self.cluster.allocate(key, node).await.map_err(fail("allocating addresses"))?;
+        let record = allocated.map_err(fail("allocating addresses"))?;
         let state = match &recorded {
             Some((r, s)) if *r == record && *s != VifState::Failed => *s,
             _ => VifState::Allocated,

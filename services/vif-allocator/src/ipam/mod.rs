@@ -32,7 +32,7 @@ pub use vif::{IpConfig, Route, VifConfig};
 pub use ipnet;
 
 /// Why a network (or block) definition is unusable.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum PlanError {
     /// The network lists no CIDR.
     #[error("the network has no CIDR")]

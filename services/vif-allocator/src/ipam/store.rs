@@ -14,8 +14,8 @@
 //! rule in the CRD), so its owner never changes under an allocator's feet.
 //!
 //! Within one process, writers to one node's blocks take a per-(network, node) async lock, so
-//! that a burst of local requests queues instead of conflicting with itself; conflicts then only
-//! come from other processes. The lock is an optimisation, never the safety argument.
+//! that a burst of local requests is batched instead of conflicting with itself; conflicts then
+//! only come from other processes. The lock is an optimisation, never the safety argument.
 //!
 //! # Idempotency
 //!
@@ -23,33 +23,42 @@
 //! family in one of the node's blocks returns that address; releasing removes every address the
 //! uid holds and is a no-op when it holds none. A pod's MAC is a function of its address, so a
 //! repeated allocation yields the same VIF. Callers pass the pod's `spec.nodeName`, which never
-//! changes once set; only the node's blocks are read on the allocation path.
+//! changes once set; only the node's blocks are read on the allocation path. An answer that
+//! involves no write ("already holds", "holds nothing") always comes from a fresh read.
 //!
-//! # Cost
+//! # Batches (group commit)
 //!
-//! An allocation reads the PodNetwork and the node's blocks (a field selector on the
-//! selectable fields `spec.network` and `spec.node`, so the cost does not grow with the cluster)
-//! and writes one block status per family. Only a block claim, `release` without a node, and
-//! `node_blocks` list the whole network.
+//! Requests for one node queue; whoever gets the node's lock serves everything queued (up to
+//! [`StoreConfig::max_batch`]) in one batch: one status write per touched block and family, so
+//! that a burst of allocations costs a few writes instead of one per pod. A batch works from this
+//! process's last copy of the node's blocks instead of listing them per request; see
+//! `batch.rs` for why a stale copy can cost a retry but never a duplicate. The PodNetwork is read
+//! at most every [`StoreConfig::network_ttl`], outside the lock. Only a block claim, `release`
+//! without a node, and `node_blocks` list the whole network.
 
+mod assign;
+mod batch;
 mod error;
 mod types;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
+use tokio::sync::oneshot;
 
 use super::ipnet::IpNet;
-use super::{Block, MacAddr, NetworkPlan, PlanError, Pool, block_name};
-use crate::crd::{AddressBlock, AddressBlockSpec, BlockAllocation, PodNetwork, PodNetworkSpec, PodNetworkStatus};
+use super::{Block, NetworkPlan, block_name};
+use crate::crd::{AddressBlock, AddressBlockSpec, PodNetwork, PodNetworkSpec, PodNetworkStatus};
 
 pub use error::StoreError;
 pub use types::{Allocation, AssignedAddress, PodKey, StoreConfig, StoreStats, backoff_delay};
 
+use assign::Parsed;
+use batch::{Cached, Op};
 use error::{check_network_name, check_non_empty, is_retryable, kube_err};
 use types::{Counters, bump};
 
@@ -57,8 +66,17 @@ use types::{Counters, bump};
 /// IPv6 address and `/128`) and must stay within the 253 characters of an object name.
 pub const MAX_NETWORK_NAME: usize = 253 - 44;
 
-/// Serialises one process's writes to one node's blocks of one network.
-type NodeLock = Arc<tokio::sync::Mutex<()>>;
+/// One node's requests and blocks, per (network, node).
+#[derive(Debug, Default)]
+struct NodeState {
+    /// Requests waiting for the next batch.
+    queue: Mutex<Vec<Op>>,
+    /// The node's lock: its holder runs the batch and owns the copy of the node's blocks.
+    blocks: tokio::sync::Mutex<Option<Cached>>,
+}
+
+/// A network's plan as last read, and when.
+type PlanSlot = Arc<tokio::sync::Mutex<Option<(Result<NetworkPlan, StoreError>, Instant)>>>;
 
 /// The IPAM kept in Kubernetes custom resources.
 #[derive(Debug)]
@@ -67,34 +85,15 @@ pub struct IpamStore {
     blocks: Api<AddressBlock>,
     config: StoreConfig,
     counters: Counters,
-    /// Per (network, node): serialises this process's writes to one node's blocks.
-    locks: Mutex<HashMap<(String, String), NodeLock>>,
+    /// Per (network, node): the queue, the lock and the copy of the blocks.
+    nodes: Mutex<HashMap<(String, String), Arc<NodeState>>>,
+    /// Per network: the plan as last read (one read at a time per network).
+    plans: Mutex<HashMap<String, PlanSlot>>,
 }
 
-/// A block object whose CIDR parsed.
-struct Parsed {
-    block: Block,
-    obj: AddressBlock,
-}
-
-impl Parsed {
-    fn name(&self) -> String {
-        self.obj.name_any()
-    }
-
-    /// The next free pod address of the block, searching on from its last allocation.
-    fn free_address(&self) -> Option<IpAddr> {
-        let status = self.obj.status.as_ref();
-        let used: BTreeSet<IpAddr> =
-            status.map(|s| s.allocations.keys().filter_map(|k| k.parse().ok()).collect()).unwrap_or_default();
-        let after = status.and_then(|s| s.last_allocated.as_deref()).and_then(|s| s.parse().ok());
-        self.block.next_free(&used, after)
-    }
-
-    fn holder(&self, uid: &str) -> Option<IpAddr> {
-        let status = self.obj.status.as_ref()?;
-        status.allocations.iter().find(|(_, a)| a.uid == uid).and_then(|(ip, _)| ip.parse().ok())
-    }
+/// Locks a map that holds plain collections; a panic elsewhere leaves it consistent.
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl IpamStore {
@@ -110,7 +109,8 @@ impl IpamStore {
             blocks: Api::all(client),
             config,
             counters: Counters::default(),
-            locks: Mutex::new(HashMap::new()),
+            nodes: Mutex::new(HashMap::new()),
+            plans: Mutex::new(HashMap::new()),
         }
     }
 
@@ -130,6 +130,7 @@ impl IpamStore {
             .patch(name, &params, &Patch::Apply(&PodNetwork::new(name, spec.clone())))
             .await
             .map_err(kube_err(format!("applying PodNetwork {name}")))?;
+        *self.plan_slot(name).lock().await = None;
         self.refresh_network_status(name).await?;
         Ok(applied)
     }
@@ -175,146 +176,88 @@ impl IpamStore {
     /// Gives `pod` on `node` one address per family of `network` from the node's blocks,
     /// claiming a free block of the network when the node's blocks are full. Idempotent: a pod
     /// that already holds addresses gets them back. On failure nothing this call recorded is
-    /// left behind.
+    /// left behind. Concurrent calls for one node are served together (see the module docs).
     pub async fn allocate(&self, network: &str, node: &str, pod: &PodKey) -> Result<Allocation, StoreError> {
         check_network_name(network)?;
         check_non_empty("node", node)?;
         check_non_empty("pod uid", &pod.uid)?;
-        let lock = self.node_lock(network, node);
-        let _guard = lock.lock().await;
-        // Read under the lock: a queue of local requests then keeps one request per node in
-        // flight instead of a burst, and each sees the spec as it is when its turn comes. The
-        // two reads are independent, so they go out together; the block list serves every
-        // family's first attempt (a retry reads afresh).
-        let (plan, mut snapshot) = tokio::try_join!(self.plan(network), self.list_blocks(network, Some(node)))?;
-
-        let mut addresses = Vec::new();
-        let mut written = Vec::new();
-        let mut mac = None;
-        for pool in plan.pools() {
-            let (first, rest) =
-                std::mem::take(&mut snapshot).into_iter().partition(|p| p.block.family() == pool.family());
-            snapshot = rest;
-            match self.allocate_in_pool(network, node, pod, pool, mac, first).await {
-                Ok((assigned, new)) => {
-                    mac.get_or_insert(MacAddr::for_address(assigned.address));
-                    if new {
-                        written.push(assigned.block_name.clone());
-                    }
-                    addresses.push(assigned);
-                }
-                Err(e) => {
-                    // Undo only what this call wrote; addresses found already recorded may be
-                    // in use by a running pod.
-                    for name in &written {
-                        if let Err(undo) = self.remove_locked(network, node, name, &pod.uid).await {
-                            tracing::warn!(network, node, block = %name, pod = %pod.uid, error = %undo,
-                                "could not roll back a partial allocation; release the pod to free it");
-                        }
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        let existing = written.is_empty();
-        bump(if existing { &self.counters.existing } else { &self.counters.allocations });
-        let pairs: Vec<(Block, IpAddr)> = addresses.iter().map(|a| (a.block, a.address)).collect();
-        let vif = plan
-            .vif(&pairs)
-            .ok_or_else(|| StoreError::InvalidNetwork { network: network.to_string(), source: PlanError::NoCidr })?;
-        let vif_id = format!("{network}/{}", pairs[0].1);
-        Ok(Allocation {
-            network: network.into(),
-            node: node.into(),
-            pod: pod.clone(),
-            addresses,
-            vif_id,
-            vif,
-            existing,
-        })
+        // Outside the node's lock, and from the cache: a missing or invalid network is refused
+        // here, before queueing.
+        self.plan(network).await?;
+        self.submit(network, node, |tx| Op::Allocate(pod.clone(), tx)).await
     }
 
-    /// One family: the pod's existing address, or a new one. Returns whether it was written now.
-    /// `first` is the node's blocks of the family as just read, for the first attempt.
-    async fn allocate_in_pool(
+    /// Frees every address `pod_uid` holds in `network`. Returns whether anything was freed;
+    /// releasing an unknown pod is not an error. Reads every block of the network; see
+    /// [`release_on_node`](Self::release_on_node) when the pod's node is known.
+    pub async fn release(&self, network: &str, pod_uid: &str) -> Result<bool, StoreError> {
+        check_network_name(network)?;
+        check_non_empty("pod uid", pod_uid)?;
+        let mut nodes: Vec<String> = self
+            .list_blocks(network, None)
+            .await?
+            .into_iter()
+            .filter(|p| p.holder(pod_uid).is_some())
+            .map(|p| p.obj.spec.node.clone())
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        let mut released = false;
+        for node in nodes {
+            released |= self.release_on_node(network, &node, pod_uid).await?;
+        }
+        Ok(released)
+    }
+
+    /// [`release`](Self::release), reading only `node`'s blocks.
+    pub async fn release_on_node(&self, network: &str, node: &str, pod_uid: &str) -> Result<bool, StoreError> {
+        check_network_name(network)?;
+        check_non_empty("node", node)?;
+        check_non_empty("pod uid", pod_uid)?;
+        self.submit(network, node, |tx| Op::Release(pod_uid.to_string(), tx)).await
+    }
+
+    /// Queues a request for the node and waits for its answer, serving the queue itself when it
+    /// gets the node's lock first.
+    async fn submit<T>(
         &self,
         network: &str,
         node: &str,
-        pod: &PodKey,
-        pool: &Pool,
-        mac: Option<MacAddr>,
-        first: Vec<Parsed>,
-    ) -> Result<(AssignedAddress, bool), StoreError> {
-        let mut retries = 0;
-        let mut first = Some(first);
-        'fresh: loop {
-            let blocks: Vec<Parsed> = match first.take() {
-                Some(blocks) => blocks,
-                None => self.family_blocks(network, Some(node), pool).await?,
-            };
-
-            if let Some((p, address)) = blocks.iter().find_map(|p| p.holder(&pod.uid).map(|ip| (p, ip))) {
-                return Ok((AssignedAddress { block_name: p.name(), block: p.block, address }, false));
-            }
-
-            // Blocks outside the current CIDR (the spec changed) keep their pods but get no more.
-            for p in blocks.iter().filter(|p| pool.cidr().contains(&p.block.cidr())) {
-                let Some(address) = p.free_address() else { continue };
-
-                let mut updated = p.obj.clone();
-                let status = updated.status.get_or_insert_with(Default::default);
-                status.allocations.insert(
-                    address.to_string(),
-                    BlockAllocation {
-                        namespace: pod.namespace.clone(),
-                        name: pod.name.clone(),
-                        uid: pod.uid.clone(),
-                        mac: mac.unwrap_or_else(|| MacAddr::for_address(address)).to_string(),
-                    },
-                );
-                status.used = u32::try_from(status.allocations.len()).unwrap_or(u32::MAX);
-                status.last_allocated = Some(address.to_string());
-                // `updated` carries the resourceVersion we read: the write succeeds only if the
-                // block is unchanged since, which is what makes the address ours alone.
-                let name = p.name();
-                match self.blocks.replace_status(&name, &PostParams::default(), &updated).await {
-                    Ok(_) => return Ok((AssignedAddress { block_name: name, block: p.block, address }, true)),
-                    Err(e) if is_retryable(&e) => {
-                        bump(&self.counters.conflicts);
-                        self.back_off(&mut retries, network, node).await?;
-                        continue 'fresh;
+        op: impl Fn(oneshot::Sender<Result<T, StoreError>>) -> Op,
+    ) -> Result<T, StoreError> {
+        let state = self.node_state(network, node);
+        loop {
+            let (tx, mut rx) = oneshot::channel();
+            locked(&state.queue).push(op(tx));
+            // Until the answer comes: whoever holds the lock serves the queue, ours included.
+            let answer = loop {
+                tokio::select! {
+                    biased;
+                    answer = &mut rx => break answer,
+                    mut blocks = state.blocks.lock() => {
+                        let ops: Vec<Op> = {
+                            let mut queue = locked(&state.queue);
+                            let n = queue.len().min(self.config.max_batch.max(1));
+                            queue.drain(..n).collect()
+                        };
+                        if !ops.is_empty() {
+                            batch::run(self, network, node, ops, &mut blocks).await;
+                        }
                     }
-                    Err(e) => return Err(kube_err(format!("recording {address} in address block {name}"))(e)),
                 }
-            }
-
-            // The node's blocks are full: claim the lowest block that overlaps no block of the
-            // network (any node, any size). But first look at the node's blocks in this newer
-            // read: another allocator may have claimed one for the node since, and a second
-            // claim would waste a block.
-            let all = self.family_blocks(network, None, pool).await?;
-            let has_room = |p: &Parsed| pool.cidr().contains(&p.block.cidr()) && p.free_address().is_some();
-            if all.iter().any(|p| p.obj.spec.node == node && has_room(p)) {
-                first = Some(all.into_iter().filter(|p| p.obj.spec.node == node).collect());
-                continue;
-            }
-            let taken: Vec<Block> = all.iter().map(|p| p.block).collect();
-            let Some(free) = pool.first_free_block(&taken) else {
-                return Err(StoreError::Exhausted {
-                    network: network.to_string(),
-                    cidr: pool.cidr(),
-                    node: node.to_string(),
-                    block_prefix: pool.block_prefix(),
-                });
             };
-            if !self.claim(network, node, free).await? {
-                self.back_off(&mut retries, network, node).await?;
+            match answer {
+                Ok(result) => return result,
+                // The batch that held the request was dropped half-way (its caller was
+                // cancelled): ask again; every operation is idempotent.
+                Err(_) => continue,
             }
         }
     }
 
-    /// Creates the block object; `false` when another allocator created it first.
-    async fn claim(&self, network: &str, node: &str, block: Block) -> Result<bool, StoreError> {
+    /// Creates the block object; the object when created, `None` when another allocator
+    /// created it first.
+    async fn claim(&self, network: &str, node: &str, block: Block) -> Result<Option<AddressBlock>, StoreError> {
         let name = block_name(network, &block);
         let obj = AddressBlock {
             metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
@@ -323,87 +266,28 @@ impl IpamStore {
         };
         let params = PostParams { field_manager: Some(self.config.field_manager.clone()), ..Default::default() };
         match self.blocks.create(&params, &obj).await {
-            Ok(_) => {
+            Ok(created) => {
                 bump(&self.counters.blocks_claimed);
                 tracing::info!(network, node, block = %block, "claimed address block");
                 if let Err(e) = self.refresh_network_status(network).await {
                     tracing::warn!(network, error = %e, "could not update the PodNetwork status after a block claim");
                 }
-                Ok(true)
+                Ok(Some(created))
             }
             Err(kube::Error::Api(s)) if s.is_already_exists() => {
                 let Some(existing) =
                     self.blocks.get_opt(&name).await.map_err(kube_err(format!("reading address block {name}")))?
                 else {
                     // Created and deleted again in between: simply look again.
-                    return Ok(false);
+                    return Ok(None);
                 };
                 if existing.spec.network != network || existing.spec.cidr != block.to_string() {
                     return Err(StoreError::NameCollision { name, network: network.into(), cidr: block });
                 }
                 bump(&self.counters.claim_races);
-                Ok(false)
+                Ok(None)
             }
             Err(e) => Err(kube_err(format!("creating address block {name}"))(e)),
-        }
-    }
-
-    /// Frees every address `pod_uid` holds in `network`. Returns whether anything was freed;
-    /// releasing an unknown pod is not an error. Reads every block of the network; see
-    /// [`release_on_node`](Self::release_on_node) when the pod's node is known.
-    pub async fn release(&self, network: &str, pod_uid: &str) -> Result<bool, StoreError> {
-        self.release_from(network, None, pod_uid).await
-    }
-
-    /// [`release`](Self::release), reading only `node`'s blocks.
-    pub async fn release_on_node(&self, network: &str, node: &str, pod_uid: &str) -> Result<bool, StoreError> {
-        check_non_empty("node", node)?;
-        self.release_from(network, Some(node), pod_uid).await
-    }
-
-    async fn release_from(&self, network: &str, node: Option<&str>, pod_uid: &str) -> Result<bool, StoreError> {
-        check_network_name(network)?;
-        check_non_empty("pod uid", pod_uid)?;
-        let holders: Vec<(String, String)> = self
-            .list_blocks(network, node)
-            .await?
-            .into_iter()
-            .filter(|p| p.holder(pod_uid).is_some())
-            .map(|p| (p.name(), p.obj.spec.node.clone()))
-            .collect();
-        let mut released = false;
-        for (name, node) in holders {
-            let lock = self.node_lock(network, &node);
-            let _guard = lock.lock().await;
-            released |= self.remove_locked(network, &node, &name, pod_uid).await?;
-        }
-        if released {
-            bump(&self.counters.releases);
-        }
-        Ok(released)
-    }
-
-    /// Removes the uid's entries from one block; the caller holds the node's lock.
-    async fn remove_locked(&self, network: &str, node: &str, name: &str, uid: &str) -> Result<bool, StoreError> {
-        let mut retries = 0;
-        loop {
-            let read = self.blocks.get_opt(name).await.map_err(kube_err(format!("reading address block {name}")))?;
-            let Some(mut obj) = read else { return Ok(false) };
-            let Some(status) = obj.status.as_mut() else { return Ok(false) };
-            let before = status.allocations.len();
-            status.allocations.retain(|_, a| a.uid != uid);
-            if status.allocations.len() == before {
-                return Ok(false);
-            }
-            status.used = u32::try_from(status.allocations.len()).unwrap_or(u32::MAX);
-            match self.blocks.replace_status(name, &PostParams::default(), &obj).await {
-                Ok(_) => return Ok(true),
-                Err(e) if is_retryable(&e) => {
-                    bump(&self.counters.conflicts);
-                    self.back_off(&mut retries, network, node).await?;
-                }
-                Err(e) => return Err(kube_err(format!("removing pod {uid} from address block {name}"))(e)),
-            }
         }
     }
 
@@ -417,8 +301,31 @@ impl IpamStore {
         Ok(by_node)
     }
 
-    /// The network's validated plan.
+    /// The network's validated plan, read at most every [`StoreConfig::network_ttl`]. Missing
+    /// networks and failed reads are not remembered.
     async fn plan(&self, network: &str) -> Result<NetworkPlan, StoreError> {
+        let slot = self.plan_slot(network);
+        let mut cached = slot.lock().await;
+        if let Some((plan, at)) = cached.as_ref()
+            && at.elapsed() <= self.config.network_ttl
+        {
+            return plan.clone();
+        }
+        let plan = self.read_plan(network).await;
+        *cached = remembered(&plan);
+        plan
+    }
+
+    /// The plan as the API holds it now (remembered for later calls as well).
+    async fn fresh_plan(&self, network: &str) -> Result<NetworkPlan, StoreError> {
+        let slot = self.plan_slot(network);
+        let mut cached = slot.lock().await;
+        let plan = self.read_plan(network).await;
+        *cached = remembered(&plan);
+        plan
+    }
+
+    async fn read_plan(&self, network: &str) -> Result<NetworkPlan, StoreError> {
         let net = self.get_network(network).await?;
         net.spec.plan().map_err(|source| StoreError::InvalidNetwork { network: network.to_string(), source })
     }
@@ -439,32 +346,23 @@ impl IpamStore {
         if let Some(node) = node {
             selector.push_str(&format!(",spec.node={node}"));
         }
+        bump(&self.counters.block_lists);
         let list = self
             .blocks
             .list(&ListParams::default().fields(&selector))
             .await
             .map_err(kube_err(format!("listing address blocks ({selector})")))?;
-        let mut parsed = Vec::with_capacity(list.items.len());
-        for obj in list.items {
-            let block = Block::parse(&obj.spec.cidr)
-                .map_err(|source| StoreError::CorruptBlock { name: obj.name_any(), source })?;
-            parsed.push(Parsed { block, obj });
-        }
-        parsed.sort_by_key(|p| p.block);
+        let mut parsed = list.items.into_iter().map(Parsed::new).collect::<Result<Vec<_>, _>>()?;
+        assign::sort(&mut parsed);
         Ok(parsed)
     }
 
-    /// [`list_blocks`](Self::list_blocks) of one pool's family.
-    async fn family_blocks(&self, network: &str, node: Option<&str>, pool: &Pool) -> Result<Vec<Parsed>, StoreError> {
-        let mut blocks = self.list_blocks(network, node).await?;
-        blocks.retain(|p| p.block.family() == pool.family());
-        Ok(blocks)
+    fn node_state(&self, network: &str, node: &str) -> Arc<NodeState> {
+        locked(&self.nodes).entry((network.to_string(), node.to_string())).or_default().clone()
     }
 
-    fn node_lock(&self, network: &str, node: &str) -> NodeLock {
-        // A poisoned map only means another thread panicked mid-insert; the map is still valid.
-        let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-        locks.entry((network.to_string(), node.to_string())).or_default().clone()
+    fn plan_slot(&self, network: &str) -> PlanSlot {
+        locked(&self.plans).entry(network.to_string()).or_default().clone()
     }
 
     async fn back_off(&self, retries: &mut u32, network: &str, node: &str) -> Result<(), StoreError> {
@@ -474,5 +372,14 @@ impl IpamStore {
         *retries += 1;
         tokio::time::sleep(backoff_delay(*retries, self.config.backoff_base, self.config.backoff_cap)).await;
         Ok(())
+    }
+}
+
+/// What a plan read leaves in the cache: a plan, or the verdict that the spec is invalid (which
+/// only a spec change cures); nothing after a missing network or a failed read.
+fn remembered(plan: &Result<NetworkPlan, StoreError>) -> Option<(Result<NetworkPlan, StoreError>, Instant)> {
+    match plan {
+        Ok(_) | Err(StoreError::InvalidNetwork { .. }) => Some((plan.clone(), Instant::now())),
+        Err(_) => None,
     }
 }

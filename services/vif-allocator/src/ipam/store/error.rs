@@ -1,11 +1,14 @@
 //! What can go wrong, and the argument checks that say so early.
 
+use std::sync::Arc;
+
 use super::MAX_NETWORK_NAME;
 use crate::ipam::ipnet::IpNet;
 use crate::ipam::{Block, PlanError};
 
-/// Why an IPAM operation failed.
-#[derive(Debug, thiserror::Error)]
+/// Why an IPAM operation failed. Cloneable: one failed write of a batch fails every request in
+/// it (see [`super::IpamStore`]), and each caller gets the same error.
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// No PodNetwork of that name.
     #[error("pod network {0:?} does not exist")]
@@ -77,15 +80,15 @@ pub enum StoreError {
     Kube {
         /// What was being done.
         action: String,
-        /// The client's error.
+        /// The client's error (shared by every request of the batch it failed).
         #[source]
-        source: kube::Error,
+        source: Arc<kube::Error>,
     },
 }
 
 pub(super) fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> StoreError {
     let action = action.into();
-    move |source| StoreError::Kube { action, source }
+    move |source| StoreError::Kube { action, source: Arc::new(source) }
 }
 
 /// 409 Conflict (stale resourceVersion) or 404 (the block vanished): re-read and try again.

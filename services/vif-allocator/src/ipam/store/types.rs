@@ -69,6 +69,17 @@ pub struct StoreConfig {
     pub backoff_cap: Duration,
     /// Field manager for server-side apply and creates.
     pub field_manager: String,
+    /// How long this process trusts its last copy of a node's blocks before listing them again.
+    /// The copy is only ever a starting point: every write carries the resourceVersion it was
+    /// computed from, so a stale copy costs a 409 and a re-list, never a duplicate address. What
+    /// the age bounds is how long a block that another process claimed for the node stays
+    /// unseen here (it only matters for a pod allocated by two processes at once).
+    pub blocks_ttl: Duration,
+    /// How long a PodNetwork as read serves allocations; a spec change reaches them within this
+    /// time (block claims always read the spec afresh).
+    pub network_ttl: Duration,
+    /// Most requests one node's batch takes; the rest wait for the next batch.
+    pub max_batch: usize,
 }
 
 impl Default for StoreConfig {
@@ -78,6 +89,9 @@ impl Default for StoreConfig {
             backoff_base: Duration::from_millis(4),
             backoff_cap: Duration::from_millis(250),
             field_manager: "kuryr-vif-allocator".to_string(),
+            blocks_ttl: Duration::from_secs(5),
+            network_ttl: Duration::from_secs(2),
+            max_batch: 128,
         }
     }
 }
@@ -97,6 +111,12 @@ pub struct StoreStats {
     pub blocks_claimed: u64,
     /// Block creates lost to another allocator (`AlreadyExists`).
     pub claim_races: u64,
+    /// Batches: runs of queued requests for one node served together.
+    pub batches: u64,
+    /// Block status writes, successful or not.
+    pub block_writes: u64,
+    /// Lists of a node's or the network's blocks.
+    pub block_lists: u64,
 }
 
 /// The live counters behind [`StoreStats`].
@@ -108,6 +128,9 @@ pub(super) struct Counters {
     pub(super) conflicts: AtomicU64,
     pub(super) blocks_claimed: AtomicU64,
     pub(super) claim_races: AtomicU64,
+    pub(super) batches: AtomicU64,
+    pub(super) block_writes: AtomicU64,
+    pub(super) block_lists: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64) {
@@ -124,6 +147,9 @@ impl Counters {
             conflicts: get(&self.conflicts),
             blocks_claimed: get(&self.blocks_claimed),
             claim_races: get(&self.claim_races),
+            batches: get(&self.batches),
+            block_writes: get(&self.block_writes),
+            block_lists: get(&self.block_lists),
         }
     }
 }

@@ -1,0 +1,162 @@
+//! The embedded IPAM's batches and its copy of a node's blocks, against a real kube-apiserver:
+//! a burst for one node costs a handful of block writes, not one per pod; and a copy made stale
+//! by another allocator (another process's allocations and releases) never leads to an address
+//! handed out twice, an allocation answered from a freed entry, or a release that misses.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use futures::future::join_all;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::Api;
+use kube::runtime::wait::{await_condition, conditions};
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::util::repo_root;
+use kuryr_vif_allocator::crd::{self, AddressBlock, PodNetworkSpec};
+use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey, StoreConfig};
+
+/// Bound on waiting for the CRDs to be served; normally well under a second.
+const CRD_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bound on a phase of API calls on a loaded machine.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
+
+async fn cluster() -> (KubeEnv, kube::Client) {
+    let env = KubeEnv::start().await.unwrap();
+    for (file, _) in crd::crds() {
+        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
+    }
+    let client = env.client().await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for (_, crd) in crd::crds() {
+        let name = crd.metadata.name.unwrap();
+        tokio::time::timeout(CRD_TIMEOUT, await_condition(crds.clone(), &name, conditions::is_crd_established()))
+            .await
+            .unwrap_or_else(|_| panic!("CRD {name} not Established within {CRD_TIMEOUT:?}"))
+            .unwrap();
+    }
+    (env, client)
+}
+
+fn pod(i: usize) -> PodKey {
+    PodKey::new("ns1", format!("pod-{i}"), format!("uid-{i}"))
+}
+
+async fn phase<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(PHASE_TIMEOUT, fut).await.unwrap_or_else(|_| panic!("{what} took over {PHASE_TIMEOUT:?}"))
+}
+
+/// Every entry of the network's blocks as (address, uid); panics on an address recorded twice.
+async fn recorded(client: &kube::Client, network: &str) -> BTreeSet<(IpAddr, String)> {
+    let blocks = Api::<AddressBlock>::all(client.clone()).list(&Default::default()).await.unwrap();
+    let mut out = BTreeSet::new();
+    let mut seen = BTreeSet::new();
+    for b in blocks.items.into_iter().filter(|b| b.spec.network == network) {
+        let status = b.status.unwrap_or_default();
+        assert_eq!(status.used as usize, status.allocations.len(), "used is off in {}", b.spec.cidr);
+        for (ip, holder) in status.allocations {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert!(seen.insert(ip), "{ip} recorded twice");
+            out.insert((ip, holder.uid));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_burst_for_one_node_is_written_in_batches() {
+    const PODS: usize = 120;
+    let (_env, client) = cluster().await;
+    let store = IpamStore::new(client.clone());
+    store.ensure_network("burst", &PodNetworkSpec::new(["10.60.0.0/16", "fd00:60::/64"])).await.unwrap();
+
+    let results = phase(
+        "a burst of allocations",
+        join_all((0..PODS).map(|i| {
+            let store = &store;
+            async move { store.allocate("burst", "node-a", &pod(i)).await }
+        })),
+    )
+    .await;
+    let allocations: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+    let v4: BTreeSet<IpAddr> = allocations.iter().map(|a| a.addresses[0].address).collect();
+    let v6: BTreeSet<IpAddr> = allocations.iter().map(|a| a.addresses[1].address).collect();
+    assert_eq!((v4.len(), v6.len()), (PODS, PODS), "an address was handed out twice");
+    let stats = store.stats();
+    eprintln!("{PODS} dual-stack allocations for one node: {stats:?}");
+    assert_eq!(stats.allocations, PODS as u64);
+    // One write per family per batch; the first batch is usually 1 pod, the second the rest.
+    assert!(
+        stats.block_writes <= 2 * stats.batches && stats.batches < (PODS as u64) / 4,
+        "allocations were not batched: {stats:?}"
+    );
+    let want: BTreeSet<(IpAddr, String)> =
+        allocations.iter().flat_map(|a| a.addresses.iter().map(|x| (x.address, a.pod.uid.clone()))).collect();
+    assert_eq!(recorded(&client, "burst").await, want);
+
+    // Releases batch the same way and empty the blocks.
+    let before = store.stats();
+    let released = phase(
+        "a burst of releases",
+        join_all((0..PODS).map(|i| {
+            let store = &store;
+            async move { store.release_on_node("burst", "node-a", &pod(i).uid).await.unwrap() }
+        })),
+    )
+    .await;
+    assert!(released.into_iter().all(|r| r));
+    let after = store.stats();
+    assert_eq!(after.releases - before.releases, PODS as u64);
+    assert!(after.block_writes - before.block_writes < (PODS as u64) / 2, "releases were not batched: {after:?}");
+    assert!(recorded(&client, "burst").await.is_empty());
+}
+
+/// Store A keeps a copy of node-a's blocks; store B (another process) changes them behind its
+/// back. A must notice at the write (409) or confirm with a fresh read, never trust the copy.
+#[tokio::test]
+async fn a_stale_copy_never_decides_alone() {
+    let (env, client) = cluster().await;
+    // A long TTL, so that only the safety rules (not expiry) keep store A right.
+    let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
+    let a = IpamStore::with_config(env.client().await.unwrap(), config);
+    let b = IpamStore::new(env.client().await.unwrap());
+    let spec = PodNetworkSpec { ipv4_block_prefix: 28, ..PodNetworkSpec::new(["10.70.0.0/24"]) };
+    a.ensure_network("stale", &spec).await.unwrap();
+
+    // A allocates and keeps its copy; B then writes the same block.
+    let first = a.allocate("stale", "node-a", &pod(0)).await.unwrap();
+    let by_b = b.allocate("stale", "node-a", &pod(1)).await.unwrap();
+    assert_ne!(first.addresses[0].address, by_b.addresses[0].address);
+    // A's copy is stale: its write is refused (409), it re-reads, and it does not take B's address.
+    let conflicts = a.stats().conflicts;
+    let second = a.allocate("stale", "node-a", &pod(2)).await.unwrap();
+    assert!(a.stats().conflicts > conflicts, "the stale copy was not refused by the API server");
+    let addrs: BTreeSet<IpAddr> = [&first, &by_b, &second].iter().map(|x| x.addresses[0].address).collect();
+    assert_eq!(addrs.len(), 3);
+
+    // B releases pod 0, which A's copy still shows as allocated. A asked again for pod 0 must
+    // not answer from the copy (the address is free now): it records a new one.
+    assert!(b.release_on_node("stale", "node-a", "uid-0").await.unwrap());
+    let again = a.allocate("stale", "node-a", &pod(0)).await.unwrap();
+    assert!(!again.existing, "answered from a freed entry of the stale copy");
+    assert!(recorded(&client, "stale").await.contains(&(again.addresses[0].address, "uid-0".into())));
+
+    // B allocates pod 3, which A's copy does not show. A releasing pod 3 must not say "holds
+    // nothing" from the copy.
+    let three = b.allocate("stale", "node-a", &pod(3)).await.unwrap();
+    assert!(a.release_on_node("stale", "node-a", "uid-3").await.unwrap(), "the release missed pod 3");
+    assert!(!recorded(&client, "stale").await.iter().any(|(ip, _)| *ip == three.addresses[0].address));
+
+    // B fills node-a's first block (/28: 13 pod addresses) and claims a second one; A's copy
+    // knows only the first. A still hands out only free addresses, from the new block.
+    let mut i = 10;
+    while b.node_blocks("stale").await.unwrap()["node-a"].len() < 2 {
+        b.allocate("stale", "node-a", &pod(i)).await.unwrap();
+        i += 1;
+    }
+    let late = a.allocate("stale", "node-a", &pod(99)).await.unwrap();
+    let all = recorded(&client, "stale").await;
+    assert!(all.contains(&(late.addresses[0].address, "uid-99".into())));
+    assert_eq!(all.iter().filter(|(_, uid)| uid == "uid-99").count(), 1);
+}

@@ -48,6 +48,7 @@ bench: tools
 	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
 	$(MAKE) --no-print-directory bench-e2e
+	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
@@ -58,6 +59,15 @@ bench-e2e: tools
 	$(CARGO) build --profile shim -p kuryr-cni
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/e2e-bench
+
+## bench-svc: the Service dataplane end to end, optimised: endpoint change (EndpointSlice written, pod
+## deleted) → nftables rules programmed on every node (BENCH_SVC_CHANGES, BENCH_SVC_POD_ROUNDS)
+.PHONY: bench-svc
+bench-svc: tools
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder --bin svc-bench
+	$(CARGO) build --profile shim -p kuryr-cni
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/svc-bench
 
 ## bench-octavia: kuryr-lbaas --backend octavia against a real Octavia, optimised: endpoint change →
 ## load balancer converged and recorded, Octavia's own processing vs the rest, Octavia API calls per

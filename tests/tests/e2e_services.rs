@@ -19,10 +19,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, Pod, PodSpec, Service, ServiceAccount, ServicePort, ServiceSpec,
+};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::svc::{self, nft_table, table_has, wait_tables};
 use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
@@ -153,6 +156,21 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
         Ok(())
     })
     .await?;
+
+    // Written by the built-in controller, acting as its own ServiceAccount.
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={SERVICE}")))
+        .await?
+        .items;
+    for s in &slices {
+        let by = s.metadata.labels.as_ref().and_then(|l| l.get("endpointslice.kubernetes.io/managed-by"));
+        ensure!(by.map(String::as_str) == Some("endpointslice-controller.k8s.io"), "slice managed by {by:?}");
+    }
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "kube-system");
+    ensure!(
+        accounts.get_opt("endpointslice-controller").await?.is_some(),
+        "no ServiceAccount kube-system/endpointslice-controller: the controller does not use its own credentials"
+    );
 
     eprintln!("1. both backends answer clients on both nodes ({vip}:{PORT})");
     w.expect_members(cluster, &["b1", "b2"], &[]).await?;

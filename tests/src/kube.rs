@@ -196,10 +196,12 @@ impl KubeEnv {
         run(cmd, None, KUBECTL_TIMEOUT).await
     }
 
-    /// `kubectl apply -f PATH` as admin (a file or a directory of manifests).
+    /// `kubectl apply -f PATH` as admin (a file or a directory of manifests); a directory
+    /// holding a `kustomization.yaml` is applied as the kustomization it is (`-k`), as users do.
     pub async fn apply_file(&self, path: &Path) -> Result<String> {
+        let flag = if path.join("kustomization.yaml").is_file() { "-k" } else { "-f" };
         let path = path.to_str().context("manifest path is not UTF-8")?;
-        self.kubectl(&["apply", "-f", path]).await
+        self.kubectl(&["apply", flag, path]).await
     }
 
     /// `kubectl apply -f -` as admin, with the manifests (YAML or JSON) on stdin.

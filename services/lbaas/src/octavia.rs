@@ -51,8 +51,8 @@ use crate::octavia_plan::{
 /// The first poll for ACTIVE after a change. Octavia takes 0.3–4 s per change; short first polls
 /// catch the quick ones without hammering the API during the slow ones.
 pub const POLL_FIRST: Duration = Duration::from_millis(50);
-/// Polls grow by a quarter each time up to this, so ACTIVE is seen at most ~25% (or 1 s) late.
-pub const POLL_MAX: Duration = Duration::from_secs(1);
+/// Polls grow by a quarter each time up to this, so ACTIVE is seen at most ~25% (or 0.5 s) late.
+pub const POLL_MAX: Duration = Duration::from_millis(500);
 
 /// The backend's name in records and messages.
 pub const NAME: &str = "octavia";

@@ -271,7 +271,17 @@ impl<C: Cluster> Controller<C> {
     /// being deleted (its next event says so; no finalizer may be added then). A conflict
     /// (someone else edited the finalizers since the read, another replica perhaps) is settled
     /// by reading again at once rather than after a backoff.
+    ///
+    /// Most pods carry no finalizer at all, so the first attempt assumes that and skips the
+    /// read: its precondition (no finalizers, this uid) makes it fail harmlessly for any other
+    /// pod — one with finalizers, being deleted (the API server refuses new finalizers then) or
+    /// gone — and those take the read path.
     async fn ensure_finalizer(&self, key: &PodKey) -> Result<bool, ClusterError> {
+        match self.cluster.add_finalizer(key, &[]).await {
+            Ok(()) => return Ok(true),
+            Err(e) => tracing::debug!(pod = %format!("{}/{}", key.namespace, key.name), error = %chain(&e),
+                "the finalizer needs a read first"),
+        }
         let mut attempts = 0;
         loop {
             let Some(meta) = self.cluster.pod(key).await? else { return Ok(false) };

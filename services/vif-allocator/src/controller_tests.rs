@@ -96,6 +96,11 @@ impl Cluster for Fake {
         if meta.finalizers != current {
             return Err(ClusterError::Conflict("finalizers changed".into()));
         }
+        if meta.deleting {
+            // As the API server answers (403).
+            let source = "no new finalizers can be added if the object is being deleted".into();
+            return Err(ClusterError::Api { action: "adding the finalizer".into(), source });
+        }
         meta.finalizers.push(FINALIZER.into());
         Ok(())
     }
@@ -255,8 +260,8 @@ async fn apply_puts_the_finalizer_first_and_publishes_only_what_is_recorded() {
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(
         fake.calls(),
-        ["pod a", "add_finalizer a", "ensure_pod_vif a", "allocate a", "record_vif a"],
-        "finalizer first, VIF recorded before it is streamed"
+        ["add_finalizer a", "ensure_pod_vif a", "allocate a", "record_vif a"],
+        "finalizer first (no read: the pod had none), VIF recorded before it is streamed"
     );
     assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
     let vif = ctl.get_vif("uid-a").unwrap();
@@ -286,13 +291,27 @@ async fn a_finalizer_conflict_is_settled_by_reading_again_at_once() {
     fake.s().fail.insert("finalizer_conflict", 1);
     ctl.reconcile("uid-a").await.unwrap();
     let calls = fake.calls();
-    assert_eq!(calls[..4], ["pod a", "add_finalizer a", "pod a", "add_finalizer a"]);
+    assert_eq!(calls[..3], ["add_finalizer a", "pod a", "add_finalizer a"]);
     // Conflicts without end are a failure, retried by the queue.
     fake.add_pod(&key("b"));
     see(&ctl, &fake, "b", "n1", "Pending", EventType::Applied);
     fake.s().fail.insert("finalizer_conflict", 100);
     let err = ctl.reconcile("uid-b").await.unwrap_err();
     assert_eq!((err.step, err.source.reason()), ("adding the finalizer", "conflict"));
+}
+
+#[tokio::test]
+async fn no_finalizer_is_added_to_a_pod_the_api_is_deleting() {
+    let Setup { fake, ctl, index, .. } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    // Deleted in the API before the watcher said so: the blind attempt is refused, the read
+    // sees the deletion, and nothing is allocated (the next event runs the cleanup).
+    fake.s().pods.get_mut("uid-a").unwrap().1.deleting = true;
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["add_finalizer a", "pod a"]);
+    assert!(fake.meta("uid-a").unwrap().finalizers.is_empty());
+    assert!(ctl.get_vif("uid-a").is_none() && deltas(&index).is_empty());
 }
 
 #[tokio::test]
@@ -307,8 +326,10 @@ async fn a_failed_record_hands_nothing_out_and_a_retry_finishes_the_job() {
     assert!(deltas(&index).is_empty());
     fake.calls();
     ctl.reconcile("uid-a").await.unwrap();
-    // The finalizer is there now (read again, not added twice); same address.
-    assert_eq!(fake.calls(), ["pod a", "ensure_pod_vif a", "allocate a", "record_vif a"]);
+    // The finalizer is there now (the blind attempt fails its precondition, the read finds
+    // it: not added twice); same address.
+    assert_eq!(fake.calls(), ["add_finalizer a", "pod a", "ensure_pod_vif a", "allocate a", "record_vif a"]);
+    assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
     assert_eq!(ctl.get_vif("uid-a").unwrap().ips[0].address, "10.0.0.2/24");
 }
 

@@ -122,7 +122,10 @@ pub struct Config {
     pub bridge: String,
 
     /// Pods reconciled in parallel (each pod is always reconciled by one worker at a time).
-    #[arg(long, env = "KURYR_ALLOCATOR_WORKERS", default_value_t = 16,
+    /// A reconcile mostly waits on API round trips, and concurrent allocations for one node
+    /// share their address block writes, so more workers mean more pods per second until the
+    /// API server is the limit (a 200-pod burst measured 73/s with 16, ~100/s with 64).
+    #[arg(long, env = "KURYR_ALLOCATOR_WORKERS", default_value_t = 64,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     pub workers: usize,
 

@@ -1,0 +1,557 @@
+//! The rounds against the Kubernetes API: list the Leases, renew the membership, carry out the
+//! [plan](crate::plan), publish the [`Ownership`]; and the fence that stops work on a shard
+//! whose Lease was not renewed in time, whatever the rounds are doing.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::future::join_all;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kuryr_runtime::Shutdown;
+use tokio::sync::watch;
+use tracing::Instrument as _;
+
+use crate::config::ShardConfig;
+use crate::hash::fnv1a64;
+use crate::metrics::ShardMetrics;
+use crate::ownership::{Owner, Ownership};
+use crate::plan::{LeaseView, ShardLease, Tracker, plan};
+
+/// The annotation holding the holder's endpoint, on shard and membership Leases.
+pub const ENDPOINT_ANNOTATION: &str = "kuryr.openstack.org/endpoint";
+/// The annotation of a membership Lease holding the replica's number of shards.
+pub const SHARDS_ANNOTATION: &str = "kuryr.openstack.org/shards";
+/// The label naming the service a Lease belongs to (the one list of a round selects on it).
+pub const SET_LABEL: &str = "kuryr.openstack.org/shard-set";
+/// The label telling shard Leases (`shard`) from membership Leases (`member`).
+pub const ROLE_LABEL: &str = "kuryr.openstack.org/shard-role";
+
+/// Membership Leases of replicas gone this many durations are deleted by the others.
+const STALE_MEMBER_DURATIONS: u32 = 10;
+/// At shutdown, how long releasing the Leases may take.
+const RELEASE_BOUND: Duration = Duration::from_secs(5);
+
+/// What the rounds and the fence share.
+#[derive(Debug)]
+struct State {
+    /// Owned shards and until when each may be worked on without a renewal.
+    owned: BTreeMap<u32, Instant>,
+    owners: Vec<Option<Owner>>,
+    ready: bool,
+}
+
+/// A running shard set: the ownership it publishes, and the end of its release at shutdown.
+#[derive(Clone, Debug)]
+pub struct ShardHandle {
+    ownership: watch::Receiver<Arc<Ownership>>,
+    stopped: watch::Receiver<bool>,
+}
+
+impl ShardHandle {
+    /// No sharding: this replica owns everything, at once; nothing runs.
+    pub fn unsharded(identity: &str) -> Self {
+        let (_, ownership) = watch::channel(Arc::new(Ownership::everything(identity)));
+        let (_, stopped) = watch::channel(true);
+        Self { ownership, stopped }
+    }
+
+    /// The ownership, updated after every change.
+    pub fn ownership(&self) -> watch::Receiver<Arc<Ownership>> {
+        self.ownership.clone()
+    }
+
+    /// The ownership now.
+    pub fn current(&self) -> Arc<Ownership> {
+        self.ownership.borrow().clone()
+    }
+
+    /// Resolves once the shard set has stopped after shutdown: its shards released and its
+    /// membership Lease deleted (or given up on after a few seconds).
+    pub async fn stopped(&self) {
+        let mut rx = self.stopped.clone();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+}
+
+/// Starts the shard set of `config` with `client` (its account needs get, list, create, update
+/// and delete on Leases in the namespace); runs until `shutdown`, then releases everything.
+/// With `config.shards == 0` nothing runs and everything is owned.
+pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, shutdown: Shutdown) -> ShardHandle {
+    if config.shards == 0 {
+        return ShardHandle::unsharded(&config.identity);
+    }
+    let (tx, ownership) = watch::channel(Arc::new(Ownership::pending(&config.identity, config.shards)));
+    let (stopped_tx, stopped) = watch::channel(false);
+    let state = Arc::new(Mutex::new(State {
+        owned: BTreeMap::new(),
+        owners: vec![None; config.shards as usize],
+        ready: false,
+    }));
+    let publisher = Publisher { tx: Arc::new(tx), state, config: Arc::new(config.clone()), metrics: metrics.clone() };
+    let offset = u32::try_from(fnv1a64(config.identity.as_bytes()) % u64::from(config.shards)).unwrap_or(0);
+    let span = tracing::info_span!("shards", service = %config.service, replica = %config.identity);
+    let driver = Driver {
+        api: Api::namespaced(client, &config.namespace),
+        config,
+        metrics,
+        tracker: Tracker::default(),
+        publisher: publisher.clone(),
+        offset,
+        failing: false,
+    };
+    tokio::spawn(fence(publisher, shutdown.clone()).instrument(span.clone()));
+    tokio::spawn(
+        async move {
+            driver.run(shutdown).await;
+            let _ = stopped_tx.send(true);
+        }
+        .instrument(span),
+    );
+    ShardHandle { ownership, stopped }
+}
+
+/// Publishes ownership changes.
+#[derive(Clone, Debug)]
+struct Publisher {
+    tx: Arc<watch::Sender<Arc<Ownership>>>,
+    state: Arc<Mutex<State>>,
+    config: Arc<ShardConfig>,
+    metrics: ShardMetrics,
+}
+
+impl Publisher {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sends the state when it differs from what was last sent.
+    fn publish(&self, state: &State) {
+        let mut owners = state.owners.clone();
+        for &i in state.owned.keys() {
+            if let Some(o) = owners.get_mut(i as usize) {
+                *o = Some(Owner {
+                    identity: self.config.identity.clone(),
+                    endpoint: Some(self.config.endpoint.clone()),
+                });
+            }
+        }
+        let next = Ownership {
+            shards: self.config.shards,
+            identity: self.config.identity.clone(),
+            ready: state.ready,
+            owned: state.owned.keys().copied().collect(),
+            owners,
+        };
+        self.metrics.owned.set(i64::try_from(state.owned.len()).unwrap_or(i64::MAX));
+        self.tx.send_if_modified(|cur| {
+            if **cur == next {
+                return false;
+            }
+            *cur = Arc::new(next);
+            true
+        });
+    }
+}
+
+/// Stops work on shards whose Lease was not renewed in time: a shard renewed at `t` is worked
+/// on until `t + duration − tick` at most, so it is let go at least one renewal interval before
+/// any other replica can take it (they wait a whole duration from when they see the renewal).
+async fn fence(publisher: Publisher, shutdown: Shutdown) {
+    let check = (publisher.config.tick() / 4).max(Duration::from_millis(20));
+    loop {
+        let wake = {
+            let mut s = publisher.lock();
+            let now = Instant::now();
+            let expired: Vec<u32> = s.owned.iter().filter(|(_, until)| **until <= now).map(|(i, _)| *i).collect();
+            for i in &expired {
+                s.owned.remove(i);
+                publisher.metrics.lost("expired");
+                tracing::warn!(shard = i, "shard Lease not renewed in time; stopped working on it");
+            }
+            if !expired.is_empty() {
+                publisher.publish(&s);
+            }
+            s.owned.values().min().copied().map_or(now + check, |t| t.min(now + check))
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(wake.into()) => {}
+            () = shutdown.clone().wait() => return,
+        }
+    }
+}
+
+struct Driver {
+    api: Api<Lease>,
+    config: ShardConfig,
+    metrics: ShardMetrics,
+    tracker: Tracker,
+    publisher: Publisher,
+    offset: u32,
+    /// The last round failed (logged once per streak).
+    failing: bool,
+}
+
+fn now_micro() -> MicroTime {
+    MicroTime(Timestamp::now())
+}
+
+fn duration_seconds(d: Duration) -> i32 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i32::try_from(secs).unwrap_or(i32::MAX)
+}
+
+/// What a round reads of a Lease.
+fn view_of(l: &Lease) -> LeaseView {
+    let spec = l.spec.clone().unwrap_or_default();
+    LeaseView {
+        holder: spec.holder_identity.filter(|h| !h.is_empty()),
+        endpoint: l.metadata.annotations.as_ref().and_then(|a| a.get(ENDPOINT_ANNOTATION)).cloned(),
+        renewed: spec.renew_time.map(|t| SystemTime::from(t.0)),
+        duration: Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0).max(1)).unwrap_or(1)),
+        version: l.metadata.resource_version.clone().unwrap_or_default(),
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+impl Driver {
+    async fn run(mut self, shutdown: Shutdown) {
+        let tick = self.config.tick();
+        tracing::info!(shards = self.config.shards, namespace = %self.config.namespace, duration = ?self.config.duration,
+            endpoint = %self.config.endpoint, "taking part in the shard Leases");
+        loop {
+            let started = tokio::time::Instant::now();
+            let round = tokio::time::timeout(self.config.duration, self.round());
+            let result = tokio::select! {
+                r = round => r.unwrap_or_else(|_| Err(anyhow::anyhow!("the round took longer than the Lease duration"))),
+                () = shutdown.clone().wait() => break,
+            };
+            match result {
+                Ok(()) => {
+                    if self.failing {
+                        tracing::info!("shard Leases reachable again");
+                    }
+                    self.failing = false;
+                }
+                Err(e) => {
+                    self.metrics.round_failures.inc();
+                    if !self.failing {
+                        tracing::warn!(error = format!("{e:#}"), "shard round failed; retrying every renewal interval");
+                    }
+                    self.failing = true;
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(started + tick) => {}
+                () = shutdown.clone().wait() => break,
+            }
+        }
+        if tokio::time::timeout(RELEASE_BOUND, self.release_all()).await.is_err() {
+            tracing::warn!("releasing the shard Leases at shutdown timed out; they expire by themselves");
+        }
+    }
+
+    fn lease(&self, name: &str, role: &str, holder: Option<&str>) -> Lease {
+        let now = now_micro();
+        let mut annotations = BTreeMap::from([(ENDPOINT_ANNOTATION.to_string(), self.config.endpoint.clone())]);
+        if role == "member" {
+            annotations.insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
+        }
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                namespace: Some(self.config.namespace.clone()),
+                labels: Some(BTreeMap::from([
+                    (SET_LABEL.to_string(), self.config.service.clone()),
+                    (ROLE_LABEL.to_string(), role.to_string()),
+                ])),
+                annotations: Some(annotations),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(str::to_string),
+                lease_duration_seconds: Some(duration_seconds(self.config.duration)),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                lease_transitions: Some(0),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// `l` renewed by this replica (taken, when `take`).
+    fn renewed(&self, mut l: Lease, take: bool) -> Lease {
+        let now = now_micro();
+        let spec = l.spec.get_or_insert_with(Default::default);
+        let me = self.config.identity.clone();
+        if take && spec.holder_identity.as_deref() != Some(me.as_str()) {
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
+            spec.acquire_time = Some(now.clone());
+        }
+        spec.holder_identity = Some(me);
+        spec.renew_time = Some(now);
+        spec.lease_duration_seconds = Some(duration_seconds(self.config.duration));
+        l.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(ENDPOINT_ANNOTATION.to_string(), self.config.endpoint.clone());
+        l
+    }
+
+    async fn round(&mut self) -> anyhow::Result<()> {
+        let me = self.config.identity.clone();
+        let service = self.config.service.clone();
+        let list = self
+            .api
+            .list(&ListParams::default().labels(&format!("{SET_LABEL}={service}")))
+            .await
+            .map_err(|e| anyhow::anyhow!("listing the Leases in {}: {e}", self.config.namespace))?;
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        self.tracker.observe(
+            list.items.iter().map(|l| {
+                (
+                    l.metadata.name.as_deref().unwrap_or_default(),
+                    l.metadata.resource_version.as_deref().unwrap_or_default(),
+                )
+            }),
+            now,
+        );
+        let my_member = self.config.member_lease(&me);
+        let shards = self.config.shards as usize;
+        let mut shard_leases: Vec<Option<(Lease, LeaseView)>> = vec![None; shards];
+        let mut member: Option<Lease> = None;
+        let mut live: HashSet<String> = HashSet::from([me.clone()]);
+        let mut stale = Vec::new();
+        for l in list.items {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            let view = view_of(&l);
+            let role = l.metadata.labels.as_ref().and_then(|m| m.get(ROLE_LABEL)).map(String::as_str);
+            if let Some(i) = self.config.shard_index(&name) {
+                shard_leases[i as usize] = Some((l, view));
+            } else if name == my_member {
+                member = Some(l);
+            } else if role == Some("member") {
+                let expired = self.tracker.expired(&name, &view, now, wall);
+                match &view.holder {
+                    Some(h) if !expired => {
+                        live.insert(h.clone());
+                    }
+                    _ => {
+                        let long_gone = view.renewed.is_none_or(|r| r + view.duration * STALE_MEMBER_DURATIONS < wall);
+                        if expired && long_gone {
+                            stale.push((name, view.version));
+                        }
+                    }
+                }
+            }
+        }
+        self.renew_member(&my_member, member).await?;
+        self.metrics.members.set(i64::try_from(live.len()).unwrap_or(i64::MAX));
+        for (name, version) in stale.into_iter().take(4) {
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions { resource_version: Some(version), uid: None }),
+                ..Default::default()
+            };
+            match self.api.delete(&name, &dp).await {
+                Ok(_) => tracing::info!(lease = name, "deleted the membership Lease of a replica long gone"),
+                Err(e) => tracing::debug!(lease = name, error = %e, "could not delete a stale membership Lease"),
+            }
+        }
+
+        let views: Vec<Option<ShardLease>> = shard_leases
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                o.as_ref().map(|(_, v)| ShardLease {
+                    holder: v.holder.clone(),
+                    expired: self.tracker.expired(&self.config.shard_lease(i as u32), v, now, wall),
+                })
+            })
+            .collect();
+        let owned: BTreeSet<u32> = self.publisher.lock().owned.keys().copied().collect();
+        let p = plan(&me, &views, &owned, live.len(), self.offset);
+
+        // Lost, then released: work stops before anything is written.
+        if !p.lost.is_empty() || !p.release.is_empty() {
+            let mut s = self.publisher.lock();
+            for &i in &p.lost {
+                s.owned.remove(&i);
+                let by = views.get(i as usize).and_then(|v| v.as_ref()).and_then(|v| v.holder.clone());
+                self.metrics.lost(if by.is_some() { "taken" } else { "gone" });
+                tracing::warn!(shard = i, holder = ?by, "shard lost to another replica; stopped working on it");
+            }
+            for &i in &p.release {
+                s.owned.remove(&i);
+            }
+            self.publisher.publish(&s);
+        }
+        let releases = p.release.iter().filter_map(|&i| {
+            let (l, _) = shard_leases[i as usize].clone()?;
+            let mut l = l;
+            if let Some(spec) = l.spec.as_mut() {
+                spec.holder_identity = None;
+            }
+            let name = self.config.shard_lease(i);
+            let api = self.api.clone();
+            Some(async move { (i, api.replace(&name, &PostParams::default(), &l).await) })
+        });
+        for (i, r) in join_all(releases).await {
+            match r {
+                Ok(_) => {
+                    self.metrics.releases.inc();
+                    tracing::info!(shard = i, fair_share = p.fair, members = live.len(), "shard released to rebalance");
+                }
+                Err(e) => tracing::info!(shard = i, error = %e, "releasing a shard failed; it expires by itself"),
+            }
+        }
+
+        // Renewals and acquisitions, all at once; each is valid from when it was sent.
+        let sent = Instant::now();
+        let valid_until = sent + self.config.duration.saturating_sub(self.config.tick());
+        let renewals = p.renew.iter().filter_map(|&i| {
+            let (l, _) = shard_leases[i as usize].clone()?;
+            let l = self.renewed(l, false);
+            let name = self.config.shard_lease(i);
+            let api = self.api.clone();
+            Some(async move { (i, api.replace(&name, &PostParams::default(), &l).await) })
+        });
+        let acquisitions = p.acquire.iter().map(|&i| {
+            let name = self.config.shard_lease(i);
+            let existing = shard_leases[i as usize].clone().map(|(l, _)| self.renewed(l, true));
+            let fresh = self.lease(&name, "shard", Some(&me));
+            let api = self.api.clone();
+            async move {
+                let r = match existing {
+                    Some(l) => api.replace(&name, &PostParams::default(), &l).await,
+                    None => api.create(&PostParams::default(), &fresh).await,
+                };
+                (i, r)
+            }
+        });
+        let (renewed, acquired) = tokio::join!(join_all(renewals), join_all(acquisitions));
+        self.metrics.renew_latency.observe(sent.elapsed().as_secs_f64());
+
+        let mut s = self.publisher.lock();
+        let mut gained = Vec::new();
+        for (i, r) in renewed {
+            match r {
+                Ok(_) => {
+                    if s.owned.insert(i, valid_until).is_none() {
+                        // Held by this identity but not worked on: a restart, or fenced earlier.
+                        gained.push(i);
+                    }
+                }
+                Err(e) => {
+                    let reason = if is_status(&e, 409) {
+                        "conflict"
+                    } else if is_status(&e, 404) {
+                        "gone"
+                    } else {
+                        ""
+                    };
+                    if reason.is_empty() {
+                        // Not an answer about the Lease: work goes on until the fence says no.
+                        tracing::debug!(shard = i, error = %e, "renewing a shard Lease failed; retrying");
+                    } else if s.owned.remove(&i).is_some() {
+                        self.metrics.lost(reason);
+                        tracing::warn!(shard = i, error = %e, "renewing a shard Lease failed; stopped working on it");
+                    }
+                }
+            }
+        }
+        for (i, r) in acquired {
+            match r {
+                Ok(_) => {
+                    s.owned.insert(i, valid_until);
+                    gained.push(i);
+                }
+                Err(e) if is_status(&e, 409) => tracing::debug!(shard = i, "another replica took the shard first"),
+                Err(e) => tracing::info!(shard = i, error = %e, "taking a shard failed; retrying next round"),
+            }
+        }
+        for &i in &gained {
+            self.metrics.acquisitions.inc();
+            let from = views.get(i as usize).and_then(|v| v.as_ref()).and_then(|v| v.holder.clone());
+            tracing::info!(shard = i, previous_holder = ?from, "shard acquired");
+        }
+        // Who owns the others, as the Leases say.
+        for (i, o) in shard_leases.iter().enumerate() {
+            s.owners[i] = o.as_ref().and_then(|(_, v)| {
+                let expired = views[i].as_ref().is_none_or(|x| x.expired);
+                let h = v.holder.clone()?;
+                (!expired && h != me).then(|| Owner { identity: h, endpoint: v.endpoint.clone() })
+            });
+        }
+        let first = !s.ready;
+        s.ready = true;
+        self.publisher.publish(&s);
+        if first || !gained.is_empty() || !p.release.is_empty() || !p.lost.is_empty() {
+            tracing::info!(owned = ?s.owned.keys().collect::<Vec<_>>(), members = live.len(), fair_share = p.fair,
+                "shard ownership");
+        }
+        Ok(())
+    }
+
+    /// Creates or renews this replica's membership Lease.
+    async fn renew_member(&self, name: &str, current: Option<Lease>) -> anyhow::Result<()> {
+        let me = self.config.identity.clone();
+        let r = match current {
+            Some(l) => {
+                let mut l = self.renewed(l, true);
+                l.metadata
+                    .annotations
+                    .get_or_insert_with(Default::default)
+                    .insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
+                self.api.replace(name, &PostParams::default(), &l).await
+            }
+            None => self.api.create(&PostParams::default(), &self.lease(name, "member", Some(&me))).await,
+        };
+        match r {
+            Ok(_) => Ok(()),
+            // Written by someone else since the list (a replica with the same identity?): the
+            // next round reads it again.
+            Err(e) if is_status(&e, 409) => {
+                tracing::warn!(lease = name, "membership Lease changed under this replica; is --replica-id unique?");
+                Ok(())
+            }
+            Err(e) => Err(anyhow::anyhow!("renewing the membership Lease {name}: {e}")),
+        }
+    }
+
+    /// At shutdown: stop working on everything, release the shard Leases, delete the membership
+    /// Lease, so that the others take over at once.
+    async fn release_all(&self) {
+        let owned: Vec<u32> = {
+            let mut s = self.publisher.lock();
+            let owned = s.owned.keys().copied().collect();
+            s.owned.clear();
+            self.publisher.publish(&s);
+            owned
+        };
+        let me = self.config.identity.as_str();
+        let releases = owned.iter().map(|&i| {
+            let name = self.config.shard_lease(i);
+            async move {
+                let mut l = self.api.get(&name).await?;
+                let spec = l.spec.get_or_insert_with(Default::default);
+                if spec.holder_identity.as_deref() != Some(me) {
+                    return Ok(());
+                }
+                spec.holder_identity = None;
+                self.api.replace(&name, &PostParams::default(), &l).await.map(drop)
+            }
+        });
+        let results: Vec<Result<(), kube::Error>> = join_all(releases).await;
+        let released = results.iter().filter(|r| r.is_ok()).count();
+        self.metrics.releases.inc_by(released as u64);
+        let member = self.config.member_lease(me);
+        let deleted = self.api.delete(&member, &DeleteParams::default()).await;
+        tracing::info!(released, of = owned.len(), member_deleted = deleted.is_ok(), "released the shard Leases");
+    }
+}

@@ -1,5 +1,6 @@
 //! The allocator's own Prometheus metrics, registered on the runtime's registry next to the gRPC
-//! call metrics.
+//! call metrics, and the embedded IPAM's ([`IpamMetrics`]: its Kubernetes API calls and the
+//! addresses per node). The Neutron backend registers its own beside them.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -7,6 +8,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::ipam::store::IpamMetrics;
 
 /// Why a reconcile failed.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -41,12 +44,17 @@ pub struct Metrics {
     pub vifs: Gauge,
     /// From a pod first seen scheduled to its VIF published.
     pub vif_latency: Histogram,
+    /// From a pod first seen scheduled to its VIF recorded READY (plugged by the binder and,
+    /// with Neutron, the port ACTIVE): the allocator's view of the pod's network-ready latency.
+    pub ready_latency: Histogram,
     /// Open WatchVifs streams.
     pub subscribers: Gauge,
     /// WatchVifs streams begun, by how.
     pub subscriptions: Family<StartLabels, Counter>,
     /// Times the watcher's stream broke or could not be opened.
     pub watcher_reconnects: Counter,
+    /// The embedded IPAM's backend calls and addresses (no series with `--backend neutron`).
+    pub ipam: IpamMetrics,
 }
 
 impl Default for Metrics {
@@ -59,9 +67,11 @@ impl Default for Metrics {
             queue_failing: Gauge::default(),
             vifs: Gauge::default(),
             vif_latency: kuryr_runtime::metrics::latency_histogram(),
+            ready_latency: kuryr_runtime::metrics::latency_histogram(),
             subscribers: Gauge::default(),
             subscriptions: Family::default(),
             watcher_reconnects: Counter::default(),
+            ipam: IpamMetrics::default(),
         }
     }
 }
@@ -69,7 +79,7 @@ impl Default for Metrics {
 impl Metrics {
     /// Creates the metrics and registers them.
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
+        let m = Self { ipam: IpamMetrics::register(registry), ..Self::default() };
         registry.register("kuryr_allocator_allocations", "VIFs handed out", m.allocations.clone());
         registry.register("kuryr_allocator_releases", "Pods whose addresses were released", m.releases.clone());
         registry.register(
@@ -88,6 +98,11 @@ impl Metrics {
             "kuryr_allocator_vif_ready_seconds",
             "Time from a pod first seen scheduled to its VIF published to its node's stream",
             m.vif_latency.clone(),
+        );
+        registry.register(
+            "kuryr_allocator_pod_ready_seconds",
+            "Time from a pod first seen scheduled to its VIF recorded READY (plugged, and confirmed by the backend)",
+            m.ready_latency.clone(),
         );
         registry.register("kuryr_allocator_watchvifs_subscribers", "Open WatchVifs streams", m.subscribers.clone());
         registry.register(

@@ -39,9 +39,11 @@
 mod assign;
 mod batch;
 mod error;
+mod metrics;
 mod types;
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -55,6 +57,7 @@ use super::{Block, NetworkPlan, block_name};
 use crate::crd::{AddressBlock, AddressBlockSpec, PodNetwork, PodNetworkSpec, PodNetworkStatus};
 
 pub use error::StoreError;
+pub use metrics::{IpamMetrics, error_reason};
 pub use types::{Allocation, AssignedAddress, PodKey, StoreConfig, StoreStats, backoff_delay};
 
 use assign::Parsed;
@@ -85,6 +88,8 @@ pub struct IpamStore {
     blocks: Api<AddressBlock>,
     config: StoreConfig,
     counters: Counters,
+    /// API call latency and errors, addresses per node.
+    metrics: IpamMetrics,
     /// Per (network, node): the queue, the lock and the copy of the blocks.
     nodes: Mutex<HashMap<(String, String), Arc<NodeState>>>,
     /// Per network: the plan as last read (one read at a time per network).
@@ -109,14 +114,38 @@ impl IpamStore {
             blocks: Api::all(client),
             config,
             counters: Counters::default(),
+            metrics: IpamMetrics::default(),
             nodes: Mutex::new(HashMap::new()),
             plans: Mutex::new(HashMap::new()),
         }
     }
 
+    /// The store recording into `metrics` (registered by the caller) instead of its own.
+    pub fn with_metrics(mut self, metrics: IpamMetrics) -> IpamStore {
+        self.metrics = metrics;
+        self
+    }
+
     /// Counters since the store was made (conflicts show optimistic concurrency at work).
     pub fn stats(&self) -> StoreStats {
         self.counters.snapshot()
+    }
+
+    /// The store's metrics (API calls by operation, errors by reason, addresses per node).
+    pub fn metrics(&self) -> &IpamMetrics {
+        &self.metrics
+    }
+
+    /// Makes one Kubernetes API call, timed and counted as `operation`.
+    async fn api<T>(
+        &self,
+        operation: &'static str,
+        call: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, kube::Error> {
+        let start = Instant::now();
+        let result = call.await;
+        self.metrics.call(operation, start.elapsed(), result.as_ref().err());
+        result
     }
 
     /// Creates or updates (server-side apply) the PodNetwork `name` after validating `spec`,
@@ -125,9 +154,9 @@ impl IpamStore {
         check_network_name(name)?;
         spec.plan().map_err(|source| StoreError::InvalidNetwork { network: name.to_string(), source })?;
         let params = PatchParams::apply(&self.config.field_manager).force();
+        let patch = Patch::Apply(PodNetwork::new(name, spec.clone()));
         let applied = self
-            .networks
-            .patch(name, &params, &Patch::Apply(&PodNetwork::new(name, spec.clone())))
+            .api("apply_network", self.networks.patch(name, &params, &patch))
             .await
             .map_err(kube_err(format!("applying PodNetwork {name}")))?;
         *self.plan_slot(name).lock().await = None;
@@ -166,8 +195,7 @@ impl IpamStore {
             "conditions": status.conditions,
             "message": status.message,
         }}));
-        self.networks
-            .patch_status(network, &PatchParams::default(), &patch)
+        self.api("update_network_status", self.networks.patch_status(network, &PatchParams::default(), &patch))
             .await
             .map_err(kube_err(format!("updating the status of PodNetwork {network}")))?;
         Ok(status)
@@ -265,7 +293,7 @@ impl IpamStore {
             status: None,
         };
         let params = PostParams { field_manager: Some(self.config.field_manager.clone()), ..Default::default() };
-        match self.blocks.create(&params, &obj).await {
+        match self.api("create_block", self.blocks.create(&params, &obj)).await {
             Ok(created) => {
                 bump(&self.counters.blocks_claimed);
                 tracing::info!(network, node, block = %block, "claimed address block");
@@ -275,8 +303,10 @@ impl IpamStore {
                 Ok(Some(created))
             }
             Err(kube::Error::Api(s)) if s.is_already_exists() => {
-                let Some(existing) =
-                    self.blocks.get_opt(&name).await.map_err(kube_err(format!("reading address block {name}")))?
+                let Some(existing) = self
+                    .api("get_block", self.blocks.get_opt(&name))
+                    .await
+                    .map_err(kube_err(format!("reading address block {name}")))?
                 else {
                     // Created and deleted again in between: simply look again.
                     return Ok(None);
@@ -331,8 +361,7 @@ impl IpamStore {
     }
 
     async fn get_network(&self, network: &str) -> Result<PodNetwork, StoreError> {
-        self.networks
-            .get_opt(network)
+        self.api("get_network", self.networks.get_opt(network))
             .await
             .map_err(kube_err(format!("reading PodNetwork {network}")))?
             .ok_or_else(|| StoreError::NetworkNotFound(network.to_string()))
@@ -347,9 +376,9 @@ impl IpamStore {
             selector.push_str(&format!(",spec.node={node}"));
         }
         bump(&self.counters.block_lists);
+        let params = ListParams::default().fields(&selector);
         let list = self
-            .blocks
-            .list(&ListParams::default().fields(&selector))
+            .api("list_blocks", self.blocks.list(&params))
             .await
             .map_err(kube_err(format!("listing address blocks ({selector})")))?;
         let mut parsed = list.items.into_iter().map(Parsed::new).collect::<Result<Vec<_>, _>>()?;

@@ -98,6 +98,9 @@ pub(super) async fn run(store: &IpamStore, network: &str, node: &str, ops: Vec<O
             }
         }
     }
+    if let Some(cached) = cache.as_ref() {
+        store.metrics.node_blocks(network, node, &cached.blocks);
+    }
     tracing::debug!(
         network,
         node,
@@ -160,7 +163,7 @@ impl Batch<'_> {
         let pp = PostParams::default();
         let writes = objects.iter().map(|(name, obj)| {
             bump(&self.store.counters.block_writes);
-            self.store.blocks.replace_status(name, &pp, obj)
+            self.store.api("write_block_status", self.store.blocks.replace_status(name, &pp, obj))
         });
         futures::future::join_all(writes).await
     }

@@ -291,6 +291,8 @@ provider = fernet
 expiration = 3600
 [fernet_tokens]
 key_repository = $k/fernet-keys
+[fernet_receipts]
+key_repository = $k/fernet-keys
 [credential]
 key_repository = $k/credential-keys
 [cache]

@@ -242,6 +242,11 @@ impl MovedCount<'_> {
     pub fn at_least(&self, n: f64) -> Result<f64> {
         self.0.at_least(n).context("histogram observations (_count)")
     }
+
+    /// Fails unless exactly `n` observations were made.
+    pub fn exactly(&self, n: f64) -> Result<f64> {
+        self.0.exactly(n).context("histogram observations (_count)")
+    }
 }
 
 /// `name{labels} value [timestamp]`.

@@ -13,6 +13,8 @@
 //!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
 //! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
 //!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
+//! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
+//!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
@@ -26,6 +28,7 @@ pub mod kube;
 pub mod kubelet;
 pub mod lbserver;
 pub mod netns;
+pub mod neutron;
 pub mod node;
 pub mod openstack;
 pub mod services;

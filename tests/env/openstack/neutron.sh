@@ -69,7 +69,9 @@ EOF
 type_drivers = flat,vxlan,local
 tenant_network_types = vxlan
 mechanism_drivers = openvswitch
-extension_drivers = port_security
+# tag_ports_during_bulk_creation: tags in a port create (single or bulk) are applied in the same
+# call; without it Neutron drops them and the allocator tags each new port with one more call.
+extension_drivers = port_security,tag_ports_during_bulk_creation
 [ml2_type_vxlan]
 vni_ranges = 1:1000
 [ml2_type_flat]

@@ -1,0 +1,432 @@
+//! kuryr-vif-allocator with `--backend neutron` among the real parts, for suites and benches: a
+//! real kube-apiserver, Keystone and Neutron (API, RPC server, ML2/OVS agent on a private
+//! userspace Open vSwitch) from [`OpenStackEnv`], the CRDs and RBAC of `deploy/`, the Neutron
+//! node as a Kubernetes Node, and helpers to run kuryr-watcher, kuryr-vif-allocator (the
+//! `kuryr` user's password from clouds.yaml, as a deployment would) and a kuryr-binder in the
+//! node's network namespace plugging into its `br-int`. CNI is driven by executing the
+//! `kuryr-cni` shim as a runtime does.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use kuryr_tests::neutron::{AllocatorOptions, NeutronCluster};
+//! let c = NeutronCluster::start(&["pods"]).await?;
+//! let watcher = c.watcher()?;
+//! let alloc = c.allocator(&watcher, &AllocatorOptions::default())?;
+//! alloc.wait_ready(std::time::Duration::from_secs(120)).await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
+use kuryr_openstack::neutron::Neutron;
+use kuryr_openstack::{Client, ClientOptions, CloudConfig, ServiceType};
+use serde_json::json;
+
+use crate::binder::Binder;
+use crate::kube::KubeEnv;
+use crate::netns::Netns;
+use crate::openstack::{NeutronNode, OpenStackEnv, PodNetwork, Service};
+use crate::services::{ServiceProcess, wait_until};
+use crate::shim::{ShimOutput, run_shim};
+use crate::util::{free_port, repo_root};
+
+/// The namespace the services' accounts live in.
+pub const SYSTEM_NAMESPACE: &str = "kuryr-system";
+
+/// Everything up: API server, Keystone, Neutron and its node, the Kubernetes side prepared.
+pub struct NeutronCluster {
+    pub os: OpenStackEnv,
+    pub kube: KubeEnv,
+    /// An admin client of the API server.
+    pub admin: kube::Client,
+    /// Logs and sockets of the services started here.
+    pub dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    allocator_kubeconfig: PathBuf,
+    /// The Neutron node (agent host, its netns and OVS).
+    pub node: NeutronNode,
+    /// The pod network made by `up.sh`, owned by the `kuryr` project.
+    pub net: PodNetwork,
+    /// A Neutron client (no token: Neutron runs with `noauth`, every caller is admin).
+    pub neutron: Neutron,
+    /// Neutron's base URL (`http://127.0.0.1:<port>`).
+    pub neutron_url: String,
+}
+
+impl std::fmt::Debug for NeutronCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NeutronCluster")
+            .field("os", &self.os)
+            .field("kube", &self.kube)
+            .field("node", &self.node)
+            .field("net", &self.net)
+            .field("neutron_url", &self.neutron_url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The knobs of the allocator that suites and benches vary; the rest is fixed.
+#[derive(Clone, Debug)]
+pub struct AllocatorOptions {
+    /// `--cluster-id` (the ports' tag is `kuryr.openstack.org/cluster=<id>`).
+    pub cluster_id: String,
+    /// `--pool-min`.
+    pub pool_min: u32,
+    /// `--pool-batch` (0: pools off).
+    pub pool_batch: u32,
+    /// `--status-poll-min`, when not the allocator's default.
+    pub status_poll_min: Option<String>,
+    /// `--instance`.
+    pub instance: String,
+    /// `--log`.
+    pub log: String,
+    /// Further flags.
+    pub extra: Vec<String>,
+}
+
+impl Default for AllocatorOptions {
+    fn default() -> Self {
+        Self {
+            cluster_id: "e2e".into(),
+            pool_min: 3,
+            pool_batch: 4,
+            status_poll_min: None,
+            instance: "alloc-neutron".into(),
+            log: "info,kuryr_vif_allocator=debug".into(),
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl AllocatorOptions {
+    /// The tag on the ports this allocator makes.
+    pub fn cluster_tag(&self) -> String {
+        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
+    }
+}
+
+/// A service process with its addresses.
+#[derive(Debug)]
+pub struct Svc {
+    pub proc: ServiceProcess,
+    /// `127.0.0.1:<port>` (gRPC).
+    pub addr: String,
+    /// The unix socket (how the binder in the node's namespace reaches the allocator).
+    pub sock: PathBuf,
+    /// `http://127.0.0.1:<port>` (`/metrics`, `/readyz`).
+    pub metrics_url: String,
+}
+
+impl Svc {
+    /// The text of `/metrics`.
+    pub async fn metrics(&self) -> Result<String> {
+        let url = format!("{}/metrics", self.metrics_url);
+        let resp = reqwest::get(&url).await.with_context(|| format!("GET {url}"))?;
+        Ok(resp.error_for_status()?.text().await?)
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let url = format!("{}/readyz", self.metrics_url);
+        wait_until("the service to be ready", timeout, || async {
+            let resp = reqwest::get(&url).await?;
+            let code = resp.status();
+            anyhow::ensure!(code.is_success(), "{code} {}", resp.text().await.unwrap_or_default());
+            Ok(())
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:#}\n{}", self.proc.logs()))
+    }
+
+    /// A gRPC channel to the service.
+    pub async fn channel(&self) -> Result<tonic::transport::Channel> {
+        Ok(tonic::transport::Channel::from_shared(format!("http://{}", self.addr))?.connect().await?)
+    }
+}
+
+/// Starts `bin` with `args` plus its listen, metrics and shutdown flags, logging into `dir`.
+/// The socket path is the same across restarts: a binder keeps dialling it.
+pub fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Result<Svc> {
+    let (port, mport) = (free_port()?, free_port()?);
+    let sock = dir.join(format!("{bin}.sock"));
+    let addr = format!("127.0.0.1:{port}");
+    args.extend([
+        "--listen".into(),
+        format!("unix:{},{addr}", sock.display()),
+        "--metrics-listen".into(),
+        format!("127.0.0.1:{mport}"),
+        "--shutdown-grace".into(),
+        "3s".into(),
+    ]);
+    let proc = ServiceProcess::spawn(bin, &args, dir)?;
+    Ok(Svc { proc, addr, sock, metrics_url: format!("http://127.0.0.1:{mport}") })
+}
+
+impl NeutronCluster {
+    /// Starts Keystone, Neutron and the API server (together), creates `kuryr-system` and
+    /// `namespaces`, the CRDs, the watcher's and allocator's RBAC and credentials, and the Node
+    /// of the Neutron agent's host.
+    pub async fn start(namespaces: &[&str]) -> Result<Self> {
+        let (os, kube) = tokio::join!(OpenStackEnv::start(&[Service::Keystone, Service::Neutron]), KubeEnv::start());
+        let (os, kube) = (os?, kube?);
+        let admin = kube.client().await?;
+        let pp = PostParams::default();
+        let api: Api<Namespace> = Api::all(admin.clone());
+        for n in std::iter::once(&SYSTEM_NAMESPACE).chain(namespaces) {
+            let meta = ObjectMeta { name: Some((*n).into()), ..Default::default() };
+            api.create(&pp, &Namespace { metadata: meta, ..Default::default() })
+                .await
+                .with_context(|| format!("creating namespace {n}"))?;
+        }
+        for entry in std::fs::read_dir(repo_root().join("deploy/crds"))? {
+            let path = entry?.path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            if name.starts_with("kuryr.openstack.org_") && name.ends_with(".yaml") {
+                kube.apply_file(&path).await?;
+            }
+        }
+        kube.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await?;
+        kube.apply_file(&repo_root().join("deploy/rbac/vif-allocator.yaml")).await?;
+        let watcher_kubeconfig = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, "kuryr-watcher").await?;
+        let allocator_kubeconfig = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, "kuryr-vif-allocator").await?;
+        let node = os.neutron_node().context("Neutron runs but its node is not in the env file")?;
+        let nodes: Api<Node> = Api::all(admin.clone());
+        let meta = ObjectMeta { name: Some(node.host.clone()), ..Default::default() };
+        nodes.create(&pp, &Node { metadata: meta, ..Default::default() }).await?;
+        let status = json!({"status": {"addresses": [{"type": "InternalIP", "address": "192.168.50.1"}]}});
+        nodes.patch_status(&node.host, &PatchParams::default(), &Patch::Merge(status)).await?;
+        let neutron_url = os.neutron_url().context("no NEUTRON_URL")?.to_string();
+        let cloud = CloudConfig {
+            origin: "test".into(),
+            auth: AuthConfig::NoAuth { project_id: None },
+            region_name: None,
+            interface: Interface::default(),
+            tls: TlsConfig::default(),
+            endpoint_overrides: [(ServiceType::Network, neutron_url.parse()?)].into(),
+        };
+        let client = Client::new(&cloud, ClientOptions::default(), Arc::new(kuryr_openstack::Metrics::unregistered()))?;
+        let net = os.pod_network().context("no pod network in the env file")?;
+        Ok(Self {
+            os,
+            kube,
+            admin,
+            dir: tempfile::tempdir()?,
+            watcher_kubeconfig,
+            allocator_kubeconfig,
+            node,
+            net,
+            neutron: client.network(),
+            neutron_url,
+        })
+    }
+
+    /// Starts kuryr-watcher under its service account.
+    pub fn watcher(&self) -> Result<Svc> {
+        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
+        spawn("kuryr-watcher", args, self.dir.path())
+    }
+
+    /// Starts kuryr-vif-allocator `--backend neutron` on the pod network (both subnets),
+    /// authenticating as the `kuryr` user from clouds.yaml.
+    pub fn allocator(&self, watcher: &Svc, o: &AllocatorOptions) -> Result<Svc> {
+        let mut args: Vec<String> = [
+            "--kubeconfig",
+            &self.allocator_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "neutron",
+            "--clouds-yaml",
+            &self.os.clouds_yaml().display().to_string(),
+            "--os-cloud",
+            "kuryr",
+            "--pod-network-id",
+            &self.net.network_id,
+            "--pod-subnet-ids",
+            &format!("{},{}", self.net.subnet_v4_id, self.net.subnet_v6_id),
+            "--cluster-id",
+            &o.cluster_id,
+            "--pool-min",
+            &o.pool_min.to_string(),
+            "--pool-batch",
+            &o.pool_batch.to_string(),
+            "--orphan-gc-interval",
+            "3s",
+            "--instance",
+            &o.instance,
+            "--log",
+            &o.log,
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        if let Some(min) = &o.status_poll_min {
+            args.extend(["--status-poll-min".into(), min.clone()]);
+        }
+        args.extend(o.extra.iter().cloned());
+        spawn("kuryr-vif-allocator", args, self.dir.path())
+    }
+
+    /// The flags of an allocator of this cluster that every suite shares — its kubeconfig, the
+    /// watcher, `--backend neutron`, clouds.yaml and the `kuryr` cloud — for suites that choose
+    /// the network flags themselves (per-namespace networks).
+    pub fn allocator_base_args(&self, watcher: &Svc) -> Vec<String> {
+        [
+            "--kubeconfig",
+            &self.allocator_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "neutron",
+            "--clouds-yaml",
+            &self.os.clouds_yaml().display().to_string(),
+            "--os-cloud",
+            "kuryr",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+    }
+
+    /// Starts a kuryr-binder for the Neutron node, inside its network namespace, on its OVS,
+    /// following `allocator` over its unix socket; ADD waits at most `vif_wait`.
+    pub async fn binder(&self, allocator: &Svc, vif_wait: Duration, extra: &[String]) -> Result<Binder> {
+        let mut args = vec!["--ovs-db".into(), self.node.ovsdb(), "--vif-wait-timeout".into(), secs(vif_wait)];
+        args.extend(extra.iter().cloned());
+        Binder::start(&self.node.host, &self.node.netns_path(), &format!("unix:{}", allocator.sock.display()), &args)
+            .await
+    }
+
+    /// A pod on the Neutron node.
+    pub fn pod(&self, name: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+            spec: Some(PodSpec {
+                node_name: Some(self.node.host.clone()),
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("busybox".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Sets the port quota of `project` (`PUT /v2.0/quotas/<project>`); -1 is unlimited.
+    pub async fn set_port_quota(&self, project: &str, ports: i64) -> Result<()> {
+        let url = format!("{}/v2.0/quotas/{project}", self.neutron_url);
+        let resp = reqwest::Client::new()
+            .put(&url)
+            .json(&json!({"quota": {"port": ports}}))
+            .send()
+            .await
+            .with_context(|| format!("PUT {url}"))?;
+        let code = resp.status();
+        anyhow::ensure!(code.is_success(), "PUT {url}: {code} {}", resp.text().await.unwrap_or_default());
+        Ok(())
+    }
+
+    /// The ML2 extension aliases Neutron announces (`GET /v2.0/extensions`).
+    pub async fn neutron_extensions(&self) -> Result<Vec<String>> {
+        let url = format!("{}/v2.0/extensions", self.neutron_url);
+        let body: serde_json::Value = reqwest::get(&url).await?.error_for_status()?.json().await?;
+        Ok(body["extensions"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|e| e["alias"].as_str().map(str::to_string)).collect())
+            .unwrap_or_default())
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{}s", d.as_secs().max(1))
+}
+
+/// A pod as the runtime knows it when it calls CNI: its name, uid and network namespace.
+#[derive(Clone, Debug)]
+pub struct CniPod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub netns: Arc<Netns>,
+}
+
+impl CniPod {
+    /// Executes the shim for this pod as a runtime does; `prev` is the `prevResult` (CHECK).
+    pub fn run(
+        &self,
+        op: &str,
+        binder: &Binder,
+        prev: Option<&serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<ShimOutput> {
+        let container = format!("c-{}", self.uid);
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={container};K8S_POD_UID={}",
+            self.namespace, self.name, self.uid
+        );
+        let netns_path = self.netns.path().display().to_string();
+        let env = [
+            ("CNI_COMMAND", op),
+            ("CNI_CONTAINERID", container.as_str()),
+            ("CNI_NETNS", netns_path.as_str()),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+            ("CNI_ARGS", args.as_str()),
+        ];
+        let mut conf = json!({
+            "cniVersion": "1.1.0", "name": "kuryr", "type": "kuryr-cni",
+            "binderSocket": binder.socket, "timeoutSeconds": timeout.as_secs().max(1),
+        });
+        if let Some(prev) = prev {
+            conf["prevResult"] = prev.clone();
+        }
+        run_shim(&env, conf.to_string().as_bytes())
+    }
+}
+
+/// The value of one sample (`name{labels}` exactly as exposed); 0 when absent.
+pub fn metric(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The sum of every sample of metric `name` whose labels contain each of `labels`
+/// (`key="value"` strings).
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| labels.iter().all(|w| l.contains(w)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_read_by_sample_and_summed_by_label() {
+        let text = "# HELP openstack_requests_total x\n\
+            openstack_requests_total{service=\"network\",operation=\"ports.update\",method=\"PUT\",code=\"200\"} 3\n\
+            openstack_requests_total{service=\"network\",operation=\"ports.list\",method=\"GET\",code=\"200\"} 5\n\
+            openstack_requests_total{service=\"identity\",operation=\"tokens.create\",method=\"POST\",code=\"201\"} 1\n\
+            openstack_requests_total_extra 9\n\
+            kuryr_allocator_neutron_status_polls_total 7\n";
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"service="network""#]), 8.0);
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"operation="ports.update""#]), 3.0);
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[]), 9.0);
+        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls_total"), 7.0);
+        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls"), 0.0, "a prefix is not a sample");
+    }
+}

@@ -1,0 +1,165 @@
+//! kuryr-vif-allocator `--backend neutron` when the project's port quota runs out, against the
+//! real parts ([`kuryr_tests::neutron`]: API server, Keystone, Neutron API + RPC + ML2/OVS agent
+//! on a userspace OVS, a binder on the node's `br-int`, CNI through the kuryr-cni shim).
+//!
+//! The project's port quota is set through Neutron's own API to what it holds plus two; four pods
+//! are created with pools off (one port created per pod). Two get ports; Neutron refuses the
+//! other two with 409 `OverQuota`, which must reach the pods as `NeutronQuotaExceeded` Warning
+//! Events and the allocator's failure metric, while their CNI ADDs wait instead of failing. Once
+//! the quota is raised, the waiting pods get exactly one port each and their ADDs return with it.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_openstack::Filter;
+use kuryr_proto::allocator::v1::GetVifRequest;
+use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_tests::netns::Netns;
+use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, metric, metric_sum};
+use kuryr_tests::services::wait_until;
+
+/// Bound on changes that go through Neutron and its agent; it also covers the allocator's
+/// retry backoff (capped at 30 s) once the quota is raised.
+const SLOW: Duration = Duration::from_secs(180);
+const NS: &str = "quota-pods";
+
+#[tokio::test]
+async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_raised() {
+    let c = NeutronCluster::start(&[NS]).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.admin.clone(), NS);
+    let events: Api<Event> = Api::namespaced(c.admin.clone(), NS);
+    let watcher = c.watcher().unwrap();
+    // Pools off: every pod's port is created on its path, so pods meet the quota one to one.
+    let o = AllocatorOptions {
+        cluster_id: "quota".into(),
+        pool_min: 0,
+        pool_batch: 0,
+        instance: "alloc-quota".into(),
+        ..Default::default()
+    };
+    let alloc = c.allocator(&watcher, &o).unwrap();
+    alloc.wait_ready(SLOW).await.unwrap();
+    let binder = Arc::new(c.binder(&alloc, SLOW, &[]).await.unwrap());
+
+    let project = c.net.project_id.clone();
+    let held = c.neutron.list_ports(&Filter::new().project_id(&project)).await.unwrap().len();
+    let quota = i64::try_from(held).unwrap() + 2;
+    c.set_port_quota(&project, quota).await.unwrap();
+
+    let mut uids = Vec::new();
+    for name in ["q0", "q1", "q2", "q3"] {
+        let made = pods.create(&PostParams::default(), &c.pod(name)).await.unwrap();
+        uids.push(made.metadata.uid.unwrap());
+    }
+    let mut vifs = VifAllocatorClient::new(alloc.channel().await.unwrap());
+    // Pods are served in no particular order: whichever two got ports, the other two are refused.
+    let (served, refused) = wait_until("two pods with a port, two refused by the quota", SLOW, || {
+        let (mut vifs, uids, events) = (vifs.clone(), uids.clone(), events.clone());
+        async move {
+            let mut served = Vec::new();
+            for (i, uid) in uids.iter().enumerate() {
+                if vifs.get_vif(GetVifRequest { pod_uid: uid.clone() }).await.is_ok() {
+                    served.push(i);
+                }
+            }
+            anyhow::ensure!(served.len() == 2, "{} pods have a VIF", served.len());
+            let refused: Vec<usize> = (0..4).filter(|i| !served.contains(i)).collect();
+            let list = events.list(&ListParams::default()).await?;
+            for &i in &refused {
+                let name = format!("q{i}");
+                let ev = list.items.iter().find(|e| {
+                    e.reason.as_deref() == Some("NeutronQuotaExceeded")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
+                });
+                let Some(ev) = ev else { anyhow::bail!("no NeutronQuotaExceeded Event for {name} yet") };
+                anyhow::ensure!(ev.type_.as_deref() == Some("Warning"), "{ev:?}");
+                let note = ev.note.clone().unwrap_or_default();
+                anyhow::ensure!(note.contains("uota"), "the Event does not say why: {note}");
+            }
+            Ok((served, refused))
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+
+    let text = alloc.metrics().await.unwrap();
+    let failures = metric(&text, r#"kuryr_allocator_failures_total{op="apply",reason="neutron_quota_exceeded"}"#);
+    assert!(failures >= 2.0, "failures counted: {failures}\n{text}");
+    let refusals = metric_sum(&text, "openstack_requests_total", &[r#"operation="ports.create""#, r#"code="409""#]);
+    assert!(refusals >= 2.0, "409 answers counted: {refusals}");
+    for &i in &refused {
+        let mine = c.neutron.list_ports(&Filter::new().device_id(uids[i].as_str())).await.unwrap();
+        assert!(mine.is_empty(), "q{i} holds a port despite the quota: {mine:?}");
+    }
+    let held_now = c.neutron.list_ports(&Filter::new().project_id(&project)).await.unwrap().len();
+    assert_eq!(i64::try_from(held_now).unwrap(), quota, "the project is at its quota");
+
+    // The refused pods' ADDs wait for their VIFs rather than fail.
+    let cni_pods: Vec<CniPod> = refused
+        .iter()
+        .map(|&i| CniPod {
+            namespace: NS.into(),
+            name: format!("q{i}"),
+            uid: uids[i].clone(),
+            netns: Arc::new(Netns::new("pq").unwrap()),
+        })
+        .collect();
+    let adds: Vec<_> = cni_pods
+        .iter()
+        .map(|p| {
+            let (p, b) = (p.clone(), binder.clone());
+            tokio::task::spawn_blocking(move || p.run("ADD", &b, None, SLOW))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(adds.iter().all(|a| !a.is_finished()), "an ADD returned while its pod had no port");
+
+    // Raised: the waiting pods complete, with one port each.
+    c.set_port_quota(&project, quota + 2).await.unwrap();
+    for (p, add) in cni_pods.iter().zip(adds) {
+        let out = add.await.unwrap().unwrap();
+        assert_eq!(
+            out.code,
+            0,
+            "ADD {} once the quota was raised: {} {}\n{}",
+            p.name,
+            out.stdout,
+            out.stderr,
+            binder.logs()
+        );
+        let vif = vifs.get_vif(GetVifRequest { pod_uid: p.uid.clone() }).await.unwrap().into_inner();
+        let mine = c.neutron.list_ports(&Filter::new().device_id(p.uid.as_str())).await.unwrap();
+        assert_eq!(mine.len(), 1, "{} holds {} ports", p.name, mine.len());
+        assert_eq!(mine[0].id, vif.vif_id);
+        assert_eq!(mine[0].status, "ACTIVE", "ADD returned before the port was ACTIVE");
+        let result = out.json().unwrap();
+        let v4 = mine[0].fixed_ips.iter().filter_map(|f| f.ip_address.clone()).find(|a| !a.contains(':')).unwrap();
+        let got: Vec<&str> = result["ips"].as_array().unwrap().iter().filter_map(|i| i["address"].as_str()).collect();
+        assert!(got.iter().any(|a| a.split('/').next() == Some(v4.as_str())), "{result} lacks {v4}");
+    }
+    assert_eq!(served.len(), 2);
+
+    // Teardown: DEL, pods deleted → their ports deleted (pools off), the quota back to unlimited.
+    for p in &cni_pods {
+        let (p, b) = (p.clone(), binder.clone());
+        let out = tokio::task::spawn_blocking(move || p.run("DEL", &b, None, SLOW)).await.unwrap().unwrap();
+        assert_eq!(out.code, 0, "DEL: {} {}", out.stdout, out.stderr);
+    }
+    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    for name in ["q0", "q1", "q2", "q3"] {
+        pods.delete(name, &grace0).await.unwrap();
+    }
+    let tag = o.cluster_tag();
+    wait_until("every port of the pods deleted", SLOW, || async {
+        let left = c.neutron.list_ports(&Filter::new().tags(&[tag.as_str()])).await?;
+        anyhow::ensure!(left.is_empty(), "{} ports left", left.len());
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    c.set_port_quota(&project, -1).await.unwrap();
+}

@@ -65,6 +65,7 @@ use crate::k8s::KubeCluster;
 use crate::metrics::Metrics;
 use crate::neutron::config::NeutronArgs;
 use crate::neutron::metrics::NeutronMetrics;
+use crate::neutron::namespaces::k8s::NamespaceKube;
 use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
 use crate::queue::WorkQueue;
@@ -323,6 +324,11 @@ impl Start {
                 shutdown.clone(),
             );
             tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
+            if b.namespace_networks().is_some() {
+                let subscriber = format!("kuryr-vif-allocator/{instance}/namespaces");
+                let ns = neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, shutdown.clone());
+                tokio::spawn(ns.instrument(tracing::info_span!("namespaces")));
+            }
         }
         let follower = follow::Follower {
             channel: watcher,
@@ -357,12 +363,18 @@ impl Start {
         shutdown: &Shutdown,
     ) -> Option<Prepared> {
         let args = &self.config.neutron;
+        let ns_kube = NamespaceKube::new(client.clone(), Some(self.config.instance_name()));
         let (backend, Channels { ready, refill }) =
             k8s::retry("reading the pod network from Neutron", shutdown, || {
-                NeutronBackend::connect(args, os.clone(), nm.clone())
+                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone())
             })
             .await?;
         let backend = Arc::new(backend);
+        if let Some(nn) = backend.namespace_networks() {
+            let loaded =
+                k8s::retry("loading the namespace networks", shutdown, || async { Ok(nn.load().await?) }).await?;
+            tracing::info!(loaded, "namespace networks loaded");
+        }
         self.readiness.set_network();
         let network = backend.network_id().to_string();
         let found = k8s::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;

@@ -41,6 +41,13 @@ impl ControllerManager {
     /// Starts it against `kube`, logging and keeping its serving certificate in `dir`, and waits
     /// until `/healthz` answers ok. Builds the binary first (`tests/env/tools.sh`) when missing.
     pub async fn start(kube: &KubeEnv, dir: &Path) -> Result<ControllerManager> {
+        Self::start_with(kube, dir, CONTROLLERS).await
+    }
+
+    /// [`ControllerManager::start`] running `controllers` (comma-separated, as `--controllers`
+    /// takes them; e.g. `namespace-controller`, which empties a deleted namespace and removes
+    /// its `kubernetes` finalizer).
+    pub async fn start_with(kube: &KubeEnv, dir: &Path, controllers: &str) -> Result<ControllerManager> {
         let exe = match tool_path(BINARY) {
             Ok(p) => p,
             Err(_) => {
@@ -66,7 +73,7 @@ impl ControllerManager {
             // API server too, as on kubeadm; /healthz is always allowed.
             format!("--authentication-kubeconfig={kubeconfig}"),
             format!("--authorization-kubeconfig={kubeconfig}"),
-            format!("--controllers={CONTROLLERS}"),
+            format!("--controllers={controllers}"),
             "--use-service-account-credentials=true".into(),
             "--leader-elect=false".into(),
             "--bind-address=127.0.0.1".into(),

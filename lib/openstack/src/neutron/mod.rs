@@ -1,4 +1,5 @@
-//! Neutron (`network` in the catalog): ports, networks, subnets, routers, floating IPs, tags.
+//! Neutron (`network` in the catalog): ports, networks, subnets, subnet pools, routers, floating IPs,
+//! tags.
 
 mod types;
 
@@ -193,6 +194,21 @@ impl Neutron {
         self.delete("subnets.delete", "/subnets", id).await
     }
 
+    // ---- subnet pools ----
+
+    pub async fn create_subnetpool(&self, mut pool: SubnetPoolCreate) -> Result<SubnetPool, Error> {
+        fill_project(&mut pool.project_id, &self.client);
+        self.create("subnetpools.create", "/subnetpools", "subnetpool", &pool).await
+    }
+
+    pub async fn get_subnetpool(&self, id: &str) -> Result<SubnetPool, Error> {
+        self.get("subnetpools.show", "/subnetpools", id, "subnetpool").await
+    }
+
+    pub async fn delete_subnetpool(&self, id: &str) -> Result<bool, Error> {
+        self.delete("subnetpools.delete", "/subnetpools", id).await
+    }
+
     // ---- routers ----
 
     pub async fn create_router(&self, mut router: RouterCreate) -> Result<Router, Error> {
@@ -345,7 +361,7 @@ impl TaggedResource {
 macro_rules! has_id {
     ($($t:ty),*) => { $(impl HasId for $t { fn id(&self) -> &str { &self.id } })* };
 }
-has_id!(Port, Network, Subnet, Router, FloatingIp);
+has_id!(Port, Network, Subnet, SubnetPool, Router, FloatingIp);
 
 fn fill_project(project_id: &mut Option<String>, client: &Client) {
     if project_id.is_none() {

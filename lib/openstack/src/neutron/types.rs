@@ -240,6 +240,37 @@ pub struct SubnetCreate {
     pub tags: Option<Vec<String>>,
 }
 
+/// A Neutron subnet pool: the prefixes subnets created without a CIDR are carved from.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct SubnetPool {
+    pub id: String,
+    #[serde(default)]
+    pub name: String,
+    pub ip_version: u8,
+    #[serde(default)]
+    pub prefixes: Vec<String>,
+    #[serde(default)]
+    pub project_id: Option<String>,
+    #[serde(default)]
+    pub shared: bool,
+    #[serde(default)]
+    pub tags: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SubnetPoolCreate {
+    pub name: String,
+    pub prefixes: Vec<String>,
+    /// The prefix length of subnets that ask for none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_prefixlen: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared: Option<bool>,
+}
+
 /// A router's external gateway.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExternalGateway {

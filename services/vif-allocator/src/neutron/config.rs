@@ -7,6 +7,7 @@ use std::time::Duration;
 use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, ConfigSource, ServiceType};
 
+use super::namespaces::config::NamespaceArgs;
 use super::pool::Limits;
 
 /// Flags of `--backend neutron`.
@@ -88,6 +89,9 @@ pub struct NeutronArgs {
     /// Deadline of one Neutron request.
     #[arg(long, env = "KURYR_NEUTRON_TIMEOUT", default_value = "30s", value_parser = kuryr_runtime::config::parse_duration)]
     pub neutron_timeout: Duration,
+
+    #[command(flatten)]
+    pub namespaces: NamespaceArgs,
 }
 
 impl NeutronArgs {
@@ -99,7 +103,11 @@ impl NeutronArgs {
     /// Checks what can be checked before anything is contacted, naming the flag at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
         let network = self.pod_network_id.as_deref().unwrap_or_default();
-        anyhow::ensure!(!network.trim().is_empty(), "--pod-network-id is required with --backend neutron");
+        self.namespaces.validate(!network.trim().is_empty() || !self.pod_subnet_ids.is_empty())?;
+        anyhow::ensure!(
+            self.namespaces.neutron_namespace_subnets || !network.trim().is_empty(),
+            "--pod-network-id is required with --backend neutron (or --neutron-namespace-subnets)"
+        );
         for (flag, values) in [("--pod-subnet-ids", &self.pod_subnet_ids), ("--security-groups", &self.security_groups)]
         {
             anyhow::ensure!(values.iter().all(|v| !v.trim().is_empty()), "{flag}: empty id in the list");

@@ -20,7 +20,7 @@ pub struct PathLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WhyLabels {
     /// `released` (pool full or off), `binding_failed`, `freed` (pool API), `recycle_timeout`,
-    /// `duplicate`.
+    /// `duplicate`, `namespace_deleted` (a pool port of a namespace network being removed).
     pub why: &'static str,
 }
 
@@ -52,6 +52,8 @@ pub struct NeutronMetrics {
     pub status_polls: Counter,
     /// Status list calls that failed.
     pub status_poll_failures: Counter,
+    /// Per-namespace networks.
+    pub namespaces: super::namespaces::metrics::NamespaceMetrics,
 }
 
 impl Default for NeutronMetrics {
@@ -65,6 +67,7 @@ impl Default for NeutronMetrics {
             active_latency: kuryr_runtime::metrics::latency_histogram(),
             status_polls: Counter::default(),
             status_poll_failures: Counter::default(),
+            namespaces: super::namespaces::metrics::NamespaceMetrics::default(),
         }
     }
 }
@@ -72,7 +75,8 @@ impl Default for NeutronMetrics {
 impl NeutronMetrics {
     /// Creates the metrics and registers them.
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
+        let m =
+            Self { namespaces: super::namespaces::metrics::NamespaceMetrics::register(registry), ..Self::default() };
         let r = registry.sub_registry_with_prefix("kuryr_allocator_neutron");
         r.register(
             "port_creations",

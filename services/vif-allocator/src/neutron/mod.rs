@@ -23,6 +23,7 @@
 
 pub mod config;
 pub mod metrics;
+pub mod namespaces;
 pub mod pool;
 pub mod status;
 pub mod vif;
@@ -41,6 +42,8 @@ use tracing::Instrument as _;
 
 use self::config::NeutronArgs;
 use self::metrics::{NeutronMetrics, PoolLabels};
+use self::namespaces::NamespaceNetworks;
+use self::namespaces::k8s::NamespaceKube;
 use self::pool::{Inventory, Limits, PoolKey, PoolView};
 use self::vif::{SubnetInfo, VifShape};
 use crate::backend::VifBackend;
@@ -93,11 +96,20 @@ pub struct Recovered {
     pub deleted: usize,
 }
 
+/// Where pods' ports go.
+#[derive(Debug)]
+enum Networks {
+    /// One pod network (`--pod-network-id`).
+    Fixed(VifShape),
+    /// A network per namespace (`--neutron-namespace-subnets`).
+    PerNamespace(Arc<NamespaceNetworks>),
+}
+
 /// The Neutron backend.
 #[derive(Debug)]
 pub struct NeutronBackend {
     neutron: Neutron,
-    shape: VifShape,
+    networks: Networks,
     project: String,
     /// Sorted; empty: the project's default group.
     security_groups: Vec<String>,
@@ -135,8 +147,62 @@ impl NeutronBackend {
         args: &NeutronArgs,
         client: Client,
         metrics: NeutronMetrics,
+        kube: NamespaceKube,
     ) -> anyhow::Result<(NeutronBackend, Channels)> {
         let neutron = client.network();
+        let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
+            Some(p) => p,
+            None => client
+                .project_id()
+                .await
+                .map_err(|e| anyhow::anyhow!("finding the project from Keystone: {e}"))?
+                .ok_or_else(|| anyhow::anyhow!("no project: pass --project-id or use a project-scoped cloud"))?,
+        };
+        let networks = if args.namespaces.neutron_namespace_subnets {
+            let nn = NamespaceNetworks::connect(
+                &args.namespaces,
+                neutron.clone(),
+                &project,
+                &args.cluster_tag(),
+                &args.ovs_bridge,
+                kube,
+                metrics.namespaces.clone(),
+            )
+            .await?;
+            Networks::PerNamespace(Arc::new(nn))
+        } else {
+            Networks::Fixed(Self::pod_network(args, &neutron).await?)
+        };
+        let mut security_groups = args.security_groups.clone();
+        security_groups.sort();
+        security_groups.dedup();
+        let (ready_tx, ready) = mpsc::unbounded_channel();
+        let (refill_tx, refill) = mpsc::unbounded_channel();
+        tracing::info!(project, ?security_groups, limits = ?args.limits(), "Neutron backend");
+        let backend = NeutronBackend {
+            neutron,
+            networks,
+            project,
+            security_groups,
+            tag: args.cluster_tag(),
+            device_owner: args.device_owner.clone(),
+            limits: args.limits(),
+            poll: (args.status_poll_min, args.status_poll_max),
+            inv: Mutex::default(),
+            watched: Mutex::default(),
+            wake: Notify::new(),
+            ready_tx,
+            refill_tx,
+            filling: Mutex::default(),
+            bulk: Semaphore::new(args.pool_bulk_concurrency),
+            recovered: AtomicBool::new(false),
+            metrics,
+        };
+        Ok((backend, Channels { ready, refill }))
+    }
+
+    /// Reads the one pod network and its subnets (`--pod-network-id`, `--pod-subnet-ids`).
+    async fn pod_network(args: &NeutronArgs, neutron: &Neutron) -> anyhow::Result<VifShape> {
         let network_id = args.pod_network_id.clone().unwrap_or_default();
         let network = neutron.get_network(&network_id).await.map_err(|e| match e {
             e if e.is_not_found() => anyhow::anyhow!("--pod-network-id {network_id}: no such Neutron network"),
@@ -161,66 +227,59 @@ impl NeutronBackend {
             );
             subnets.push(SubnetInfo::from_subnet(&s).map_err(|e| anyhow::anyhow!(e))?);
         }
-        let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
-            Some(p) => p,
-            None => client
-                .project_id()
-                .await
-                .map_err(|e| anyhow::anyhow!("finding the project from Keystone: {e}"))?
-                .ok_or_else(|| anyhow::anyhow!("no project: pass --project-id or use a project-scoped cloud"))?,
-        };
-        let mut security_groups = args.security_groups.clone();
-        security_groups.sort();
-        security_groups.dedup();
-        let (ready_tx, ready) = mpsc::unbounded_channel();
-        let (refill_tx, refill) = mpsc::unbounded_channel();
         let shape = VifShape { network_id, subnets, mtu: network.mtu.unwrap_or(1500), bridge: args.ovs_bridge.clone() };
-        tracing::info!(network = %shape.network_id, subnets = ?subnet_ids, mtu = shape.mtu, project, ?security_groups,
-            limits = ?args.limits(), "Neutron pod network");
-        let backend = NeutronBackend {
-            neutron,
-            shape,
-            project,
-            security_groups,
-            tag: args.cluster_tag(),
-            device_owner: args.device_owner.clone(),
-            limits: args.limits(),
-            poll: (args.status_poll_min, args.status_poll_max),
-            inv: Mutex::default(),
-            watched: Mutex::default(),
-            wake: Notify::new(),
-            ready_tx,
-            refill_tx,
-            filling: Mutex::default(),
-            bulk: Semaphore::new(args.pool_bulk_concurrency),
-            recovered: AtomicBool::new(false),
-            metrics,
-        };
-        Ok((backend, Channels { ready, refill }))
+        tracing::info!(network = %shape.network_id, subnets = ?subnet_ids, mtu = shape.mtu, "Neutron pod network");
+        Ok(shape)
     }
 
-    /// The network id: what PodVifs of this backend name as their network.
+    /// What PodVifs of this backend name as their network: the pod network's id, or
+    /// [`namespaces::NETWORK_LABEL`] with a network per namespace.
     pub fn network_id(&self) -> &str {
-        &self.shape.network_id
+        match &self.networks {
+            Networks::Fixed(shape) => &shape.network_id,
+            Networks::PerNamespace(_) => namespaces::NETWORK_LABEL,
+        }
     }
 
     /// The pool of `node` for this allocator's project, network and security groups.
     pub fn key_for(&self, node: &str) -> PoolKey {
-        PoolKey::new(node, &self.project, &self.shape.network_id, self.security_groups.clone())
+        self.key_on(node, self.network_id())
+    }
+
+    /// The pool of `node` on `network` for this allocator's project and security groups.
+    fn key_on(&self, node: &str, network: &str) -> PoolKey {
+        PoolKey::new(node, &self.project, network, self.security_groups.clone())
     }
 
     /// The pool key the pool API means: empty fields are this allocator's.
     pub fn complete_key(&self, node: &str, project: &str, network: &str, security_groups: &[String]) -> PoolKey {
         let pick = |v: &str, d: &str| if v.is_empty() { d.to_string() } else { v.to_string() };
         let sgs = if security_groups.is_empty() { self.security_groups.clone() } else { security_groups.to_vec() };
-        PoolKey::new(node, &pick(project, &self.project), &pick(network, &self.shape.network_id), sgs)
+        PoolKey::new(node, &pick(project, &self.project), &pick(network, self.network_id()), sgs)
     }
 
     /// Whether `key` is a pool this allocator can create ports for.
     pub fn serves(&self, key: &PoolKey) -> bool {
         key.project == self.project
-            && key.network == self.shape.network_id
+            && self.shape_of(&key.network).is_some()
             && key.security_groups == self.security_groups
+    }
+
+    /// The shape of VIFs on `network`, if pods get ports there (a namespace network being
+    /// removed no longer counts).
+    fn shape_of(&self, network: &str) -> Option<VifShape> {
+        match &self.networks {
+            Networks::Fixed(shape) => (shape.network_id == network).then(|| shape.clone()),
+            Networks::PerNamespace(nn) => nn.shape_of(network),
+        }
+    }
+
+    /// The shape of the pod's VIF: the pod network, or its namespace's (made if need be).
+    async fn shape_for(&self, pod: &PodKey) -> Result<VifShape, ClusterError> {
+        match &self.networks {
+            Networks::Fixed(shape) => Ok(shape.clone()),
+            Networks::PerNamespace(nn) => nn.ensure(&pod.namespace).await,
+        }
     }
 
     /// The configured pool limits.
@@ -233,17 +292,13 @@ impl NeutronBackend {
         self.recovered.load(Ordering::Acquire)
     }
 
-    fn port_create(&self, node: &str, pod: Option<&PodKey>) -> PortCreate {
+    fn port_create(&self, shape: &VifShape, node: &str, pod: Option<&PodKey>) -> PortCreate {
         PortCreate {
-            network_id: self.shape.network_id.clone(),
+            network_id: shape.network_id.clone(),
             name: pod.map(port_name),
             project_id: Some(self.project.clone()),
             fixed_ips: Some(
-                self.shape
-                    .subnets
-                    .iter()
-                    .map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None })
-                    .collect(),
+                shape.subnets.iter().map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None }).collect(),
             ),
             device_id: pod.map(|p| p.uid.clone()),
             device_owner: Some(self.device_owner.clone()),
@@ -255,19 +310,24 @@ impl NeutronBackend {
         }
     }
 
-    fn record(&self, port: &Port) -> Result<VifRecord, ClusterError> {
-        self.shape.record(port).map_err(ClusterError::NotReady)
+    fn record(&self, shape: &VifShape, port: &Port) -> Result<VifRecord, ClusterError> {
+        shape.record(port).map_err(ClusterError::NotReady)
     }
 
-    /// Publishes the pool sizes.
+    /// Publishes the pool sizes, summed per node (a node has a pool per network with
+    /// per-namespace networks).
     fn gauges(&self) {
         let views = guard(&self.inv).views();
+        let mut sums: HashMap<(String, &'static str), i64> = HashMap::new();
         for v in views {
             for (state, n) in
                 [("free", v.free.len() as i64), ("recycling", v.recycling.into()), ("in_use", v.in_use.into())]
             {
-                self.metrics.pool_ports.get_or_create(&PoolLabels { node: v.key.node.clone(), state }).set(n);
+                *sums.entry((v.key.node.clone(), state)).or_default() += n;
             }
+        }
+        for ((node, state), n) in sums {
+            self.metrics.pool_ports.get_or_create(&PoolLabels { node, state }).set(n);
         }
     }
 
@@ -302,8 +362,13 @@ impl NeutronBackend {
 
     /// The pod's port created on its allocation path, after making sure none exists already
     /// (a create whose answer was lost, a port assigned before a crash and not yet tagged).
-    async fn create_for(&self, pod: &PodKey, node: &str) -> Result<(Port, &'static str), ClusterError> {
-        let filter = Filter::new().network_id(&self.shape.network_id).device_id(&pod.uid);
+    async fn create_for(
+        &self,
+        shape: &VifShape,
+        pod: &PodKey,
+        node: &str,
+    ) -> Result<(Port, &'static str), ClusterError> {
+        let filter = Filter::new().network_id(&shape.network_id).device_id(&pod.uid);
         let mut found = self
             .neutron
             .list_ports(&filter)
@@ -325,7 +390,7 @@ impl NeutronBackend {
         }
         let port = self
             .neutron
-            .create_port(self.port_create(node, Some(pod)))
+            .create_port(self.port_create(shape, node, Some(pod)))
             .await
             .map_err(neutron_err(format!("creating a port for pod {}/{} on {node}", pod.namespace, pod.name)))?;
         self.metrics.created("add", 1);
@@ -342,6 +407,8 @@ impl NeutronBackend {
         if n == 0 {
             return Ok(0);
         }
+        let Some(shape) = self.shape_of(&key.network) else { return Ok(0) };
+        let shape = &shape;
         guard(&self.inv).creating(key, n);
         let chunk = self.limits.batch.clamp(1, BULK_MAX);
         let mut sizes = Vec::new();
@@ -354,7 +421,7 @@ impl NeutronBackend {
         let calls = sizes.into_iter().map(|c| async move {
             let result = async {
                 let _permit = self.bulk.acquire().await.map_err(|_| ClusterError::NotReady("shutting down".into()))?;
-                let specs = (0..c).map(|_| self.port_create(&key.node, None)).collect();
+                let specs = (0..c).map(|_| self.port_create(shape, &key.node, None)).collect();
                 self.neutron
                     .create_ports(specs)
                     .await
@@ -401,10 +468,11 @@ impl NeutronBackend {
     /// `recorded` (pod uid → port id, from the PodVifs) decides which port a pod keeps should
     /// it hold two; the other is deleted, as are ports that failed to bind.
     pub async fn recover(&self, recorded: &HashMap<String, String>) -> Result<Recovered, ClusterError> {
-        let filter = Filter::new()
-            .network_id(&self.shape.network_id)
-            .device_owner(&self.device_owner)
-            .tags(std::slice::from_ref(&self.tag));
+        let mut filter = Filter::new();
+        if let Networks::Fixed(shape) = &self.networks {
+            filter = filter.network_id(&shape.network_id);
+        }
+        let filter = filter.device_owner(&self.device_owner).tags(std::slice::from_ref(&self.tag));
         let mut ports = self.neutron.list_ports(&filter).await.map_err(neutron_err("listing the cluster's ports"))?;
         // The recorded port of a pod first, so that it is the one kept.
         ports.sort_by_key(|p| recorded.get(&p.device_id) != Some(&p.id));
@@ -537,7 +605,8 @@ impl NeutronBackend {
             tokio::spawn(
                 async move {
                     let mut delay = Duration::from_millis(500);
-                    loop {
+                    // A pool of a network no longer served (a namespace's, being removed) is not refilled.
+                    while this.serves(&key) {
                         let n = guard(&this.inv).refill(&key, this.limits);
                         if n == 0 {
                             break;
@@ -583,15 +652,21 @@ impl VifBackend for NeutronBackend {
         if !self.is_recovered() {
             return Err(ClusterError::NotReady("the Neutron ports are still being recovered".into()));
         }
-        if let Some(port) = guard(&self.inv).held(&pod.uid).cloned() {
-            return self.record(&port);
+        let held = guard(&self.inv).held(&pod.uid).cloned();
+        if let Some(port) = held {
+            let shape = match self.shape_of(&port.network_id) {
+                Some(s) => s,
+                None => self.shape_for(pod).await?,
+            };
+            return self.record(&shape, &port);
         }
-        let key = self.key_for(node);
+        let shape = self.shape_for(pod).await?;
+        let key = self.key_on(node, &shape.network_id);
         let (port, source) = match self.take_from_pool(pod, &key).await? {
             Some(p) => (p, "pool"),
-            None => self.create_for(pod, node).await?,
+            None => self.create_for(&shape, pod, node).await?,
         };
-        let record = self.record(&port);
+        let record = self.record(&shape, &port);
         guard(&self.inv).assign(&pod.uid, &key, port);
         self.metrics.source(source);
         let _ = self.refill_tx.send(key);
@@ -636,6 +711,9 @@ impl VifBackend for NeutronBackend {
             return Err(e);
         }
         self.gauges();
+        if let Some(nn) = self.namespace_networks() {
+            nn.released(&key.network);
+        }
         Ok(true)
     }
 

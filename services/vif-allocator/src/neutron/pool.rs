@@ -206,6 +206,15 @@ impl Inventory {
         out
     }
 
+    /// Forgets the pools `which` selects that hold nothing (no free, recycling, creating or
+    /// in-use port): a namespace network that is gone.
+    pub fn forget_pools(&mut self, which: impl Fn(&PoolKey) -> bool) {
+        let busy: Vec<PoolKey> = self.in_use.values().map(|(k, _)| k.clone()).collect();
+        self.pools.retain(|k, s| {
+            !which(k) || !s.free.is_empty() || !s.recycling.is_empty() || s.creating > 0 || busy.contains(k)
+        });
+    }
+
     /// One pool's view, if the pool exists.
     pub fn view(&self, key: &PoolKey) -> Option<PoolView> {
         let s = self.pools.get(key)?;
@@ -317,6 +326,10 @@ mod tests {
         let drained: Vec<String> = inv.drain_free(|_| true).into_iter().map(|(_, p)| p.id).collect();
         assert_eq!(drained, ["b", "a"]);
         assert_eq!(inv.total(), 0);
+        inv.put_free(&key("n2"), port("c"));
+        inv.forget_pools(|_| true);
+        let left: Vec<String> = inv.views().into_iter().map(|v| v.key.node).collect();
+        assert_eq!(left, ["n2"], "only empty pools are forgotten");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
 //! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
+//! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
@@ -27,6 +28,7 @@ pub mod cri;
 pub mod kube;
 pub mod kubelet;
 pub mod lbserver;
+pub mod metrics;
 pub mod netns;
 pub mod neutron;
 pub mod node;

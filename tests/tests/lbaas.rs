@@ -180,7 +180,12 @@ impl Cluster {
     async fn events_about(&self, name: &str) -> Vec<Event> {
         let events: Api<Event> = Api::namespaced(self.admin.clone(), NS);
         let all = events.list(&ListParams::default()).await.unwrap().items;
-        all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
+        // kuryr-lbaas' only: the API server's own controllers may have their say about a Service
+        // too (ClusterIPNotAllocated from its IP repair loop, for one).
+        all.into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .filter(|e| e.reporting_controller.as_deref() == Some("kuryr-lbaas"))
+            .collect()
     }
 }
 

@@ -284,7 +284,8 @@ impl CniService {
         guard.plugged = true;
         guard.reported = true;
         self.report_plugged(&att, deadline).await?;
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        let t_ready = Instant::now();
+        let remaining = deadline.saturating_duration_since(t_ready);
         let vif = match self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await {
             Wait::Vif(v) => v,
             Wait::Gone => {
@@ -300,12 +301,15 @@ impl CniService {
         };
         guard.disarm();
         self.metrics.observe_vif_wait(vif_known);
+        let ready_wait = t_ready.elapsed();
+        self.metrics.observe_ready_wait(ready_wait);
         tracing::info!(
             pod,
             container = container_id,
             took_ms = start.elapsed().as_secs_f64() * 1e3,
             vif_wait_ms = vif_known.as_secs_f64() * 1e3,
             plug_ms = plug_took.as_secs_f64() * 1e3,
+            ready_wait_ms = ready_wait.as_secs_f64() * 1e3,
             "ADD done"
         );
         Ok(result_for(&vif, ifname, &netns, &plugged))

@@ -349,8 +349,17 @@ impl<C: Cluster> Controller<C> {
         let key = PodKey::new(pod.namespace, pod.name, pod.uid);
         self.cluster.record_state(&key, vif_id, VifState::Ready).await?;
         lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(VifState::Ready));
+        self.observe_ready(pod_uid);
         tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = pod_uid, vif = vif_id, "VIF ready");
         Ok(true)
+    }
+
+    /// A pod's VIF was recorded READY: its network-ready latency, from when it was first seen
+    /// scheduled (unknown for pods scheduled before this process started).
+    fn observe_ready(&self, pod_uid: &str) {
+        if let Some(seen) = view_lock(&self.view).get(pod_uid).and_then(|e| e.first_scheduled) {
+            self.metrics.ready_latency.observe(seen.elapsed().as_secs_f64());
+        }
     }
 
     /// The VIF of a pod.
@@ -404,6 +413,9 @@ impl<C: Cluster> Controller<C> {
             other => PlugError::Unavailable(chain(&other)),
         })?;
         let after = lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(want));
+        if want == VifState::Ready && after.is_some() {
+            self.observe_ready(pod_uid);
+        }
         tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = pod_uid, vif = vif_id, state = ?want, "plug reported");
         after.ok_or_else(|| PlugError::NotFound(format!("the VIF of pod {pod_uid} was released meanwhile")))
     }

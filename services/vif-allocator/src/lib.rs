@@ -344,7 +344,7 @@ impl Start {
 
     async fn prepare_embedded(&self, client: &kube::Client, shutdown: &Shutdown) -> Option<Prepared> {
         let network = self.config.network.clone();
-        let store = Arc::new(IpamStore::new(client.clone()));
+        let store = Arc::new(IpamStore::new(client.clone()).with_metrics(self.metrics.ipam.clone()));
         k8s::retry("looking up the PodNetwork", shutdown, || {
             k8s::ensure_network(client, &store, &network, self.spec.as_ref())
         })

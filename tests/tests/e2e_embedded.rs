@@ -5,7 +5,10 @@
 //! status shows them, they reach each other within and across nodes over IPv4 and IPv6, a pod
 //! whose CNI ADD fails (its node's binder is down) gets a FailedCreatePodSandBox Event and starts
 //! once the binder is back, and deleting them returns everything: pods gone (finalizers removed), no PodVif, no allocation in
-//! any AddressBlock, no host-side veth on any node.
+//! any AddressBlock, no host-side veth on any node. The services' metrics are scraped before,
+//! during and after: CNI calls by operation and code (an ADD with a missing netns counted with
+//! its code), latency histograms, network-ready latency, allocations and releases, the IPAM's
+//! API calls and addresses per node, queue depths and the watcher's index move as they must.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashSet};
@@ -19,7 +22,9 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks;
 use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
 use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::services::wait_until;
+use kuryr_tests::shim::run_shim;
 use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
 use kuryr_vif_allocator::ipam::ipnet::IpNet;
 
@@ -60,6 +65,7 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     };
     namespaces.create(&PostParams::default(), &ns).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let metrics_before = Metrics::scrape(cluster).await?;
 
     // Pods bound to their nodes (there is no scheduler), created through the API.
     let t = Instant::now();
@@ -144,6 +150,11 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
         }
     }
 
+    // The services' metrics moved with those pods.
+    let metrics_running = Metrics::scrape(cluster).await?;
+    metrics_running.check_pods_started(&metrics_before, cluster, PODS_PER_NODE)?;
+    cni_failure_is_counted(cluster).await?;
+
     // Reachability: every pod pings every other pod, IPv4 and IPv6, within and across nodes.
     let t = Instant::now();
     let pings = reach::ping_all(&endpoints).await;
@@ -206,6 +217,7 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
 
     // Deletion: the kubelets tear the sandboxes down and delete the pods; the allocator releases
     // the VIFs and removes its finalizer.
+    let metrics_deleting = Metrics::scrape(cluster).await?;
     let t = Instant::now();
     for name in wanted.keys() {
         pods.delete(name, &DeleteParams::default()).await?;
@@ -223,6 +235,159 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     eprintln!("pods gone {:?} after deletion", t.elapsed());
     // Nothing left: finalizers gone, no PodVif, no allocation, no veth, sandbox or record.
     checks::wait_released(cluster, RELEASE_TIMEOUT).await?;
+    // The metrics followed: DELs, releases, no address used, queues drained.
+    let all = wanted.len() as f64;
+    let metrics_after = wait_until("the metrics to show every pod released", RELEASE_TIMEOUT, || async {
+        let m = Metrics::scrape(cluster).await?;
+        m.check_pods_released(&metrics_deleting, &metrics_before, cluster, all)?;
+        Ok(m)
+    })
+    .await?;
+    eprintln!(
+        "metrics: {} allocations, {} releases, {} IPAM block writes, successful ADD mean {:.1} ms in the binders",
+        metrics_after.allocator.sum("kuryr_allocator_allocations_total", &[]),
+        metrics_after.allocator.sum("kuryr_allocator_releases_total", &[]),
+        metrics_after.allocator.count(IPAM_CALLS, &[("operation", "write_block_status")]),
+        metrics_after.mean_add_ms()
+    );
+    Ok(())
+}
+
+const IPAM_CALLS: &str = "kuryr_allocator_ipam_api_request_duration_seconds";
+const ADD_OK: &[(&str, &str)] = &[("op", "ADD"), ("code", "0")];
+const DEL_OK: &[(&str, &str)] = &[("op", "DEL"), ("code", "0")];
+
+/// What the watcher, the allocator and each node's binder expose at one moment.
+struct Metrics {
+    watcher: Scrape,
+    allocator: Scrape,
+    /// By node name; a binder listens on its node's own loopback.
+    binders: BTreeMap<String, Scrape>,
+}
+
+impl Metrics {
+    async fn scrape(cluster: &Cluster) -> Result<Metrics> {
+        let mut binders = BTreeMap::new();
+        for n in cluster.nodes() {
+            binders.insert(n.name.clone(), Scrape::in_netns(&n.node.netns_path(), "127.0.0.1:9631").await?);
+        }
+        Ok(Metrics {
+            watcher: Scrape::http(&cluster.watcher().metrics).await?,
+            allocator: Scrape::http(&cluster.allocator().metrics).await?,
+            binders,
+        })
+    }
+
+    fn binder(&self, node: &str) -> Result<&Scrape> {
+        self.binders.get(node).with_context(|| format!("no scrape of {node}'s binder"))
+    }
+
+    /// `per_node` pods were started on every node since `before`.
+    fn check_pods_started(&self, before: &Metrics, cluster: &Cluster, per_node: usize) -> Result<()> {
+        let per_node = per_node as f64;
+        let all = per_node * cluster.nodes().len() as f64;
+        for n in cluster.nodes() {
+            let (b, a) = (before.binder(&n.name)?, self.binder(&n.name)?);
+            let ctx = || format!("binder of {}", n.name);
+            a.moved(b, "kuryr_cni_requests_total", ADD_OK).at_least(per_node).with_context(ctx)?;
+            a.moved_count(b, "kuryr_cni_request_duration_seconds", ADD_OK).at_least(per_node).with_context(ctx)?;
+            a.moved_count(b, "kuryr_cni_add_vif_wait_seconds", &[]).at_least(per_node).with_context(ctx)?;
+            a.moved_count(b, "kuryr_cni_add_ready_wait_seconds", &[]).at_least(per_node).with_context(ctx)?;
+            // The pods' addresses, as the allocator's IPAM last wrote them: one per pod and
+            // family in the node's blocks, and the rest of the blocks free.
+            for family in ["ipv4", "ipv6"] {
+                let labels = [("node", n.name.as_str()), ("family", family), ("state", "used")];
+                let used = self.allocator.value("kuryr_allocator_ipam_addresses", &labels)?;
+                ensure!(used == per_node, "{}: {used} {family} addresses used, want {per_node}", n.name);
+                let labels = [("node", n.name.as_str()), ("family", family), ("state", "free")];
+                ensure!(self.allocator.value("kuryr_allocator_ipam_addresses", &labels)? > 0.0);
+            }
+        }
+        let (b, a) = (&before.allocator, &self.allocator);
+        a.moved(b, "kuryr_allocator_allocations_total", &[]).exactly(all)?;
+        a.moved_count(b, "kuryr_allocator_vif_ready_seconds", &[]).exactly(all)?;
+        a.moved_count(b, "kuryr_allocator_pod_ready_seconds", &[]).at_least(all)?;
+        let plugged = [("method", "ReportPlugged"), ("code", "OK")];
+        a.moved(b, "grpc_server_handled_total", &plugged).at_least(all)?;
+        // The embedded backend's API calls: batched status writes, reads of the node's blocks.
+        a.moved_count(b, IPAM_CALLS, &[("operation", "write_block_status")]).at_least(1.0)?;
+        ensure!(a.count(IPAM_CALLS, &[("operation", "list_blocks")]) >= 1.0, "no list_blocks call recorded");
+        ensure!(a.value("kuryr_allocator_vifs", &[])? == all, "kuryr_allocator_vifs");
+        ensure!(a.has("kuryr_allocator_queue_depth"), "no kuryr_allocator_queue_depth");
+        // The watcher indexes the pods and streams them to the allocator.
+        let (b, a) = (&before.watcher, &self.watcher);
+        ensure!(a.value("kuryr_watcher_objects", &[("kind", "pod")])? >= all, "kuryr_watcher_objects{{kind=pod}}");
+        ensure!(a.value("kuryr_watcher_subscribers", &[])? >= 1.0, "no watcher subscriber");
+        a.moved(b, "kuryr_watcher_deltas_total", &[("kind", "pod")]).at_least(all)?;
+        Ok(())
+    }
+
+    /// Every one of `all` pods was torn down (since `deleting`) and released (since `before`).
+    fn check_pods_released(&self, deleting: &Metrics, before: &Metrics, cluster: &Cluster, all: f64) -> Result<()> {
+        let mut dels = 0.0;
+        for n in cluster.nodes() {
+            let (d, a) = (deleting.binder(&n.name)?, self.binder(&n.name)?);
+            dels += a.moved(d, "kuryr_cni_requests_total", DEL_OK).delta();
+            let failed = a.moved(d, "kuryr_cni_requests_total", &[("op", "DEL")]).delta()
+                - a.moved(d, "kuryr_cni_requests_total", DEL_OK).delta();
+            ensure!(failed == 0.0, "{}: {failed} DELs failed", n.name);
+            a.moved_count(d, "kuryr_cni_request_duration_seconds", DEL_OK)
+                .at_least(1.0)
+                .with_context(|| n.name.clone())?;
+            for family in ["ipv4", "ipv6"] {
+                let labels = [("node", n.name.as_str()), ("family", family), ("state", "used")];
+                let used = self.allocator.value("kuryr_allocator_ipam_addresses", &labels)?;
+                ensure!(used == 0.0, "{}: {used} {family} addresses still used", n.name);
+            }
+        }
+        ensure!(dels >= all, "{dels} successful DELs for {all} pods");
+        let a = &self.allocator;
+        a.moved(&before.allocator, "kuryr_allocator_releases_total", &[]).exactly(all)?;
+        ensure!(a.value("kuryr_allocator_vifs", &[])? == 0.0, "VIFs still held");
+        ensure!(a.value("kuryr_allocator_queue_depth", &[])? == 0.0, "allocator queue not drained");
+        ensure!(a.value("kuryr_allocator_queue_failing", &[])? == 0.0, "allocator reconciles still failing");
+        let pods_before = before.watcher.value("kuryr_watcher_objects", &[("kind", "pod")])?;
+        let pods_now = self.watcher.value("kuryr_watcher_objects", &[("kind", "pod")])?;
+        ensure!(pods_now == pods_before, "the watcher holds {pods_now} pods, {pods_before} before the test");
+        Ok(())
+    }
+
+    /// Mean successful ADD time over every binder, in milliseconds.
+    fn mean_add_ms(&self) -> f64 {
+        let (mut sum, mut count) = (0.0, 0.0);
+        for b in self.binders.values() {
+            sum += b.hist_sum("kuryr_cni_request_duration_seconds", ADD_OK);
+            count += b.count("kuryr_cni_request_duration_seconds", ADD_OK);
+        }
+        if count > 0.0 { sum / count * 1e3 } else { 0.0 }
+    }
+}
+
+/// An ADD whose netns does not exist fails with CNI code 4 and is counted with that code (and
+/// its latency) in the binder.
+async fn cni_failure_is_counted(cluster: &Cluster) -> Result<()> {
+    let node = &cluster.nodes()[0];
+    let before = Scrape::in_netns(&node.node.netns_path(), "127.0.0.1:9631").await?;
+    let conf = serde_json::json!({
+        "cniVersion": "1.1.0", "name": "kuryr", "type": "kuryr-cni", "binderSocket": node.node.binder.socket,
+    });
+    let env = [
+        ("CNI_COMMAND", "ADD"),
+        ("CNI_CONTAINERID", "metrics-failing-add"),
+        ("CNI_NETNS", "/var/run/netns/kuryr-no-such-netns"),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_PATH", "/opt/cni/bin"),
+        ("CNI_ARGS", "K8S_POD_NAMESPACE=e2e;K8S_POD_NAME=ghost;K8S_POD_UID=00000000-0000-0000-0000-000000000000"),
+    ];
+    let out = run_shim(&env, conf.to_string().as_bytes())?;
+    ensure!(out.code != 0, "an ADD into a missing netns succeeded: {}", out.stdout);
+    let code = out.json()?["code"].as_u64().context("no CNI error code")?;
+    ensure!(code == 4, "an ADD into a missing netns failed with code {code}: {}", out.stdout);
+    let after = Scrape::in_netns(&node.node.netns_path(), "127.0.0.1:9631").await?;
+    let failed = [("op", "ADD"), ("code", "4")];
+    after.moved(&before, "kuryr_cni_requests_total", &failed).exactly(1.0)?;
+    after.moved_count(&before, "kuryr_cni_request_duration_seconds", &failed).at_least(1.0)?;
+    after.moved(&before, "kuryr_cni_requests_total", ADD_OK).exactly(0.0)?;
     Ok(())
 }
 

@@ -10,7 +10,9 @@
 //! - a binder stopped (SIGTERM) or killed (-9) leaves the rules answering, and after its restart
 //!   it reconciles from the snapshot and applies later changes;
 //! - kuryr-lbaas killed with -9 and restarted: every node's rules unchanged, later changes applied;
-//! - deleting the Service removes its rules from every node, and connections fail.
+//! - deleting the Service removes its rules from every node, and connections fail;
+//! - the metrics follow: kuryr-lbaas' reconciles by result, its queue drained, load balancers
+//!   by state and stream subscribers; each binder's programming latency and transactions.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
@@ -29,6 +31,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::svc::{self, nft_table, table_has, wait_tables};
 use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::services::wait_until;
 
 const NAMESPACE: &str = "svc";
@@ -136,6 +139,7 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     {
         pods.create(&PostParams::default(), &pod(name, node, backend)).await?;
     }
+    let metrics_before = ServiceMetrics::scrape(cluster).await?;
     let t_service = Instant::now();
     services.create(&PostParams::default(), &service()).await?;
     let (vip, ports) = svc::cluster_ip(&client, NAMESPACE, SERVICE).await?;
@@ -200,6 +204,18 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     eprintln!("  b1 deleted → out of every node's rules after {:?}", t.elapsed());
     w.refresh(cluster, 4).await?;
     w.expect_answers(&["b2", "b3"]).await?;
+    // Created, then two endpoint changes: reconciled, streamed and programmed on every node.
+    let metrics = wait_until("the Service metrics to settle", CONVERGE_TIMEOUT, || async {
+        let m = ServiceMetrics::scrape(cluster).await?;
+        m.check_programmed(&metrics_before, 3.0)?;
+        Ok(m)
+    })
+    .await?;
+    eprintln!(
+        "  metrics: {} applied reconciles, {} node programmings",
+        metrics.lbaas.moved_count(&metrics_before.lbaas, RECONCILE, APPLIED).delta(),
+        metrics.binders.values().map(|b| b.count(PROGRAM, &[])).sum::<f64>()
+    );
 
     eprintln!("3. binder restarts: {node2}'s stopped (SIGTERM), {node1}'s killed (-9)");
     let before = tables(cluster).await;
@@ -240,6 +256,7 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     w.expect_answers(&["b3", "b4"]).await?;
 
     eprintln!("5. Service deleted");
+    let metrics_before = ServiceMetrics::scrape(cluster).await?;
     let t = Instant::now();
     services.delete(SERVICE, &DeleteParams::default()).await?;
     wait_tables(cluster.nodes(), &format!("{vip} gone"), CONVERGE_TIMEOUT, |t| !table_has(t, vip)).await?;
@@ -257,7 +274,73 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
         }
     })
     .await?;
+    wait_until("the deletion in the metrics", CONVERGE_TIMEOUT, || async {
+        let m = ServiceMetrics::scrape(cluster).await?;
+        m.lbaas.moved_count(&metrics_before.lbaas, RECONCILE, &[("result", "deleted")]).at_least(1.0)?;
+        m.lbaas.moved(&metrics_before.lbaas, "kuryr_lbaas_load_balancers", &[]).exactly(-1.0)?;
+        ensure!(m.lbaas.value("kuryr_lbaas_queue_depth", &[])? == 0.0, "lbaas queue not drained");
+        for (node, b) in &m.binders {
+            b.moved(&metrics_before.binders[node], "kuryr_binder_lb_services", &[])
+                .exactly(-1.0)
+                .with_context(|| node.clone())?;
+            b.moved(&metrics_before.binders[node], "kuryr_binder_lb_transactions_total", &[("result", "ok")])
+                .at_least(1.0)
+                .with_context(|| node.clone())?;
+        }
+        Ok(())
+    })
+    .await?;
     Ok(())
+}
+
+const RECONCILE: &str = "kuryr_lbaas_reconcile_seconds";
+const APPLIED: &[(&str, &str)] = &[("result", "applied")];
+const PROGRAM: &str = "kuryr_binder_lb_program_seconds";
+
+/// What kuryr-lbaas and each node's binder expose at one moment.
+struct ServiceMetrics {
+    lbaas: Scrape,
+    /// By node name.
+    binders: BTreeMap<String, Scrape>,
+}
+
+impl ServiceMetrics {
+    async fn scrape(cluster: &Cluster) -> Result<ServiceMetrics> {
+        let lbaas = cluster.lbaas().context("the cluster runs no kuryr-lbaas")?;
+        let mut binders = BTreeMap::new();
+        for n in cluster.nodes() {
+            binders.insert(n.name.clone(), Scrape::in_netns(&n.node.netns_path(), "127.0.0.1:9631").await?);
+        }
+        Ok(ServiceMetrics { lbaas: Scrape::http(&lbaas.metrics).await?, binders })
+    }
+
+    /// One Service created and `changes` - 1 endpoint changes since `before`, all done.
+    fn check_programmed(&self, before: &ServiceMetrics, changes: f64) -> Result<()> {
+        let (b, a) = (&before.lbaas, &self.lbaas);
+        a.moved_count(b, RECONCILE, APPLIED).at_least(changes)?;
+        ensure!(a.sum(RECONCILE, &[("result", "error")]) == 0.0, "lbaas reconciles failed");
+        ensure!(a.value("kuryr_lbaas_queue_depth", &[])? == 0.0, "lbaas queue not drained");
+        ensure!(a.value("kuryr_lbaas_queue_failing", &[])? == 0.0, "lbaas reconciles failing");
+        // One more than before: the API server's own default/kubernetes Service has one too.
+        a.moved(b, "kuryr_lbaas_load_balancers", &[("state", "PROGRAMMED")]).exactly(1.0)?;
+        ensure!(a.sum("kuryr_lbaas_load_balancers", &[("state", "PENDING")]) == 0.0, "load balancers PENDING");
+        let subscribers = a.value("kuryr_lbaas_watch_subscribers", &[])?;
+        ensure!(subscribers >= before.binders.len() as f64, "{subscribers} WatchLoadBalancers streams");
+        for (node, after) in &self.binders {
+            let b = before.binders.get(node).context("node")?;
+            let ctx = || format!("binder of {node}");
+            // Each change is one delta transaction, timed from its arrival to the kernel.
+            after.moved_count(b, PROGRAM, &[("kind", "delta")]).at_least(changes).with_context(ctx)?;
+            after
+                .moved(b, "kuryr_binder_lb_transactions_total", &[("kind", "delta"), ("result", "ok")])
+                .at_least(changes)
+                .with_context(ctx)?;
+            ensure!(after.sum("kuryr_binder_lb_transactions_total", &[("result", "error")]) == 0.0, "{node}: failed");
+            after.moved(b, "kuryr_binder_lb_services", &[]).exactly(1.0).with_context(ctx)?;
+            ensure!(after.value("kuryr_binder_lb_synced", &[])? == 1.0, "{node}: not in sync");
+        }
+        Ok(())
+    }
 }
 
 /// Every node's table, by node.

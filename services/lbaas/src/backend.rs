@@ -57,6 +57,12 @@ pub struct Maintenance {
     pub enqueue: std::sync::Arc<dyn Fn(&str) + Send + Sync>,
     /// Ends the maintenance.
     pub shutdown: kuryr_runtime::Shutdown,
+    /// Whether this replica reconciles the Service of a key now (its shard is served here):
+    /// repair and garbage collection touch nothing else — a load balancer of another shard is
+    /// not an orphan.
+    pub serves: std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>,
+    /// Notified when shards were gained: a pass for them runs at once.
+    pub kick: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for Maintenance {
@@ -83,6 +89,15 @@ pub trait Backend: Send + Sync + 'static {
     /// Starts background maintenance once the records are recovered and the workers run; none
     /// by default.
     fn maintain(&self, _ctx: Maintenance) {}
+
+    /// The record of `key`, written by the replica that owns its shard, as last seen in the API
+    /// (`None`: deleted). The node backend streams it, so that binders connected to any replica
+    /// get every Service; nothing by default.
+    fn mirror(&self, _key: &str, _spec: Option<LoadBalancerSpec>) {}
+
+    /// Forgets what is remembered of the Services whose key matches: their shard moved, so
+    /// another replica may have changed them meanwhile. Nothing by default.
+    fn forget(&self, _which: &dyn Fn(&str) -> bool) {}
 }
 
 /// The embedded node dataplane: specs streamed to every binder.
@@ -122,5 +137,67 @@ impl Backend for NodeBackend {
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         kuryr_stream::log::lock(&self.log).remove(&key.to_string());
         Ok(())
+    }
+
+    fn mirror(&self, key: &str, spec: Option<LoadBalancerSpec>) {
+        let mut log = kuryr_stream::log::lock(&self.log);
+        let key = key.to_string();
+        match spec {
+            // An older generation of the same Service never replaces a newer one; an equal spec
+            // records nothing (the log compares), so an owner change is silent on the stream.
+            Some(spec) => {
+                let stale = log.get(&key).is_some_and(|cur| cur.uid == spec.uid && cur.generation > spec.generation);
+                if !stale {
+                    log.upsert(key, spec);
+                }
+            }
+            None => {
+                log.remove(&key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kuryr_stream::{Epoch, Log};
+
+    use super::*;
+
+    fn spec(uid: &str, generation: u64, vip: &str) -> LoadBalancerSpec {
+        LoadBalancerSpec {
+            namespace: "ns".into(),
+            name: "web".into(),
+            uid: uid.into(),
+            vips: vec![vip.into()],
+            generation,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn mirrored_records_never_go_back_and_repeat_nothing() {
+        let log: LbLog = Log::new(Epoch::random(), 64).shared();
+        kuryr_stream::log::lock(&log).set_ready();
+        let b = NodeBackend::new(log.clone());
+        let rev = || kuryr_stream::log::lock(&log).revision();
+        b.mirror("ns/web", Some(spec("u1", 3, "10.96.0.1")));
+        assert_eq!(rev(), 1);
+        // The same spec again (a new owner publishing what the old one did): nothing streamed.
+        b.mirror("ns/web", Some(spec("u1", 3, "10.96.0.1")));
+        assert_eq!(rev(), 1);
+        // An older generation of the same Service arriving late: ignored.
+        b.mirror("ns/web", Some(spec("u1", 2, "10.96.0.9")));
+        assert_eq!(kuryr_stream::log::lock(&log).get(&"ns/web".to_string()).unwrap().generation, 3);
+        // Newer, or a Service re-created under the name (any generation): applied.
+        b.mirror("ns/web", Some(spec("u1", 4, "10.96.0.2")));
+        b.mirror("ns/web", Some(spec("u2", 1, "10.96.0.3")));
+        assert_eq!(rev(), 3);
+        assert_eq!(kuryr_stream::log::lock(&log).get(&"ns/web".to_string()).unwrap().uid, "u2");
+        b.mirror("ns/web", None);
+        assert!(kuryr_stream::log::lock(&log).get(&"ns/web".to_string()).is_none());
+        assert_eq!(rev(), 4);
     }
 }

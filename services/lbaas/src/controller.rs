@@ -18,10 +18,17 @@
 //! counted in `kuryr_lbaas_failures_total{op,reason}` and told to the Service's users as a
 //! Warning Event. NodePort and ExternalName Services are told once (a Normal Event) why they get
 //! no load balancer.
+//!
+//! **Shards** ([`crate::shards`]): only Services whose shard this replica serves are queued and
+//! reconciled; one whose shard moved away is skipped (`result="elsewhere"`), and a reconcile
+//! that fails after its shard moved is neither retried nor reported here — the new owner
+//! converges it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
+
+use tokio::sync::Notify;
 
 use kuryr_proto::lbaas::v1::{LoadBalancer, LoadBalancerSpec};
 use kuryr_proto::watcher::v1::EndpointSlice;
@@ -33,6 +40,7 @@ use crate::backend::{Backend, BackendError, Maintenance, Observed};
 use crate::crd::{ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
 use crate::k8s::{Kube, KubeError, Record};
 use crate::metrics::{Metrics, ResultLabels};
+use crate::shards::Shards;
 use crate::spec::{Desired, REASON_SKIPPED, ServiceRef, desired};
 use crate::view::{FINALIZER, ServiceEntry, View, split};
 
@@ -40,6 +48,9 @@ use crate::view::{FINALIZER, ServiceEntry, View, split};
 pub const REASON_FAILED: &str = "LoadBalancerFailed";
 /// See [`REASON_FAILED`].
 pub const REASON_CLEANUP_FAILED: &str = "LoadBalancerCleanupFailed";
+
+/// The result of a reconcile skipped because the Service's shard is served by another replica.
+pub const ELSEWHERE: &str = "elsewhere";
 
 /// Reads and patches of the finalizer before a conflict counts as a failure.
 const FINALIZER_ATTEMPTS: u32 = 3;
@@ -64,6 +75,9 @@ pub enum Cause {
     /// The backend.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// The Service's shard went to another replica between two steps.
+    #[error("its shard is served by another replica now")]
+    Moved,
 }
 
 /// A failed reconcile.
@@ -88,6 +102,7 @@ impl ReconcileError {
         match &self.cause {
             Cause::Kube(e) => e.reason(),
             Cause::Backend(e) => e.reason,
+            Cause::Moved => "moved",
         }
     }
 }
@@ -130,12 +145,48 @@ pub struct Controller<B> {
     metrics: Metrics,
     /// Services told why they get no load balancer: key → (uid, message).
     told: Mutex<HashMap<String, (String, String)>>,
+    /// The Services this replica reconciles.
+    shards: Shards,
+    /// Wakes the backend's maintenance when shards are gained.
+    kick: Arc<Notify>,
 }
 
 impl<B: Backend> Controller<B> {
     /// A controller writing through `kube` and programming `backend`.
     pub fn new(kube: Kube, backend: B, view: SharedView, records: Records, metrics: Metrics) -> Self {
-        Self { kube, backend, view, records, queue: Arc::new(WorkQueue::default()), metrics, told: Mutex::default() }
+        Self {
+            kube,
+            backend,
+            view,
+            records,
+            queue: Arc::new(WorkQueue::default()),
+            metrics,
+            told: Mutex::default(),
+            shards: Shards::all(),
+            kick: Arc::default(),
+        }
+    }
+
+    /// Reconciles only the Services `shards` serves (every one by default).
+    #[must_use]
+    pub fn with_shards(mut self, shards: Shards) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The records.
+    pub fn records(&self) -> &Records {
+        &self.records
+    }
+
+    /// Wakes the backend's maintenance.
+    pub fn kick(&self) -> Arc<Notify> {
+        self.kick.clone()
     }
 
     /// Starts the backend's background maintenance, feeding this controller's queue.
@@ -146,7 +197,15 @@ impl<B: Backend> Controller<B> {
                 c.enqueue(key);
             }
         });
-        self.backend.maintain(Maintenance { records: self.records.clone(), enqueue, shutdown });
+        let shards = self.shards.clone();
+        let serves = Arc::new(move |key: &str| shards.serves(key));
+        self.backend.maintain(Maintenance {
+            records: self.records.clone(),
+            enqueue,
+            shutdown,
+            serves,
+            kick: self.kick.clone(),
+        });
     }
 
     /// The view.
@@ -154,23 +213,34 @@ impl<B: Backend> Controller<B> {
         &self.view
     }
 
-    /// Queues a Service key for reconciling.
+    /// Queues a Service key for reconciling, when its shard is served here.
     pub fn enqueue(&self, key: &str) {
-        self.queue.add(key);
-        self.gauge_queue();
+        if self.shards.serves(key) {
+            self.queue.add(key);
+            self.gauge_queue();
+        }
     }
 
-    /// Queues every Service held and every record: at the first complete snapshot this deletes
-    /// records whose Service is gone and creates those missing.
+    /// Queues every Service held and every record (of the served shards): at the first complete
+    /// snapshot this deletes records whose Service is gone and creates those missing.
     pub fn enqueue_all(&self) {
+        self.enqueue_where(|_| true);
+    }
+
+    /// Queues every Service held and every record whose key matches `which` and is served
+    /// here; returns how many.
+    pub fn enqueue_where(&self, which: impl Fn(&str) -> bool) -> usize {
         let mut keys = locked(&self.view).keys();
         keys.extend(locked(&self.records).keys().cloned());
         keys.sort();
         keys.dedup();
-        for k in &keys {
+        let mut n = 0;
+        for k in keys.iter().filter(|k| which(k) && self.shards.serves(k)) {
             self.queue.add(k);
+            n += 1;
         }
         self.gauge_queue();
+        n
     }
 
     fn gauge_queue(&self) {
@@ -208,6 +278,11 @@ impl<B: Backend> Controller<B> {
             let started = Instant::now();
             let (result, outcome) = match self.reconcile(&key).await {
                 Ok(result) => (result, Outcome::Done),
+                // Its shard moved while it ran: the new owner converges it from what is there.
+                Err(e) if !self.shards.serves(&key) => {
+                    tracing::info!(service = %key, error = chain(&e), "shard moved during the reconcile; left to its new owner");
+                    (ELSEWHERE, Outcome::Done)
+                }
                 Err(e) => {
                     self.report(&e).await;
                     ("error", Outcome::Retry)
@@ -234,6 +309,9 @@ impl<B: Backend> Controller<B> {
 
     /// Brings one Service key in line with its latest state; returns the result label.
     pub async fn reconcile(&self, key: &str) -> Result<&'static str, ReconcileError> {
+        if !self.shards.serves(key) {
+            return Ok(ELSEWHERE);
+        }
         let (entry, slices) = {
             let v = locked(&self.view);
             (v.service(key).cloned(), v.slices(key))
@@ -288,8 +366,14 @@ impl<B: Backend> Controller<B> {
             return Ok(());
         }
         let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
+        if !self.shards.serves(key) {
+            return Err(fail("writing the record")(Cause::Moved));
+        }
         let record = self.ensure_record(key, &want).await.map_err(|e| fail("writing the record")(e.into()))?;
         spec.generation = record.generation;
+        if !self.shards.serves(key) {
+            return Err(fail("programming the backend")(Cause::Moved));
+        }
         let observed = match self.backend.ensure(key, &spec).await {
             Ok(o) => o,
             Err(e) => {

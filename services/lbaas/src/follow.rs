@@ -40,6 +40,8 @@ pub struct Follower<B> {
     pub metrics: Metrics,
     /// How lbaas names itself to the watcher.
     pub subscriber: String,
+    /// Set at the first complete snapshot: from then on the view holds every Service.
+    pub synced: tokio::sync::watch::Sender<bool>,
 }
 
 impl<B: Backend> Follower<B> {
@@ -123,6 +125,7 @@ impl<B: Backend> Follower<B> {
             let services = locked(self.controller.view()).len();
             self.controller.enqueue_all();
             kuryr_stream::log::lock(&self.log).set_ready();
+            self.synced.send_replace(true);
             tracing::info!(services, "watcher snapshot complete; serving WatchLoadBalancers");
         } else {
             tracing::info!("watcher stream live again");

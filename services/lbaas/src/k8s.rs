@@ -142,7 +142,8 @@ pub struct Record {
 }
 
 impl Record {
-    fn from_object(o: ServiceLoadBalancer) -> Record {
+    /// The record of an object read from the API.
+    pub fn from_object(o: ServiceLoadBalancer) -> Record {
         Record {
             uid: o.metadata.uid.unwrap_or_default(),
             generation: o.metadata.generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),

@@ -22,8 +22,14 @@
 //! first complete snapshot every Service and every record is queued: records without a Service
 //! are deleted, Services without a record get one.
 //!
-//! Readiness ([`ready`]): NOT_SERVING until the records are loaded and the watcher's stream is
-//! live. WatchLoadBalancers answers UNAVAILABLE until the first complete view.
+//! **Scales** through shards ([`shards`], `--shards`, Kubernetes Leases from [`kuryr_shard`]): a
+//! Service is reconciled only by the replica owning the shard of its `namespace/name`; every
+//! replica follows the records of the others' shards ([`mirror`]), so WatchLoadBalancers streams
+//! every Service wherever a binder connects, and Get/List answer for all of them.
+//!
+//! Readiness ([`ready`]): NOT_SERVING until the records are loaded, the watcher's stream is live
+//! and (sharded) the other shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
+//! until the first complete view.
 
 pub mod backend;
 pub mod controller;
@@ -32,22 +38,27 @@ pub mod follow;
 pub mod grpc;
 pub mod k8s;
 pub mod metrics;
+pub mod mirror;
 pub mod octavia;
 pub mod octavia_fip;
 pub mod octavia_metrics;
 pub mod octavia_plan;
 pub mod ready;
+pub mod shards;
 pub mod spec;
 pub mod view;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
+use tokio::sync::watch;
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, LbLog, NodeBackend};
@@ -57,6 +68,7 @@ use crate::k8s::Kube;
 use crate::metrics::Metrics;
 use crate::octavia::OctaviaBackend;
 use crate::ready::Readiness;
+use crate::shards::Shards;
 
 /// Deltas kept for resuming WatchLoadBalancers: a binder that reconnects within this many
 /// changes gets only what it missed. A delta shares its spec with the state, so 16k cost a few MB.
@@ -109,6 +121,10 @@ pub struct Config {
     #[command(flatten)]
     pub octavia: octavia::OctaviaArgs,
 
+    /// How replicas split the Services (by `namespace/name`) between them.
+    #[command(flatten)]
+    pub shard: kuryr_shard::ShardArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -128,12 +144,26 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
     let metrics = Metrics::register(rt.registry());
+    let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
+    let shard_metrics = ShardMetrics::register(rt.registry());
+    let (ownership_tx, ownership) = watch::channel(Arc::new(if shard_config.shards == 0 {
+        Ownership::everything(&shard_config.identity)
+    } else {
+        Ownership::pending(&shard_config.identity, shard_config.shards)
+    }));
+    let shards = Shards::new(ownership);
+    shards.register(rt.registry());
+    let shard_handle: Arc<OnceLock<ShardHandle>> = Arc::default();
     let log: LbLog = Log::new(Epoch::random(), HISTORY).shared();
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), backend = ?config.backend,
         workers = config.workers, "starting");
     let records = Records::default();
     let recovered = Arc::new(AtomicBool::new(false));
     let readiness = Readiness::default();
+    if shard_config.shards == 0 {
+        // Every record is this replica's own: none to follow.
+        readiness.set_mirror(true);
+    }
     readiness.spawn_driver(rt.health(), rt.shutdown());
     macro_rules! start {
         ($backend:expr) => {
@@ -147,6 +177,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     recovered: recovered.clone(),
                     readiness,
                     metrics: metrics.clone(),
+                    shards: shards.clone(),
+                    shard_config,
+                    shard_metrics,
+                    ownership_tx,
+                    shard_handle: shard_handle.clone(),
                 }
                 .run(rt.shutdown())
                 .instrument(tracing::info_span!("startup")),
@@ -156,11 +191,26 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     match config.backend {
         BackendKind::Node => start!(NodeBackend::new(log.clone())),
         // Configuration errors end the process here, before any port is bound.
-        BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry())?),
+        BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry(), shards.clone())?),
     };
     let service = LbService::new(log, records, recovered, metrics, rt.shutdown());
     let routes = tonic::service::Routes::new(LoadBalancersServer::new(service));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+    // The shard Leases are released at shutdown, so the other replicas take over at once.
+    if let Some(h) = shard_handle.get() {
+        let _ = tokio::time::timeout(Duration::from_secs(6), h.stopped()).await;
+    }
+    served
+}
+
+/// Copies the shard set's ownership into the channel the rest was built with.
+async fn forward(mut from: watch::Receiver<Arc<Ownership>>, to: watch::Sender<Arc<Ownership>>) {
+    loop {
+        to.send_replace(from.borrow_and_update().clone());
+        if from.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
@@ -173,20 +223,49 @@ struct Start<B> {
     recovered: Arc<AtomicBool>,
     readiness: Readiness,
     metrics: Metrics,
+    /// What this replica reconciles.
+    shards: Shards,
+    shard_config: ShardConfig,
+    shard_metrics: ShardMetrics,
+    /// Where the shard set's ownership is copied to (what `shards` follows).
+    ownership_tx: watch::Sender<Arc<Ownership>>,
+    /// The running shard set, for the release at shutdown.
+    shard_handle: Arc<OnceLock<ShardHandle>>,
 }
 
 impl<B: Backend> Start<B> {
     async fn run(self, shutdown: Shutdown) {
-        let Start { config, watcher, backend, log, records, recovered, readiness, metrics } = self;
+        let Start {
+            config,
+            watcher,
+            backend,
+            log,
+            records,
+            recovered,
+            readiness,
+            metrics,
+            shards,
+            shard_config,
+            shard_metrics,
+            ownership_tx,
+            shard_handle,
+        } = self;
         let kubeconfig = config.kubeconfig.clone();
         let Some(client) =
             k8s::retry("building a Kubernetes client", &shutdown, || k8s::kube_client(kubeconfig.as_deref())).await
         else {
             return;
         };
+        // The first round of Leases runs while the records are loaded.
+        if shard_config.shards > 0 {
+            let handle = kuryr_shard::start(client.clone(), shard_config, shard_metrics, shutdown.clone());
+            tokio::spawn(forward(handle.ownership(), ownership_tx));
+            let _ = shard_handle.set(handle);
+        }
         let instance = config.instance_name();
-        let kube = Kube::new(client, Some(instance.clone()));
-        // Recovery: every record, before any reconcile; the backend gets what was programmed.
+        let kube = Kube::new(client.clone(), Some(instance.clone()));
+        // Recovery: every record, of every shard, before any reconcile; the backend gets what
+        // was programmed (the node backend streams every Service, whoever owns it).
         let Some(found) = k8s::retry("loading ServiceLoadBalancers", &shutdown, || kube.list_records()).await else {
             return;
         };
@@ -206,9 +285,30 @@ impl<B: Backend> Start<B> {
         tracing::info!(records = n, "recovered the ServiceLoadBalancer records");
 
         let view = SharedView::default();
-        let controller = Arc::new(Controller::new(kube, backend, view, records, metrics.clone()));
+        let controller = Arc::new(
+            Controller::new(kube.clone(), backend, view, records, metrics.clone()).with_shards(shards.clone()),
+        );
         controller.spawn_workers(config.workers, shutdown.clone());
         controller.start_maintenance(shutdown.clone());
+        let (synced, synced_rx) = watch::channel(false);
+        let shard_follower = shards::Follower {
+            shards: shards.clone(),
+            controller: controller.clone(),
+            kube,
+            synced: synced_rx,
+            kick: controller.kick(),
+        };
+        tokio::spawn(shard_follower.run(shutdown.clone()).instrument(tracing::info_span!("shards")));
+        if shards.sharded() {
+            let mirror = mirror::Mirror {
+                client,
+                controller: controller.clone(),
+                shards,
+                readiness: readiness.clone(),
+                metrics: metrics.clone(),
+            };
+            tokio::spawn(mirror.run(shutdown.clone()).instrument(tracing::info_span!("records")));
+        }
         let follower = follow::Follower {
             channel: watcher,
             controller,
@@ -216,6 +316,7 @@ impl<B: Backend> Start<B> {
             readiness,
             metrics,
             subscriber: format!("kuryr-lbaas/{instance}"),
+            synced,
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }

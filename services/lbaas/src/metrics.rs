@@ -13,7 +13,8 @@ use prometheus_client::registry::Registry;
 /// How a reconcile ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
-    /// `applied`, `deleted`, `skipped` (NodePort, ExternalName), `ignored` (headless) or `error`.
+    /// `applied`, `deleted`, `skipped` (NodePort, ExternalName), `ignored` (headless),
+    /// `elsewhere` (its shard is served by another replica) or `error`.
     pub result: &'static str,
 }
 
@@ -59,6 +60,10 @@ pub struct Metrics {
     pub subscriptions: Family<StartLabels, Counter>,
     /// Times the watcher's stream broke or could not be opened.
     pub watcher_reconnects: Counter,
+    /// Changes to records of shards served by other replicas, followed from the API.
+    pub mirrored: Counter,
+    /// Failures of the watch on the records.
+    pub mirror_errors: Counter,
 }
 
 impl Default for Metrics {
@@ -72,6 +77,8 @@ impl Default for Metrics {
             subscribers: Gauge::default(),
             subscriptions: Family::default(),
             watcher_reconnects: Counter::default(),
+            mirrored: Counter::default(),
+            mirror_errors: Counter::default(),
         }
     }
 }
@@ -88,7 +95,7 @@ impl Metrics {
         );
         registry.register(
             "kuryr_lbaas_reconcile_seconds",
-            "Reconcile latency by result (applied, deleted, skipped, ignored, error)",
+            "Reconcile latency by result (applied, deleted, skipped, ignored, elsewhere, error)",
             m.reconcile.clone(),
         );
         registry.register(
@@ -107,6 +114,16 @@ impl Metrics {
             "kuryr_lbaas_watcher_reconnects",
             "Times the watcher's Subscribe stream broke or could not be opened",
             m.watcher_reconnects.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_records_mirrored",
+            "Changes to the records of shards served by other replicas, followed from the API",
+            m.mirrored.clone(),
+        );
+        registry.register(
+            "kuryr_lbaas_record_watch_errors",
+            "Failures of the watch on the ServiceLoadBalancer records (retried with backoff)",
+            m.mirror_errors.clone(),
         );
         m
     }

@@ -23,6 +23,14 @@
 //! its load balancer by tags (cluster + Service uid) and adopts it, deleting duplicates. The
 //! maintenance pass deletes load balancers of this cluster whose Service has no record any more.
 //!
+//! **Shards** ([`crate::shards`]): only the Services of served shards are touched. Before every
+//! change lbaas checks that the Service's shard is still served here; once it moved, the
+//! reconcile stops between two changes (the load balancer is never left PENDING by lbaas, only
+//! short of the remaining changes) and the new owner, having forgotten what it knew of the
+//! shard, adopts the load balancer by tags and finishes it. Repair and orphan removal look only
+//! at load balancers of served shards: one of another shard is not an orphan. Gaining shards
+//! runs an orphan pass at once.
+//!
 //! **type=LoadBalancer**: with `--floating-network-id`, a Neutron floating IP on the VIP port
 //! ([`crate::octavia_fip`]) is the Service's ingress; without it, the VIP is.
 
@@ -47,6 +55,7 @@ use crate::octavia_metrics::{OctaviaMetrics, Tally};
 use crate::octavia_plan::{
     self as plan, DesiredLb, DesiredListener, ObservedListener, ObservedPool, ObservedTree, Shape, Step,
 };
+use crate::shards::Shards;
 
 /// The first poll for ACTIVE after a change. Octavia takes 0.3–4 s per change; short first polls
 /// catch the quick ones without hammering the API during the slow ones.
@@ -208,6 +217,8 @@ struct Inner {
     drift_interval: Duration,
     metrics: OctaviaMetrics,
     known: Mutex<HashMap<String, Known>>,
+    /// The Services this replica may change.
+    shards: Shards,
 }
 
 /// A failure, with what to record.
@@ -238,8 +249,9 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 impl OctaviaBackend {
-    /// The backend for `args`, its client's metrics and its own registered in `registry`.
-    pub fn new(args: &OctaviaArgs, registry: &mut Registry) -> anyhow::Result<Self> {
+    /// The backend for `args`, its client's metrics and its own registered in `registry`;
+    /// changing only the load balancers of the Services `shards` serves.
+    pub fn new(args: &OctaviaArgs, registry: &mut Registry, shards: Shards) -> anyhow::Result<Self> {
         let shape = args.shape()?;
         let cloud = args.cloud_config()?;
         let os_metrics = kuryr_openstack::Metrics::register(registry);
@@ -258,6 +270,7 @@ impl OctaviaBackend {
                 drift_interval: args.drift_interval,
                 metrics: OctaviaMetrics::register(registry),
                 known: Mutex::default(),
+                shards,
             }),
         })
     }
@@ -326,6 +339,10 @@ impl Backend for OctaviaBackend {
         r
     }
 
+    fn forget(&self, which: &dyn Fn(&str) -> bool) {
+        locked(&self.inner.known).retain(|k, _| !which(k));
+    }
+
     fn maintain(&self, ctx: Maintenance) {
         let inner = self.inner.clone();
         tokio::spawn(
@@ -337,6 +354,19 @@ impl Backend for OctaviaBackend {
 impl Inner {
     fn filter_tags(&self, tags: &[String]) -> Filter {
         Filter::new().tags(tags)
+    }
+
+    /// `Ok` while the shard of the Service `key` is served here: checked before every change.
+    fn still_mine(&self, key: &str) -> Result<(), Moved> {
+        if self.shards.serves(key) { Ok(()) } else { Err(Moved(key.to_string())) }
+    }
+
+    /// [`Inner::still_mine`] for the Service whose load balancer `want` is.
+    fn still_mine_for(&self, want: &DesiredLb) -> Result<(), Moved> {
+        match plan::owner(&want.tags) {
+            Some((key, _)) => self.still_mine(&key),
+            None => Ok(()),
+        }
     }
 
     /// Brings the load balancer of `key` to `spec`.
@@ -353,6 +383,7 @@ impl Inner {
             // Another Service of that name may have left a load balancer that was never cleaned up.
             let stale = locked(&self.known).remove(key);
             if let Some(old) = stale {
+                self.still_mine(key)?;
                 self.delete_lb(&old.lb_id, t).await?;
             }
         }
@@ -372,6 +403,7 @@ impl Inner {
                 want = want.vip_address,
                 "the VIP changed: replacing the load balancer"
             );
+            self.still_mine(key)?;
             self.delete_lb(&known.lb_id, t).await?;
             known = self.create(&want, &spec.uid, t).await?;
         }
@@ -382,6 +414,7 @@ impl Inner {
                     // ERROR after our change: Octavia takes no other; replace the whole tree
                     // with one create (which checks that it ends ACTIVE).
                     tracing::warn!(service = key, lb = known.lb_id, "load balancer went to ERROR: replacing it");
+                    self.still_mine(key)?;
                     self.delete_lb(&known.lb_id, t).await?;
                     known = self.create(&want, &spec.uid, t).await?;
                     break;
@@ -415,6 +448,7 @@ impl Inner {
         let Some(lb) = found.next() else { return Ok(None) };
         for dup in found {
             tracing::warn!(lb = dup.id, keep = lb.id, name = want.name, "duplicate load balancer: deleting it");
+            self.still_mine_for(want)?;
             self.delete_lb(&dup.id, t).await?;
         }
         let settled =
@@ -424,6 +458,7 @@ impl Inner {
             Some(lb) => {
                 tracing::warn!(lb = lb.id, name = want.name, status = ?lb.provisioning_status,
                     "load balancer in ERROR: deleting it to create it again");
+                self.still_mine_for(want)?;
                 self.delete_lb(&lb.id, t).await?;
                 return Ok(None);
             }
@@ -489,6 +524,7 @@ impl Inner {
 
     /// One fully-populated create; waits for ACTIVE.
     async fn create(&self, want: &DesiredLb, uid: &str, t: &mut Tally) -> Result<Known, BackendError> {
+        self.still_mine_for(want)?;
         let mut body = want.create_body(&self.shape);
         if self.vip_port_precreate {
             let network = self.shape.vip_network_id.clone().unwrap_or_default();
@@ -570,6 +606,7 @@ impl Inner {
     ) -> Result<(), Applied> {
         let kind = step.kind();
         let failed = |doing: &str, e: OsError| Applied::Failed(os_fail(doing, &e, Some(lb_id)));
+        self.still_mine_for(want).map_err(|m| Applied::Failed(m.into()))?;
         t.calls += 1;
         t.changes += 1;
         match step {
@@ -809,17 +846,23 @@ impl Inner {
         Ok(())
     }
 
-    /// Garbage collection at start and drift repair every interval, until shutdown.
+    /// Garbage collection at start and when shards are gained, drift repair every interval,
+    /// until shutdown.
     async fn maintenance(self: Arc<Self>, ctx: Maintenance) {
         let mut first = true;
+        let mut next_repair = Instant::now() + self.drift_interval;
         loop {
+            let mut repair = false;
             if !first {
                 tokio::select! {
-                    () = tokio::time::sleep(self.drift_interval) => {}
+                    () = tokio::time::sleep_until(next_repair) => {
+                        repair = true;
+                        next_repair = Instant::now() + self.drift_interval;
+                    }
+                    () = ctx.kick.notified() => {}
                     () = ctx.shutdown.clone().wait() => return,
                 }
             }
-            let repair = !first;
             first = false;
             tokio::select! {
                 () = self.maintenance_pass(&ctx, repair) => {}
@@ -852,6 +895,11 @@ impl Inner {
             .collect();
         for lb in &lbs {
             let owner = plan::owner(&lb.tags);
+            // Only in served shards: a load balancer of another replica's shard is not an orphan
+            // (one without an owner tag belongs to the shard of the empty key).
+            if !(ctx.serves)(owner.as_ref().map_or("", |(key, _)| key.as_str())) {
+                continue;
+            }
             let orphan = owner.as_ref().is_none_or(|(key, uid)| wanted.get(key) != Some(uid));
             if orphan && lb.provisioning_status != ProvisioningStatus::PendingDelete {
                 tracing::info!(lb = lb.id, name = lb.name, owner = ?owner, "deleting a load balancer whose Service is gone");
@@ -871,6 +919,16 @@ impl Inner {
             }
             self.metrics.drift_passes.inc();
         }
+    }
+}
+
+/// The Service's shard is served by another replica now (its key).
+#[derive(Debug)]
+struct Moved(String);
+
+impl From<Moved> for BackendError {
+    fn from(m: Moved) -> Self {
+        fail("moved", format!("the shard of Service {} is served by another replica now; it takes over", m.0), None)
     }
 }
 

@@ -1,6 +1,7 @@
-//! Readiness: lbaas is SERVING only when (a) the records were loaded from the API (recovery)
-//! and (b) the watcher's stream is live (its snapshot complete). Each change is logged once,
-//! naming what is missing.
+//! Readiness: lbaas is SERVING only when (a) the records were loaded from the API (recovery),
+//! (b) the watcher's stream is live (its snapshot complete) and (c) with sharding, the watch on
+//! the records of the other replicas' shards has listed them once ([`crate::mirror`]). Each
+//! change is logged once, naming what is missing.
 
 use kuryr_proto::service_names;
 use kuryr_runtime::{Health, Shutdown};
@@ -14,12 +15,14 @@ pub struct Conditions {
     pub recovered: bool,
     /// The watcher's stream is live.
     pub watcher: bool,
+    /// The records of every shard are followed (always true without sharding).
+    pub mirror: bool,
 }
 
 impl Conditions {
     /// Whether every condition holds.
     pub fn all(&self) -> bool {
-        self.recovered && self.watcher
+        self.recovered && self.watcher && self.mirror
     }
 
     fn missing(&self) -> Vec<&'static str> {
@@ -29,6 +32,9 @@ impl Conditions {
         }
         if !self.watcher {
             m.push("a live watcher stream");
+        }
+        if !self.mirror {
+            m.push("the first list of the other shards' records");
         }
         m
     }
@@ -53,6 +59,11 @@ impl Readiness {
     /// Marks the watcher stream live or not.
     pub fn set_watcher(&self, live: bool) {
         self.0.send_if_modified(|c| std::mem::replace(&mut c.watcher, live) != live);
+    }
+
+    /// Marks the records of the other shards followed (or not needed).
+    pub fn set_mirror(&self, synced: bool) {
+        self.0.send_if_modified(|c| std::mem::replace(&mut c.mirror, synced) != synced);
     }
 
     /// The conditions now.

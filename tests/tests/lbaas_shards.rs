@@ -1,0 +1,531 @@
+//! Two kuryr-lbaas replicas splitting the Services through Kubernetes Leases, as a Deployment of
+//! two runs them: each under the `kuryr-lbaas` ServiceAccount with exactly the rights of
+//! `deploy/rbac/lbaas.yaml` (its Role for Leases in kuryr-system), fed by a real kuryr-watcher,
+//! against a real kube-apiserver, with the node backend. Eight shards and a short Lease duration
+//! (3 s, renewed every 0.6 s) keep takeover quick. A WatchLoadBalancers client on each replica
+//! plays a binder connected to it.
+//!
+//! 1. Both replicas own shards (the Lease objects say so, with their endpoints).
+//! 2. A burst of 40 Services with EndpointSlices: every Service gets its finalizer and a record
+//!    PROGRAMMED at its generation; both replicas reconciled some (metrics) and followed the
+//!    other's records; the stream of EACH replica carries every Service with exactly its
+//!    record's spec and generation.
+//! 3. A second burst of 40; half-way, kill -9 of one replica. The other holds every shard within
+//!    the Lease duration plus one renewal interval of the kill (read from the Leases), every
+//!    Service converges, and its stream never flapped: no LB_DELETED, and the Services it
+//!    already had were not streamed again.
+//! 4. The killed replica comes back: the shards are split again; its new stream gets every
+//!    Service at the records' generations, and the other's stream stays silent meanwhile.
+//! 5. Endpoint changes afterwards reach both streams (a higher generation, the new members).
+//! 6. Deleting every Service: LB_DELETED for each on both streams, no record or finalizer left,
+//!    the Services gone.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
+use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
+use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::metrics::Scrape;
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root};
+use serde_json::json;
+
+const NS: &str = "lbshards";
+const SHARDS: u32 = 8;
+const LEASE: Duration = Duration::from_secs(3);
+/// A fifth of the Lease duration: the renewal interval.
+const TICK: Duration = Duration::from_millis(600);
+/// Room for the API calls of a round and for this test's polling on a loaded machine.
+const SLACK: Duration = Duration::from_secs(1);
+const BURST: usize = 40;
+const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
+const FINALIZER: &str = "kuryr.openstack.org/lbaas";
+const SET: &str = "kuryr-lbaas";
+
+/// The API server with the CRDs and both services' accounts and rights.
+struct Cluster {
+    /// Kept for its lifetime: dropping it stops the API server.
+    _env: KubeEnv,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    lbaas_kubeconfig: PathBuf,
+}
+
+async fn cluster() -> Cluster {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for n in ["kuryr-system", NS] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
+    }
+    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    for (_, c) in crd::crds() {
+        let name = c.metadata.name.unwrap();
+        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
+            let c = crds.get(&name).await?;
+            let established = c
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            anyhow::ensure!(established, "not yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
+    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
+    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+}
+
+/// A running process with its gRPC and metrics addresses.
+struct Replica {
+    proc: ServiceProcess,
+    id: String,
+    addr: String,
+    metrics: String,
+}
+
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, id: &str) -> Replica {
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
+    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), metrics.clone()]);
+    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
+    Replica { proc, id: id.to_string(), addr, metrics }
+}
+
+impl Cluster {
+    fn watcher(&self) -> Replica {
+        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
+        spawn("kuryr-watcher", args, self.dir.path(), "watcher")
+    }
+
+    /// A replica named `id` (its identity in the Leases and its instance in Events).
+    fn lbaas(&self, watcher: &Replica, id: &str) -> Replica {
+        let args = [
+            "--kubeconfig",
+            &self.lbaas_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--instance",
+            id,
+            "--replica-id",
+            id,
+            "--shards",
+            &SHARDS.to_string(),
+            "--lease-duration",
+            &format!("{}s", LEASE.as_secs()),
+            "--log",
+            "info,kuryr_lbaas=debug,kuryr_shard=debug",
+        ];
+        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path(), id)
+    }
+
+    fn services(&self) -> Api<Service> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn slices(&self) -> Api<EndpointSlice> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn records(&self) -> Api<ServiceLoadBalancer> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    /// A Service `name` on port 80 with one IPv4 slice listing `members` on 8080.
+    async fn create_service(&self, name: &str, members: &[String]) {
+        let svc: Service = serde_json::from_value(
+            json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
+        )
+        .unwrap();
+        self.services().create(&PostParams::default(), &svc).await.unwrap();
+        self.put_slice(name, members).await;
+    }
+
+    async fn put_slice(&self, name: &str, members: &[String]) {
+        let endpoints: Vec<serde_json::Value> = members
+            .iter()
+            .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
+            .collect();
+        let slice_name = format!("{name}-1");
+        let mut slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": slice_name, "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        }))
+        .unwrap();
+        let api = self.slices();
+        match api.get_opt(&slice_name).await.unwrap() {
+            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
+            Some(old) => {
+                slice.metadata.resource_version = old.metadata.resource_version;
+                api.replace(&slice_name, &PostParams::default(), &slice).await.unwrap();
+            }
+        }
+    }
+
+    /// Shard → holder, as the Lease objects say (held Leases only), with the holder's endpoint.
+    async fn holders(&self) -> BTreeMap<u32, (String, String)> {
+        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), "kuryr-system");
+        let list = leases.list(&ListParams::default().labels(&format!("kuryr.openstack.org/shard-set={SET}"))).await;
+        let mut out = BTreeMap::new();
+        for l in list.map(|l| l.items).unwrap_or_default() {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            let Some(i) = name.strip_prefix(&format!("{SET}-shard-")).and_then(|i| i.parse().ok()) else { continue };
+            let spec = l.spec.unwrap_or_default();
+            if let Some(h) = spec.holder_identity.filter(|h| !h.is_empty()) {
+                let endpoint = l
+                    .metadata
+                    .annotations
+                    .and_then(|a| a.get("kuryr.openstack.org/endpoint").cloned())
+                    .unwrap_or_default();
+                out.insert(i, (h, endpoint));
+            }
+        }
+        out
+    }
+
+    /// Waits until the shards are split between `replicas` as the fair share says (each holds
+    /// `SHARDS / replicas.len()`), every holder advertising its own address.
+    async fn wait_split(&self, replicas: &[&Replica]) -> BTreeMap<u32, (String, String)> {
+        let share = SHARDS as usize / replicas.len();
+        wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
+            let h = self.holders().await;
+            anyhow::ensure!(h.len() == SHARDS as usize, "held: {h:?}");
+            for r in replicas {
+                let mine: Vec<_> = h.values().filter(|(id, _)| *id == r.id).collect();
+                anyhow::ensure!(mine.len() == share, "{} holds {} of {SHARDS}: {h:?}", r.id, mine.len());
+                anyhow::ensure!(mine.iter().all(|(_, e)| *e == r.addr), "{} advertises another address: {h:?}", r.id);
+            }
+            Ok(h)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
+    }
+
+    /// Every record in the namespace, by Service name, as (spec as streamed, finalizer check
+    /// done separately); waits until each is PROGRAMMED at its generation and `names` are all
+    /// there (and nothing else).
+    async fn converged(&self, names: &BTreeSet<String>, replicas: &[&Replica]) -> BTreeMap<String, LoadBalancerSpec> {
+        wait_until("every Service's record PROGRAMMED at its generation, with the finalizer", PHASE_TIMEOUT, || async {
+            let records = self.records().list(&ListParams::default()).await?.items;
+            let mut out = BTreeMap::new();
+            for r in records {
+                let name = r.metadata.name.clone().unwrap_or_default();
+                let generation = r.metadata.generation.unwrap_or(0);
+                let st = r.status.clone().unwrap_or_default();
+                anyhow::ensure!(
+                    st.provisioning_status.as_deref() == Some("PROGRAMMED")
+                        && st.observed_generation == Some(generation),
+                    "{name}: {st:?} at generation {generation}"
+                );
+                out.insert(name.clone(), r.spec.to_proto(NS, &name, u64::try_from(generation)?));
+            }
+            let have: BTreeSet<String> = out.keys().cloned().collect();
+            anyhow::ensure!(have == *names, "records of {} Services, want {}", have.len(), names.len());
+            let services = self.services().list(&ListParams::default()).await?.items;
+            for s in &services {
+                let fin = s.metadata.finalizers.clone().unwrap_or_default();
+                let name = s.metadata.name.clone().unwrap_or_default();
+                anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{name} has no finalizer: {fin:?}");
+            }
+            Ok(out)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
+    }
+}
+
+fn logs(replicas: &[&Replica]) -> String {
+    replicas.iter().map(|r| format!("==== {}\n{}", r.id, r.proc.logs())).collect::<Vec<_>>().join("\n")
+}
+
+impl Replica {
+    async fn wait_serving(&self) {
+        wait_until(&format!("{} SERVING", self.id), PHASE_TIMEOUT, || async {
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+    }
+
+    async fn scrape(&self) -> Scrape {
+        Scrape::http(&self.metrics).await.unwrap()
+    }
+}
+
+/// One event as a binder saw it.
+#[derive(Clone, Debug)]
+struct Seen {
+    kind: LbEventType,
+    key: String,
+}
+
+/// What one WatchLoadBalancers client saw, applied the way a binder applies it.
+#[derive(Debug, Default)]
+struct StreamState {
+    specs: BTreeMap<String, LoadBalancerSpec>,
+    events: Vec<Seen>,
+    live: bool,
+    ended: Option<String>,
+}
+
+type Shared = Arc<Mutex<StreamState>>;
+
+/// Follows WatchLoadBalancers of `addr` in the background, from a snapshot.
+fn follow(addr: String, who: &str) -> Shared {
+    let state: Shared = Arc::default();
+    let s = state.clone();
+    let subscriber = format!("test/{who}");
+    tokio::spawn(async move {
+        let req = WatchLoadBalancersRequest { resume_from: String::new(), subscriber };
+        let opened = wait_until("WatchLoadBalancers", PHASE_TIMEOUT, || async {
+            let mut c = LoadBalancersClient::new(kuryr_runtime::client::channel(&addr)?);
+            Ok(c.watch_load_balancers(req.clone()).await?.into_inner())
+        })
+        .await;
+        let mut stream = match opened {
+            Ok(s) => s,
+            Err(e) => {
+                s.lock().unwrap().ended = Some(format!("{e:#}"));
+                return;
+            }
+        };
+        loop {
+            let msg = stream.message().await;
+            let mut st = s.lock().unwrap();
+            let ev = match msg {
+                Ok(Some(ev)) => ev,
+                Ok(None) => {
+                    st.ended = Some("ended".into());
+                    return;
+                }
+                Err(e) => {
+                    st.ended = Some(e.to_string());
+                    return;
+                }
+            };
+            let spec = ev.spec.clone().unwrap_or_default();
+            let key = format!("{}/{}", spec.namespace, spec.name);
+            match ev.r#type() {
+                LbEventType::Reset => {
+                    st.specs.clear();
+                    st.live = false;
+                }
+                LbEventType::SnapshotComplete => st.live = true,
+                LbEventType::LbApplied => {
+                    st.specs.insert(key.clone(), spec.clone());
+                }
+                LbEventType::LbDeleted => {
+                    st.specs.remove(&key);
+                }
+                LbEventType::Unspecified => {}
+            }
+            let live = st.live;
+            if live {
+                st.events.push(Seen { kind: ev.r#type(), key });
+            }
+        }
+    });
+    state
+}
+
+/// Waits until the stream `s` holds exactly `want` of the test namespace (by Service name, specs and
+/// generations).
+async fn stream_matches(s: &Shared, who: &str, want: &BTreeMap<String, LoadBalancerSpec>, replicas: &[&Replica]) {
+    let want: BTreeMap<String, LoadBalancerSpec> =
+        want.iter().map(|(n, spec)| (format!("{NS}/{n}"), spec.clone())).collect();
+    wait_until(&format!("{who}'s stream to carry every Service as recorded"), PHASE_TIMEOUT, || async {
+        let st = s.lock().unwrap();
+        anyhow::ensure!(st.ended.is_none(), "the stream ended: {:?}", st.ended);
+        anyhow::ensure!(st.live, "no snapshot yet");
+        // This namespace's: `default/kubernetes` has a load balancer too.
+        let have: BTreeSet<&String> = st.specs.keys().filter(|k| k.starts_with(&format!("{NS}/"))).collect();
+        let keys: BTreeSet<&String> = want.keys().collect();
+        anyhow::ensure!(have == keys, "{} Services streamed, {} recorded", have.len(), keys.len());
+        for (k, spec) in &want {
+            anyhow::ensure!(st.specs.get(k) == Some(spec), "{k}: streamed {:?}, recorded {spec:?}", st.specs.get(k));
+        }
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)));
+}
+
+fn members(i: usize, round: usize) -> Vec<String> {
+    (0..2).map(|j| format!("10.244.{}.{}", (i + round * 7) % 250, 10 + j)).collect()
+}
+
+async fn create_burst(c: &Cluster, range: std::ops::Range<usize>) {
+    join_all(range.map(|i| async move { c.create_service(&format!("svc-{i}"), &members(i, 0)).await })).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_split_services_and_take_over_without_flaps() {
+    let c = cluster().await;
+    let watcher = c.watcher();
+    let mut a = c.lbaas(&watcher, "lb-a");
+    let b = c.lbaas(&watcher, "lb-b");
+    a.wait_serving().await;
+    b.wait_serving().await;
+
+    // 1. Both own shards, each advertising its own address.
+    let split = c.wait_split(&[&a, &b]).await;
+    eprintln!("shards: {split:?}");
+    for r in [&a, &b] {
+        let m = r.scrape().await;
+        assert_eq!(m.value("kuryr_shards_owned", &[]).unwrap(), f64::from(SHARDS / 2), "{}", r.id);
+        assert_eq!(m.value("kuryr_lbaas_shards_served", &[]).unwrap(), f64::from(SHARDS / 2), "{}", r.id);
+    }
+
+    // 2. A burst of Services: split between the replicas, streamed by both.
+    let wa = follow(a.addr.clone(), "a");
+    let wb = follow(b.addr.clone(), "b");
+    let started = Instant::now();
+    create_burst(&c, 0..BURST).await;
+    let mut names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
+    let recorded = c.converged(&names, &[&a, &b]).await;
+    eprintln!("burst of {BURST} Services recorded and PROGRAMMED in {:?}", started.elapsed());
+    stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
+    stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
+    let mut applied = 0.0;
+    for r in [&a, &b] {
+        let m = r.scrape().await;
+        let mine = m.count("kuryr_lbaas_reconcile_seconds", &[("result", "applied")]);
+        let mirrored = m.sum("kuryr_lbaas_records_mirrored_total", &[]);
+        eprintln!("{}: {mine} reconciles applied, {mirrored} records of the other's shards followed", r.id);
+        assert!(mine > 0.0, "{} reconciled nothing", r.id);
+        assert!(mirrored > 0.0, "{} followed none of the other's records", r.id);
+        assert_eq!(m.sum("kuryr_lbaas_failures_total", &[]), 0.0, "{} had failures:\n{}", r.id, r.proc.logs());
+        applied += mine;
+    }
+    assert!(applied >= BURST as f64, "{applied} reconciles for {BURST} Services");
+
+    // 3. A second burst; half-way, kill -9 of lb-a.
+    let before_b = b.scrape().await;
+    let first_burst: BTreeSet<String> = names.iter().map(|n| format!("{NS}/{n}")).collect();
+    let mark_b = wb.lock().unwrap().events.len();
+    create_burst(&c, BURST..BURST + BURST / 2).await;
+    a.proc.kill().await.unwrap();
+    let killed = Instant::now();
+    let (takeover, ()) = tokio::join!(
+        async {
+            wait_until("lb-b holding every shard", PHASE_TIMEOUT, || async {
+                let h = c.holders().await;
+                anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|(id, _)| id == "lb-b"), "held: {h:?}");
+                Ok(killed.elapsed())
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", b.proc.logs()))
+        },
+        create_burst(&c, BURST + BURST / 2..2 * BURST)
+    );
+    eprintln!("kill -9 of lb-a → lb-b holds all {SHARDS} shards after {takeover:?}");
+    assert!(
+        takeover <= LEASE + TICK + SLACK,
+        "takeover took {takeover:?}, more than the Lease duration {LEASE:?} + one renewal {TICK:?} (+{SLACK:?})"
+    );
+    names.extend((BURST..2 * BURST).map(|i| format!("svc-{i}")));
+    let recorded = c.converged(&names, &[&b]).await;
+    eprintln!("second burst converged {:?} after the kill", killed.elapsed());
+    stream_matches(&wb, "lb-b", &recorded, &[&b]).await;
+    assert!(wa.lock().unwrap().ended.is_some(), "lb-a's stream outlived it");
+    {
+        let st = wb.lock().unwrap();
+        let since = &st.events[mark_b..];
+        let deleted: Vec<&Seen> = since.iter().filter(|e| e.kind == LbEventType::LbDeleted).collect();
+        assert!(deleted.is_empty(), "the takeover flapped lb-b's stream: {deleted:?}");
+        let again: Vec<&Seen> = since.iter().filter(|e| first_burst.contains(&e.key)).collect();
+        assert!(again.is_empty(), "Services converged before the kill were streamed again: {again:?}");
+    }
+    let m = b.scrape().await;
+    assert_eq!(m.value("kuryr_shards_owned", &[]).unwrap(), f64::from(SHARDS));
+    m.moved(&before_b, "kuryr_lbaas_shard_gains_total", &[]).at_least(f64::from(SHARDS / 2)).unwrap();
+    m.moved(&before_b, "kuryr_shard_acquisitions_total", &[]).at_least(f64::from(SHARDS / 2)).unwrap();
+    m.moved_count(&before_b, "kuryr_lbaas_reconcile_seconds", &[("result", "applied")]).at_least(1.0).unwrap();
+
+    // 4. lb-a comes back under its name: the shards split again, its stream is complete, and
+    //    lb-b's stays silent while the shards move.
+    let mark_b = wb.lock().unwrap().events.len();
+    let a = c.lbaas(&watcher, "lb-a");
+    a.wait_serving().await;
+    c.wait_split(&[&a, &b]).await;
+    let wa = follow(a.addr.clone(), "a2");
+    stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
+    // A round or two for whatever the rebalance would still do.
+    tokio::time::sleep(TICK * 3).await;
+    {
+        let st = wb.lock().unwrap();
+        let since = &st.events[mark_b..];
+        assert!(since.is_empty(), "lb-b's stream was not silent while the shards moved: {since:?}");
+    }
+
+    // 5. Endpoint changes after all that reach both streams.
+    let changed: Vec<usize> = (0..2 * BURST).step_by(8).collect();
+    join_all(changed.iter().map(|&i| {
+        let c = &c;
+        async move { c.put_slice(&format!("svc-{i}"), &members(i, 1)).await }
+    }))
+    .await;
+    let recorded = c.converged(&names, &[&a, &b]).await;
+    for &i in &changed {
+        let spec = &recorded[&format!("svc-{i}")];
+        let addrs: Vec<&str> =
+            spec.listeners[0].pool.as_ref().unwrap().members.iter().map(|m| m.address.as_str()).collect();
+        assert_eq!(addrs, members(i, 1), "svc-{i}");
+    }
+    stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
+    stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
+
+    // 6. Deleting every Service removes its load balancer everywhere and lets it go.
+    let dp = DeleteParams::default();
+    join_all(names.iter().map(|n| {
+        let (api, dp) = (c.services(), &dp);
+        async move { api.delete(n, dp).await.unwrap() }
+    }))
+    .await;
+    wait_until("every Service, record and finalizer gone", PHASE_TIMEOUT, || async {
+        let services = c.services().list(&ListParams::default()).await?.items;
+        let records = c.records().list(&ListParams::default()).await?.items;
+        anyhow::ensure!(services.is_empty(), "{} Services left", services.len());
+        anyhow::ensure!(records.is_empty(), "{} records left", records.len());
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
+    stream_matches(&wa, "lb-a", &BTreeMap::new(), &[&a, &b]).await;
+    stream_matches(&wb, "lb-b", &BTreeMap::new(), &[&a, &b]).await;
+    for (w, who) in [(&wa, "lb-a"), (&wb, "lb-b")] {
+        let st = w.lock().unwrap();
+        let deleted: BTreeSet<&str> =
+            st.events.iter().filter(|e| e.kind == LbEventType::LbDeleted).map(|e| e.key.as_str()).collect();
+        assert_eq!(deleted.len(), names.len(), "{who}: LB_DELETED for {} of {} Services", deleted.len(), names.len());
+    }
+    for r in [&a, &b] {
+        let m = r.scrape().await;
+        assert_eq!(m.sum("kuryr_lbaas_failures_total", &[]), 0.0, "{} had failures:\n{}", r.id, r.proc.logs());
+        assert!(m.count("kuryr_lbaas_reconcile_seconds", &[("result", "deleted")]) > 0.0, "{} deleted nothing", r.id);
+    }
+}

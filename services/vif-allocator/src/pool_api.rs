@@ -124,6 +124,17 @@ impl PoolManager for PoolApi {
         if req.count == 0 || req.count > MAX_POPULATE {
             return Err(Status::invalid_argument(format!("count: between 1 and {MAX_POPULATE}")));
         }
+        if !b.serves(&key)
+            && let Some(nn) = b.namespace_networks()
+        {
+            return Err(Status::invalid_argument(format!(
+                "key: this allocator creates ports for project {} and security groups {:?} on the namespace networks \
+                 (kubectl get namespacenetworks): {:?}",
+                b.key_for("").project,
+                b.key_for("").security_groups,
+                nn.networks()
+            )));
+        }
         if !b.serves(&key) {
             return Err(Status::invalid_argument(format!(
                 "key: this allocator creates ports only for project {}, network {} and security groups {:?}",

@@ -124,6 +124,10 @@ impl Cluster {
             &watcher.addr,
             "--instance",
             "lb-1",
+            // As a pod name would be: the restart after kill -9 is the same replica and takes
+            // its shard Leases back at once instead of waiting for them to expire.
+            "--replica-id",
+            "lb-1",
             "--log",
             "info,kuryr_lbaas=debug",
         ];

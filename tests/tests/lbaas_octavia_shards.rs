@@ -1,0 +1,386 @@
+//! Two kuryr-lbaas replicas with `--backend octavia` splitting the Services through Kubernetes
+//! Leases (8 shards, 3 s Leases), each under the `kuryr-lbaas` ServiceAccount, fed by a real
+//! kuryr-watcher, against a real kube-apiserver and a real Octavia (API + worker, amphora provider
+//! with the no-op drivers, tests/env/openstack). Everything is read back from Octavia's own API.
+//!
+//! A burst of Services; half-way, while load balancers are being created, kill -9 of one replica.
+//! The other holds every shard within the Lease duration plus one renewal interval, adopts what
+//! the dead one left by tags and finishes it: every Service ends with exactly one load balancer,
+//! ACTIVE, with its listener, pool and members, recorded in its ServiceLoadBalancer — nothing left
+//! half-built, nothing duplicated, no orphan. Deleting the Services deletes their load balancers.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
+use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::util::{free_port, repo_root, unique_id};
+use serde_json::{Value, json};
+
+const NS: &str = "lbos";
+const SHARDS: u32 = 8;
+const LEASE: Duration = Duration::from_secs(3);
+/// A fifth of the Lease duration: the renewal interval.
+const TICK: Duration = Duration::from_millis(600);
+/// Room for the API calls of a round and for this test's polling on a loaded machine.
+const SLACK: Duration = Duration::from_secs(1);
+/// Services in the burst: Octavia takes seconds per load balancer.
+const BURST: usize = 16;
+/// Bound on the convergence of the whole burst through Octavia on a loaded machine.
+const CONVERGE: Duration = Duration::from_secs(240);
+const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
+const FINALIZER: &str = "kuryr.openstack.org/lbaas";
+/// The project owning the load balancers (Octavia runs with noauth: any id will do).
+const PROJECT: &str = "7c1d9e2f4b3a4d5c8e6f2a3b4c5d6e7f";
+/// Any id is a VIP subnet for the no-op network driver.
+const VIP_SUBNET: &str = "8e2f6b3d-0c4e-4d8f-9a1b-2c3d4e5f6a7b";
+
+struct Cluster {
+    /// Kept for its lifetime: dropping it stops the API server.
+    _env: KubeEnv,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    watcher_kubeconfig: PathBuf,
+    lbaas_kubeconfig: PathBuf,
+}
+
+async fn cluster() -> Cluster {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for n in ["kuryr-system", NS] {
+        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
+    }
+    for (file, _) in crd::crds() {
+        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
+    }
+    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
+    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    for (_, c) in crd::crds() {
+        let name = c.metadata.name.unwrap();
+        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
+            let c = crds.get(&name).await?;
+            let ok = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established");
+            anyhow::ensure!(ok, "not yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
+    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
+    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+}
+
+struct Replica {
+    proc: ServiceProcess,
+    id: String,
+    addr: String,
+}
+
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, id: &str) -> Replica {
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
+    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), metrics]);
+    Replica { proc: ServiceProcess::spawn(bin, &args, dir).unwrap(), id: id.into(), addr }
+}
+
+fn logs(replicas: &[&Replica]) -> String {
+    let tail =
+        |s: String| s.lines().rev().take(80).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    replicas.iter().map(|r| format!("==== {}\n{}", r.id, tail(r.proc.logs()))).collect::<Vec<_>>().join("\n")
+}
+
+impl Cluster {
+    fn watcher(&self) -> Replica {
+        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
+        spawn("kuryr-watcher", args, self.dir.path(), "watcher")
+    }
+
+    fn lbaas(&self, watcher: &Replica, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
+        let args = [
+            "--kubeconfig",
+            &self.lbaas_kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "octavia",
+            "--octavia-url",
+            octavia_url,
+            "--os-project-id",
+            PROJECT,
+            "--vip-subnet-id",
+            VIP_SUBNET,
+            "--cluster-name",
+            cluster_name,
+            "--drift-interval",
+            "5s",
+            "--octavia-active-timeout",
+            "30s",
+            "--instance",
+            id,
+            "--replica-id",
+            id,
+            "--shards",
+            &SHARDS.to_string(),
+            "--lease-duration",
+            &format!("{}s", LEASE.as_secs()),
+            "--log",
+            "info,kuryr_lbaas=debug",
+        ];
+        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path(), id)
+    }
+
+    fn services(&self) -> Api<Service> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    fn records(&self) -> Api<ServiceLoadBalancer> {
+        Api::namespaced(self.admin.clone(), NS)
+    }
+
+    async fn create_service(&self, name: &str, members: &[String]) {
+        let svc: Service = serde_json::from_value(
+            json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
+        )
+        .unwrap();
+        self.services().create(&PostParams::default(), &svc).await.unwrap();
+        let endpoints: Vec<Value> = members
+            .iter()
+            .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
+            .collect();
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        }))
+        .unwrap();
+        let slices: Api<EndpointSlice> = Api::namespaced(self.admin.clone(), NS);
+        slices.create(&PostParams::default(), &slice).await.unwrap();
+    }
+
+    /// Shard → holder identity, as the Lease objects say (held Leases only).
+    async fn holders(&self) -> BTreeMap<u32, String> {
+        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), "kuryr-system");
+        let list = leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-lbaas")).await;
+        let mut out = BTreeMap::new();
+        for l in list.map(|l| l.items).unwrap_or_default() {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            let Some(i) = name.strip_prefix("kuryr-lbaas-shard-").and_then(|i| i.parse().ok()) else { continue };
+            if let Some(h) = l.spec.and_then(|s| s.holder_identity).filter(|h| !h.is_empty()) {
+                out.insert(i, h);
+            }
+        }
+        out
+    }
+}
+
+impl Replica {
+    async fn wait_serving(&self) {
+        wait_until(&format!("{} SERVING", self.id), PHASE_TIMEOUT, || async {
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+    }
+}
+
+struct OctaviaApi {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl OctaviaApi {
+    fn new(url: &str) -> Self {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        Self { http, base: format!("{url}/v2/lbaas") }
+    }
+
+    async fn ok(&self, path: &str) -> anyhow::Result<Value> {
+        let resp = self.http.get(format!("{}/{path}", self.base)).header("X-Project-Id", PROJECT).send().await?;
+        let status = resp.status().as_u16();
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        anyhow::ensure!(status == 200, "GET {path}: {status} {body}");
+        Ok(body)
+    }
+
+    /// This cluster's load balancers, by the Service their tag names (`""` when none does).
+    async fn by_service(&self, cluster_name: &str) -> anyhow::Result<BTreeMap<String, Vec<Value>>> {
+        let body = self.ok(&format!("loadbalancers?tags=kuryr-cluster%3D{cluster_name}")).await?;
+        let mut out: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+        for lb in body["loadbalancers"].as_array().cloned().unwrap_or_default() {
+            let service = lb["tags"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find_map(|t| t.as_str().and_then(|t| t.strip_prefix("kuryr-service=")))
+                .unwrap_or_default()
+                .to_string();
+            out.entry(service).or_default().push(lb);
+        }
+        Ok(out)
+    }
+
+    /// Listeners as `PROTO:port` with their pool's ACTIVE members as `address:port`; an error
+    /// for anything not ACTIVE.
+    async fn tree(&self, lb: &str) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+        let listeners = self.ok(&format!("listeners?loadbalancer_id={lb}")).await?;
+        let mut out = Vec::new();
+        for l in listeners["listeners"].as_array().cloned().unwrap_or_default() {
+            anyhow::ensure!(l["provisioning_status"] == "ACTIVE", "listener not ACTIVE: {l}");
+            let name = format!("{}:{}", l["protocol"].as_str().unwrap_or_default(), l["protocol_port"]);
+            let Some(pool) = l["default_pool_id"].as_str() else { anyhow::bail!("listener {name} has no pool") };
+            let ms = self.ok(&format!("pools/{pool}/members")).await?;
+            let mut members = Vec::new();
+            for m in ms["members"].as_array().cloned().unwrap_or_default() {
+                anyhow::ensure!(m["provisioning_status"] == "ACTIVE", "member not ACTIVE: {m}");
+                members.push(format!("{}:{}", m["address"].as_str().unwrap_or_default(), m["protocol_port"]));
+            }
+            members.sort();
+            out.push((name, members));
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+fn members(i: usize) -> Vec<String> {
+    (0..2).map(|j| format!("10.244.{}.{}", i % 250, 20 + j)).collect()
+}
+
+async fn create_burst(c: &Cluster, range: std::ops::Range<usize>) {
+    join_all(range.map(|i| async move { c.create_service(&format!("svc-{i}"), &members(i)).await })).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplicated() {
+    let started = Instant::now();
+    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let os = os.unwrap();
+    eprintln!("API server and Octavia up in {:?}", started.elapsed());
+    let octavia_url = os.octavia_url().unwrap().to_string();
+    let api = OctaviaApi::new(&octavia_url);
+    let cluster_name = format!("t{}", unique_id());
+
+    let watcher = c.watcher();
+    let mut a = c.lbaas(&watcher, &octavia_url, &cluster_name, "lbo-a");
+    let b = c.lbaas(&watcher, &octavia_url, &cluster_name, "lbo-b");
+    a.wait_serving().await;
+    b.wait_serving().await;
+    wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
+        let h = c.holders().await;
+        let of = |id: &str| h.values().filter(|h| *h == id).count();
+        anyhow::ensure!(h.len() == SHARDS as usize && of("lbo-a") == 4 && of("lbo-b") == 4, "held: {h:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
+
+    // The burst; half-way, once lbo-a is in the middle of creating load balancers, kill -9.
+    create_burst(&c, 0..BURST / 2).await;
+    wait_until("lbo-a creating load balancers", PHASE_TIMEOUT, || async {
+        anyhow::ensure!(a.proc.logs().contains("load balancer created"), "not yet");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
+    a.proc.kill().await.unwrap();
+    let killed = Instant::now();
+    let (takeover, ()) = tokio::join!(
+        async {
+            wait_until("lbo-b holding every shard", PHASE_TIMEOUT, || async {
+                let h = c.holders().await;
+                anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|id| id == "lbo-b"), "held: {h:?}");
+                Ok(killed.elapsed())
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", b.proc.logs()))
+        },
+        create_burst(&c, BURST / 2..BURST)
+    );
+    eprintln!("kill -9 of lbo-a mid-create → lbo-b holds all {SHARDS} shards after {takeover:?}");
+    assert!(
+        takeover <= LEASE + TICK + SLACK,
+        "takeover took {takeover:?}, more than the Lease duration {LEASE:?} + one renewal {TICK:?} (+{SLACK:?})"
+    );
+
+    // Every Service: one load balancer, ACTIVE, with its listener and members, the one its record
+    // names; no other load balancer of this cluster in the namespace.
+    let names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
+    let converged = wait_until("one ACTIVE, complete load balancer per Service, recorded", CONVERGE, || async {
+        let records = c.records().list(&ListParams::default()).await?.items;
+        let mut recorded = BTreeMap::new();
+        for r in &records {
+            let name = r.metadata.name.clone().unwrap_or_default();
+            let st = r.status.clone().unwrap_or_default();
+            anyhow::ensure!(
+                st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
+                "{name}: {st:?} at generation {:?}",
+                r.metadata.generation
+            );
+            recorded.insert(name, st.backend_id.unwrap_or_default());
+        }
+        let have: BTreeSet<String> = recorded.keys().cloned().collect();
+        anyhow::ensure!(have == names, "{} of {} Services recorded", have.len(), names.len());
+        for s in c.services().list(&ListParams::default()).await?.items {
+            let fin = s.metadata.finalizers.unwrap_or_default();
+            anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{:?} has no finalizer", s.metadata.name);
+        }
+        let lbs = api.by_service(&cluster_name).await?;
+        for (name, id) in &recorded {
+            let of = lbs.get(&format!("{NS}/{name}")).cloned().unwrap_or_default();
+            let ids: Vec<&str> = of.iter().filter_map(|l| l["id"].as_str()).collect();
+            anyhow::ensure!(ids == [id.as_str()], "{name}: load balancers {ids:?}, recorded {id}");
+            anyhow::ensure!(of[0]["provisioning_status"] == "ACTIVE", "{name}: {}", of[0]);
+            let i: usize = name.trim_start_matches("svc-").parse()?;
+            let want = vec![("TCP:80".to_string(), members(i).iter().map(|m| format!("{m}:8080")).collect::<Vec<_>>())];
+            let tree = api.tree(id).await?;
+            anyhow::ensure!(tree == want, "{name}: {tree:?}");
+        }
+        let strays: Vec<&String> = lbs
+            .keys()
+            .filter(|k| k.starts_with(&format!("{NS}/")) && !recorded.contains_key(&k[NS.len() + 1..]))
+            .collect();
+        anyhow::ensure!(strays.is_empty(), "load balancers of no Service: {strays:?}");
+        Ok(lbs.values().map(Vec::len).sum::<usize>())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&b])));
+    eprintln!(
+        "{BURST} Services: one complete ACTIVE load balancer each ({converged} in the cluster) {:?} after the kill",
+        killed.elapsed()
+    );
+
+    // Deleting them deletes their load balancers; the finalizer goes last.
+    let dp = DeleteParams::default();
+    join_all(names.iter().map(|n| {
+        let (api, dp) = (c.services(), &dp);
+        async move { api.delete(n, dp).await.unwrap() }
+    }))
+    .await;
+    wait_until("every Service, record and load balancer gone", CONVERGE, || async {
+        anyhow::ensure!(c.services().list(&ListParams::default()).await?.items.is_empty(), "Services left");
+        anyhow::ensure!(c.records().list(&ListParams::default()).await?.items.is_empty(), "records left");
+        let lbs = api.by_service(&cluster_name).await?;
+        let left: Vec<&String> = lbs.keys().filter(|k| k.starts_with(&format!("{NS}/"))).collect();
+        anyhow::ensure!(left.is_empty(), "load balancers left: {left:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&b])));
+}

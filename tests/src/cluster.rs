@@ -335,6 +335,10 @@ impl Cluster {
                 watcher.unix_target(),
                 "--backend".into(),
                 "node".into(),
+                // As a pod name would be: a restart is the same replica and takes its shard
+                // Leases back at once instead of waiting for them to expire.
+                "--replica-id".into(),
+                "kuryr-lbaas-0".into(),
             ];
             let lbaas = start_service(
                 "kuryr-lbaas",

@@ -312,6 +312,10 @@ impl Cluster {
             opts.network.clone(),
             "--network-cidrs".into(),
             opts.network_cidrs.join(","),
+            // As a pod name would be: a restart is the same replica, and takes its shard Leases
+            // back at once instead of waiting for them to expire.
+            "--replica-id".into(),
+            "kuryr-vif-allocator-0".into(),
         ];
         let allocator = start_service(
             "kuryr-vif-allocator",

@@ -8,7 +8,9 @@
 //!    VIF_DELETED, address released, PodVif gone, finalizer removed, pod gone; a finished pod
 //!    loses its VIF; kill -9 and restart: the same VIFs without re-allocation, and pods created
 //!    or deleted meanwhile are handled once it is back.
-//! 2. Two allocators against the same API while 100 pods are created at once: no address twice.
+//! 2. Two unsharded allocators (`--shards 0`, both doing all the work) against the same API
+//!    while 100 pods are created at once: no address twice. (Sharded replicas:
+//!    `allocator_shards.rs`.)
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -122,7 +124,13 @@ impl Cluster {
         spawn("kuryr-watcher", args, self.dir.path(), addr)
     }
 
+    /// An allocator named `instance` (also its replica identity, as a pod name would be: a
+    /// restart is the same replica and takes its shard Leases back at once).
     fn allocator(&self, watcher: &Svc, instance: &str) -> Svc {
+        self.allocator_with(watcher, instance, &[])
+    }
+
+    fn allocator_with(&self, watcher: &Svc, instance: &str, extra: &[&str]) -> Svc {
         let args = [
             "--kubeconfig",
             &self.allocator_kubeconfig.display().to_string(),
@@ -136,10 +144,13 @@ impl Cluster {
             "26",
             "--instance",
             instance,
+            "--replica-id",
+            instance,
             "--log",
             "info,kuryr_vif_allocator=debug",
         ];
-        spawn("kuryr-vif-allocator", args.iter().map(ToString::to_string).collect(), self.dir.path(), None)
+        let args = args.iter().chain(extra).map(ToString::to_string).collect();
+        spawn("kuryr-vif-allocator", args, self.dir.path(), None)
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -611,8 +622,9 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     let c = cluster(ns).await;
     let pods = c.pods(ns);
     let watcher = c.watcher(None);
-    let a = c.allocator(&watcher, "a");
-    let b = c.allocator(&watcher, "b");
+    // Unsharded, both do everything: the IPAM's optimistic concurrency alone keeps them apart.
+    let a = c.allocator_with(&watcher, "a", &["--shards", "0"]);
+    let b = c.allocator_with(&watcher, "b", &["--shards", "0"]);
     a.wait_serving(VIF_ALLOCATOR).await;
     b.wait_serving(VIF_ALLOCATOR).await;
 

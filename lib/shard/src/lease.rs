@@ -102,6 +102,7 @@ pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, s
         publisher: publisher.clone(),
         offset,
         failing: false,
+        next_expiry: None,
     };
     tokio::spawn(fence(publisher, shutdown.clone()).instrument(span.clone()));
     tokio::spawn(
@@ -193,6 +194,9 @@ struct Driver {
     offset: u32,
     /// The last round failed (logged once per streak).
     failing: bool,
+    /// When the first Lease of another replica expires if not renewed: the next round runs
+    /// then rather than up to a renewal interval later, so takeover is prompt.
+    next_expiry: Option<Instant>,
 }
 
 fn now_micro() -> MicroTime {
@@ -247,8 +251,13 @@ impl Driver {
                     self.failing = true;
                 }
             }
+            let mut wake = started + tick;
+            if let Some(at) = self.next_expiry.take() {
+                // Just after it: the expiry test is `>=`.
+                wake = wake.min(tokio::time::Instant::from_std(at) + Duration::from_millis(5));
+            }
             tokio::select! {
-                () = tokio::time::sleep_until(started + tick) => {}
+                () = tokio::time::sleep_until(wake) => {}
                 () = shutdown.clone().wait() => break,
             }
         }
@@ -323,6 +332,7 @@ impl Driver {
             now,
         );
         let my_member = self.config.member_lease(&me);
+        let mut next_expiry: Option<Instant> = None;
         let shards = self.config.shards as usize;
         let mut shard_leases: Vec<Option<(Lease, LeaseView)>> = vec![None; shards];
         let mut member: Option<Lease> = None;
@@ -332,6 +342,14 @@ impl Driver {
             let name = l.metadata.name.clone().unwrap_or_default();
             let view = view_of(&l);
             let role = l.metadata.labels.as_ref().and_then(|m| m.get(ROLE_LABEL)).map(String::as_str);
+            let foreign = view.holder.as_deref().is_some_and(|h| h != me);
+            if foreign && !self.tracker.expired(&name, &view, now, wall) {
+                let at = self.tracker.expires_at(&name, &view, now);
+                next_expiry = match (next_expiry, at) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
             if let Some(i) = self.config.shard_index(&name) {
                 shard_leases[i as usize] = Some((l, view));
             } else if name == my_member {
@@ -351,6 +369,7 @@ impl Driver {
                 }
             }
         }
+        self.next_expiry = next_expiry;
         self.renew_member(&my_member, member).await?;
         self.metrics.members.set(i64::try_from(live.len()).unwrap_or(i64::MAX));
         for (name, version) in stale.into_iter().take(4) {

@@ -56,6 +56,13 @@ impl Tracker {
         self.seen.get(name).map_or(Duration::ZERO, |(_, since)| now.saturating_duration_since(*since))
     }
 
+    /// When the held Lease `name` expires by observation if it stays unchanged (`None` when it
+    /// is not held).
+    pub fn expires_at(&self, name: &str, lease: &LeaseView, now: Instant) -> Option<Instant> {
+        lease.holder.as_ref()?;
+        Some(now + lease.duration.saturating_sub(self.unchanged_for(name, now)))
+    }
+
     /// Whether the Lease `name` is expired (see the module docs).
     pub fn expired(&self, name: &str, lease: &LeaseView, now: Instant, wall: SystemTime) -> bool {
         if lease.holder.is_none() {
@@ -248,6 +255,8 @@ mod tests {
         assert!(fresh.expired("y", &old, t0, wall));
         let skewed = lease(Some("b"), wall - d - Duration::from_secs(5), "7");
         assert!(!fresh.expired("y", &skewed, t0, wall));
+        assert_eq!(fresh.expires_at("y", &old, t0 + Duration::from_secs(4)), Some(t0 + d));
+        assert_eq!(fresh.expires_at("y", &lease(None, wall, "7"), t0), None);
         // Leases no longer listed are forgotten.
         fresh.observe([], t0);
         assert_eq!(fresh.unchanged_for("y", t0 + d), Duration::ZERO);

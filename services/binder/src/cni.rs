@@ -8,10 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{BindingDriver as ProtoDriver, ReportPluggedRequest, Vif};
 use kuryr_proto::binder::v1 as pb;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use ipnet::IpNet;
@@ -36,7 +34,7 @@ pub struct CniService {
     pub node: String,
     pub vifs: VifCache,
     pub attachments: Attachments,
-    pub allocator: VifAllocatorClient<Channel>,
+    pub allocator: crate::upstream::Allocator,
     /// How long ADD waits for the VIF to appear, and then to become ready.
     pub vif_wait: Duration,
     /// The OVS database to talk to (ovs-vsctl --db), for the `ovs` binding.
@@ -142,7 +140,7 @@ impl CniService {
                 plugged: false,
                 host_ifname: att.host_ifname.clone(),
             };
-            if let Err(e) = self.allocator.clone().report_plugged(req).await {
+            if let Err(e) = self.allocator.client().report_plugged(req).await {
                 // The allocator learns of the pod's deletion from Kubernetes anyway; the report only
                 // speeds it up, so it is not worth failing DEL over.
                 tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered");
@@ -163,7 +161,7 @@ impl CniService {
         };
         let mut delay = Duration::from_millis(50);
         loop {
-            match self.allocator.clone().report_plugged(req.clone()).await {
+            match self.allocator.client().report_plugged(req.clone()).await {
                 Ok(_) => return Ok(()),
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     return Err(CniError::new(

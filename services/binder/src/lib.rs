@@ -16,13 +16,13 @@ pub mod netns;
 pub mod noderoutes;
 pub mod plug;
 pub mod spec;
+pub mod upstream;
 pub mod vifs;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
 use kuryr_runtime::config::parse_duration;
@@ -100,12 +100,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
-    let channel = kuryr_runtime::client::channel(&config.allocator)?;
+    let allocator = upstream::Allocator::new(kuryr_runtime::client::channel(&config.allocator)?);
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
     tokio::spawn(vifs.clone().follow(
-        channel.clone(),
+        allocator.clone(),
         node.clone(),
         binder_id,
         rt.health(),
@@ -136,7 +136,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node,
         vifs,
         attachments,
-        allocator: VifAllocatorClient::new(channel),
+        allocator,
         vif_wait: config.vif_wait_timeout,
         ovs_db: config.ovs_db.clone(),
         metrics: metrics::CniMetrics::register(rt.registry()),

@@ -8,11 +8,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{NodeRoutes, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse};
 use kuryr_runtime::{Health, Shutdown};
 use tokio::sync::watch;
-use tonic::transport::Channel;
+
+use crate::upstream::Allocator;
 
 /// How many recently deleted pod UIDs are remembered, so that an ADD arriving just after its pod
 /// was deleted is answered "unknown container" instead of waiting out its deadline.
@@ -165,10 +165,12 @@ impl VifCache {
     }
 
     /// Follows the allocator's stream for `node` until shutdown, reconnecting with backoff and
-    /// resuming where it left off. Marks `service` SERVING while the stream is live.
+    /// resuming where it left off. Marks `service` SERVING while the stream is live. A replica
+    /// that does not serve the node names its owner, which is followed at once; an owner that
+    /// cannot be reached twice in a row is given up for `--allocator`.
     pub async fn follow(
         self,
-        channel: Channel,
+        allocator: Allocator,
         node: String,
         binder_id: String,
         health: Health,
@@ -176,9 +178,11 @@ impl VifCache {
         shutdown: Shutdown,
     ) {
         health.register(service).await;
-        let mut client = VifAllocatorClient::new(channel);
         let mut delay = RETRY_MIN;
+        // Redirects followed since the stream was last live, and failures of the owner followed.
+        let (mut hops, mut owner_failures) = (0u32, 0u32);
         loop {
+            let mut client = allocator.client();
             let req = WatchVifsRequest {
                 node_name: node.clone(),
                 resume_from: self.resume_point(),
@@ -201,9 +205,11 @@ impl VifCache {
                                 let was_live = self.is_live();
                                 self.apply(&ev);
                                 if !was_live && self.is_live() {
-                                    tracing::info!(node, "VIF stream live");
+                                    let from = allocator.owner().unwrap_or_else(|| "--allocator".into());
+                                    tracing::info!(node, allocator = from, "VIF stream live");
                                     health.set_serving(service).await;
                                     delay = RETRY_MIN;
+                                    (hops, owner_failures) = (0, 0);
                                 }
                             }
                             Ok(None) => {
@@ -212,15 +218,38 @@ impl VifCache {
                             }
                             Err(e) => {
                                 tracing::warn!(node, code = ?e.code(), error = e.message(), "VIF stream broke; reconnecting");
+                                if let Some(owner) = allocator.redirect(&e) {
+                                    tracing::info!(node, owner, "the node's allocator moved; following it");
+                                    (hops, owner_failures) = (hops + 1, 0);
+                                }
                                 break;
                             }
                         }
                     }
                 }
-                Err(e) => tracing::warn!(node, code = ?e.code(), error = e.message(), "cannot open the VIF stream"),
+                Err(e) => {
+                    if let Some(owner) = allocator.redirect(&e) {
+                        tracing::info!(node, owner, error = e.message(), "redirected to the node's allocator");
+                        (hops, owner_failures) = (hops + 1, 0);
+                    } else if allocator.owner().is_some() {
+                        owner_failures += 1;
+                        if owner_failures >= 2 {
+                            allocator.fall_back();
+                            owner_failures = 0;
+                            tracing::warn!(node, code = ?e.code(), error = e.message(),
+                                "the node's allocator cannot be reached; back to --allocator");
+                        }
+                    } else {
+                        tracing::warn!(node, code = ?e.code(), error = e.message(), "cannot open the VIF stream");
+                    }
+                }
             }
             self.set_live(false);
             health.set_not_serving(service).await;
+            if hops > 0 && hops <= 2 && owner_failures == 0 {
+                // A fresh redirect: straight to the owner.
+                continue;
+            }
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
                 () = shutdown.clone().wait() => return,

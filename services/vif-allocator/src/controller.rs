@@ -36,6 +36,7 @@ use crate::ipam::store::PodKey;
 use crate::metrics::Metrics;
 use crate::pods::{Desired, FINALIZER, PodEntry, PodView};
 use crate::queue::{Outcome, WorkQueue};
+use crate::shards::Shards;
 
 /// Event reasons, as `kubectl describe pod` shows them.
 pub const REASON_ALLOCATION_FAILED: &str = "VifAllocationFailed";
@@ -121,6 +122,8 @@ pub struct Controller<C> {
     queue: Arc<WorkQueue>,
     locks: PodLocks,
     metrics: Metrics,
+    /// The nodes this replica works on.
+    shards: Shards,
 }
 
 impl<C: Cluster> Controller<C> {
@@ -133,7 +136,25 @@ impl<C: Cluster> Controller<C> {
         queue: Arc<WorkQueue>,
         metrics: Metrics,
     ) -> Self {
-        Self { cluster, network: network.to_string(), view, index, queue, locks: PodLocks::default(), metrics }
+        let locks = PodLocks::default();
+        Self { cluster, network: network.to_string(), view, index, queue, locks, metrics, shards: Shards::all() }
+    }
+
+    /// Works only on the nodes `shards` serves (every node by default).
+    #[must_use]
+    pub fn with_shards(mut self, shards: Shards) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// Whether this replica works on `node` (its shard is owned and loaded here).
+    pub fn serves(&self, node: &str) -> bool {
+        self.shards.serves(node)
+    }
+
+    /// The cluster it works through.
+    pub fn cluster(&self) -> &C {
+        &self.cluster
     }
 
     /// The pod view.
@@ -208,6 +229,14 @@ impl<C: Cluster> Controller<C> {
         let Some(entry) = view_lock(&self.view).get(uid).cloned() else {
             return Ok(());
         };
+        if !self.shards.serves(&entry.info.node) {
+            // Another replica's node: its owner does the work. A tombstone is not kept: should
+            // the shard come here, its PodVifs are read again and orphans found then.
+            if entry.gone {
+                view_lock(&self.view).forget(uid);
+            }
+            return Ok(());
+        }
         match entry.desired() {
             Desired::Vif { node } => self.apply(&entry, &node).await,
             Desired::NoVif => self.cleanup(&entry).await,

@@ -7,6 +7,10 @@
 //! with the number of binders. A stream so far behind that its cursor left the history gets
 //! RESET and a fresh snapshot in place. At shutdown every stream ends with UNAVAILABLE, telling
 //! binders to reconnect (to another replica, or to this one once it is back).
+//!
+//! With sharding ([`crate::shards`]), calls about a node this replica does not serve fail with
+//! UNAVAILABLE naming the owner (and its endpoint in the `kuryr-shard-owner` trailer), and a
+//! node's streams end that way when its shard moves to another replica.
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
@@ -22,9 +26,10 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use crate::cluster::Cluster;
-use crate::controller::{Controller, PlugError};
+use crate::controller::{Controller, PlugError, view_lock};
 use crate::index::{Change, Epoch, Lagged, SharedIndex, Start, lock};
 use crate::metrics::Metrics;
+use crate::shards::Shards;
 
 /// Responses buffered per stream before the stream task waits for the binder to read.
 const STREAM_BUFFER: usize = 128;
@@ -44,12 +49,20 @@ pub struct AllocatorService<C> {
     controller: ControllerCell<C>,
     metrics: Metrics,
     shutdown: Shutdown,
+    shards: Shards,
 }
 
 impl<C> AllocatorService<C> {
     /// Serves `index`; plug reports go to the controller once it is in `controller`.
     pub fn new(index: SharedIndex, controller: ControllerCell<C>, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { index, controller, metrics, shutdown }
+        Self { index, controller, metrics, shutdown, shards: Shards::all() }
+    }
+
+    /// Serves only the nodes `shards` serves, redirecting the others (every node by default).
+    #[must_use]
+    pub fn with_shards(mut self, shards: Shards) -> Self {
+        self.shards = shards;
+        self
     }
 }
 
@@ -104,6 +117,9 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
         let peer = req.remote_addr().map_or_else(|| "local".to_string(), |a| a.to_string());
         let req = req.into_inner();
         validate_watch(&req)?;
+        if lock(&self.index).is_ready() {
+            self.shards.check(&req.node_name, "WatchVifs")?;
+        }
         let (start, epoch, revisions) = {
             let idx = lock(&self.index);
             let start = idx.start(&req.node_name, &req.resume_from).map_err(|e| Status::unavailable(e.to_string()))?;
@@ -132,6 +148,7 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
             tx,
             revisions,
             metrics: self.metrics.clone(),
+            shards: self.shards.clone(),
         };
         tokio::spawn(stream.run(start, self.shutdown.clone()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -148,6 +165,7 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
         let Some(ctl) = self.controller.get() else {
             return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
         };
+        self.shards.check(&r.node_name, "ReportPlugged")?;
         let vif = ctl.report_plugged(&r.pod_uid, &r.vif_id, &r.node_name, r.plugged).await.map_err(|e| match e {
             PlugError::NotFound(m) => Status::not_found(m),
             PlugError::FailedPrecondition(m) => Status::failed_precondition(m),
@@ -159,13 +177,22 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
     async fn get_vif(&self, req: Request<GetVifRequest>) -> Result<Response<Vif>, Status> {
         let uid = req.into_inner().pod_uid;
         required("pod_uid", &uid)?;
-        let idx = lock(&self.index);
-        if !idx.is_ready() {
-            return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
+        let found = {
+            let idx = lock(&self.index);
+            if !idx.is_ready() {
+                return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
+            }
+            idx.get(&uid)
+        };
+        if let Some(v) = found {
+            return Ok(Response::new(Vif::clone(&v)));
         }
-        idx.get(&uid)
-            .map(|v| Response::new(Vif::clone(&v)))
-            .ok_or_else(|| Status::not_found(format!("no VIF for pod {uid}")))
+        // Not here: perhaps because another replica serves the pod's node.
+        let node = self.controller.get().and_then(|c| view_lock(c.view()).get(&uid).map(|e| e.info.node.clone()));
+        if let Some(node) = node.filter(|n| !n.is_empty()) {
+            self.shards.check(&node, "GetVif")?;
+        }
+        Err(Status::not_found(format!("no VIF for pod {uid}")))
     }
 }
 
@@ -176,6 +203,8 @@ enum Ended {
     ClientGone,
     /// The index was dropped: the process is ending.
     IndexGone,
+    /// The node's shard is no longer served here.
+    Moved,
 }
 
 /// One WatchVifs stream.
@@ -186,19 +215,27 @@ struct Stream {
     tx: mpsc::Sender<Result<WatchVifsResponse, Status>>,
     revisions: watch::Receiver<u64>,
     metrics: Metrics,
+    shards: Shards,
 }
 
 impl Stream {
     async fn run(mut self, start: Start, shutdown: Shutdown) {
         self.metrics.subscribers.inc();
+        let shards = self.shards.clone();
+        let node = self.node.clone();
         let ended = tokio::select! {
             res = self.serve(start) => match res {
                 Ok(never) => match never {},
                 Err(ended) => Some(ended),
             },
+            () = shards.lost(&node) => Some(Ended::Moved),
             () = shutdown.wait() => None,
         };
         match ended {
+            Some(Ended::Moved) => {
+                let _ = self.tx.try_send(Err(shards.refusal(&node)));
+                tracing::info!("stream ended: the node's shard moved to another replica");
+            }
             None => {
                 let status = Status::unavailable("kuryr-vif-allocator is shutting down; reconnect with resume_from");
                 let _ = self.tx.try_send(Err(status));

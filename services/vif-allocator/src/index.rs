@@ -149,6 +149,10 @@ pub struct VifIndex {
     capacity: usize,
     revision: u64,
     ready: bool,
+    /// Resume points before this revision are refused (RESET + snapshot): VIFs were dropped
+    /// without deltas then (their shard went to another replica), so the history after such a
+    /// point does not tell a binder everything.
+    resume_floor: u64,
     /// Tells streams a new revision exists; sent under the index lock.
     revision_tx: watch::Sender<u64>,
 }
@@ -185,6 +189,7 @@ impl VifIndex {
             capacity: capacity.max(1),
             revision: 0,
             ready: false,
+            resume_floor: 0,
             revision_tx: watch::Sender::new(0),
         }
     }
@@ -286,6 +291,19 @@ impl VifIndex {
         Some(old)
     }
 
+    /// Drops the VIFs `which` selects without streaming anything: their nodes' streams are ended
+    /// and served by another replica from now on (their shard moved). Binders resuming from
+    /// before this get RESET and a snapshot. Returns how many were dropped.
+    pub fn forget_vifs(&mut self, which: impl Fn(&Vif) -> bool) -> usize {
+        let before = self.vifs.len();
+        self.vifs.retain(|_, v| !which(v));
+        let dropped = before - self.vifs.len();
+        if dropped > 0 {
+            self.resume_floor = self.revision;
+        }
+        dropped
+    }
+
     /// Sets a node's InternalIPs (empty: unknown, or the Node is gone).
     pub fn set_node_ips(&mut self, node: &str, mut ips: Vec<String>) {
         ips.sort();
@@ -375,7 +393,7 @@ impl VifIndex {
             return Ok(Start::Snapshot { reset: false, items, cursor });
         }
         match self.epoch.revision_of(resume_from) {
-            Some(cursor) if self.can_resume(cursor) => Ok(Start::Resume { cursor }),
+            Some(cursor) if cursor >= self.resume_floor && self.can_resume(cursor) => Ok(Start::Resume { cursor }),
             _ => {
                 let (items, cursor) = self.snapshot(node);
                 Ok(Start::Snapshot { reset: true, items, cursor })
@@ -537,6 +555,11 @@ mod tests {
             assert!(reset, "{bad}");
             assert_eq!((items.len(), cursor), (5, 5), "{bad}");
         }
+        // VIFs dropped without deltas: points from before are not resumable any more.
+        assert_eq!(idx.forget_vifs(|v| vif_uid(v) == "p0"), 1);
+        assert!(matches!(idx.start("n1", "e-4"), Ok(Start::Snapshot { reset: true, .. })));
+        assert!(matches!(idx.start("n1", "e-5"), Ok(Start::Resume { cursor: 5 })));
+        assert!(idx.get("p0").is_none() && idx.revision() == 5, "dropped silently");
         let e = Epoch::fixed("abc");
         assert_eq!(e.revision_of(&e.point(7)), Some(7));
         assert_eq!(e.revision_of(&e.snapshot_point()), None);

@@ -43,6 +43,7 @@ pub mod pods;
 pub mod pool_api;
 pub mod queue;
 pub mod ready;
+pub mod shards;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -70,6 +71,7 @@ use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
 use crate::queue::WorkQueue;
 use crate::ready::Readiness;
+use crate::shards::Shards;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -143,6 +145,10 @@ pub struct Config {
     #[command(flatten)]
     pub neutron: NeutronArgs,
 
+    /// Sharding by node between replicas (Kubernetes Leases).
+    #[command(flatten)]
+    pub shard: kuryr_shard::ShardArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -202,6 +208,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
     let metrics = Metrics::register(rt.registry());
+    let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
+    let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());
+    let (ownership_tx, ownership) = tokio::sync::watch::channel(Arc::new(if shard_config.shards == 0 {
+        kuryr_shard::Ownership::everything(&shard_config.identity)
+    } else {
+        kuryr_shard::Ownership::pending(&shard_config.identity, shard_config.shards)
+    }));
+    let shards = Shards::new(ownership);
+    shards.register(rt.registry());
+    let shard_handle = Arc::new(std::sync::OnceLock::new());
     // The Neutron side is checked before any port is bound: a bad flag fails the start.
     let neutron = match config.backend {
         BackendKind::Embedded => None,
@@ -230,12 +246,35 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         cell: cell.clone(),
         neutron,
         pools,
+        shards: shards.clone(),
+        shard_config,
+        shard_metrics,
+        ownership_tx,
+        shard_handle: shard_handle.clone(),
     };
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
-    let service = AllocatorService::new(index, cell, metrics, rt.shutdown());
+    let service = AllocatorService::new(index, cell, metrics, rt.shutdown()).with_shards(shards);
     let routes =
         tonic::service::Routes::new(VifAllocatorServer::new(service)).add_service(PoolManagerServer::new(pool_api));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+    // The shard Leases are released at shutdown, so the other replicas take over at once.
+    if let Some(h) = shard_handle.get() {
+        let _ = tokio::time::timeout(Duration::from_secs(6), kuryr_shard::ShardHandle::stopped(h)).await;
+    }
+    served
+}
+
+/// Copies the shard set's ownership into the channel the server was built with.
+async fn forward(
+    mut from: tokio::sync::watch::Receiver<Arc<kuryr_shard::Ownership>>,
+    to: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
+) {
+    loop {
+        to.send_replace(from.borrow_and_update().clone());
+        if from.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
@@ -250,6 +289,14 @@ struct Start {
     /// The OpenStack client and the backend's metrics, with `--backend neutron`.
     neutron: Option<(kuryr_openstack::Client, NeutronMetrics)>,
     pools: BackendCell,
+    /// What this replica serves.
+    shards: Shards,
+    shard_config: kuryr_shard::ShardConfig,
+    shard_metrics: kuryr_shard::ShardMetrics,
+    /// Where the shard set's ownership is copied to (what `shards` follows).
+    ownership_tx: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
+    /// The running shard set, for the release at shutdown.
+    shard_handle: Arc<std::sync::OnceLock<kuryr_shard::ShardHandle>>,
 }
 
 /// What the backend-specific part of the start hands on.
@@ -272,17 +319,35 @@ impl Start {
         else {
             return;
         };
+        // The first round of Leases runs while the network is prepared.
+        if self.shard_config.shards > 0 {
+            let handle = kuryr_shard::start(
+                client.clone(),
+                self.shard_config.clone(),
+                self.shard_metrics.clone(),
+                shutdown.clone(),
+            );
+            tokio::spawn(forward(handle.ownership(), self.ownership_tx.clone()));
+            let _ = self.shard_handle.set(handle);
+        }
         let prepared = match self.neutron.clone() {
             None => self.prepare_embedded(&client, &shutdown).await,
             Some((os, nm)) => self.prepare_neutron(&client, os, nm, &shutdown).await,
         };
         let Some(Prepared { backend, network, found, store, ready }) = prepared else { return };
-        let Start { config, watcher, index, readiness, metrics, cell, .. } = self;
+        let Start { config, watcher, index, readiness, metrics, cell, shards, .. } = self;
 
-        // Recovery: every recorded VIF into the index before any stream is served.
+        // Which shards are this replica's, before anything is loaded.
+        let mut ownership = shards.ownership_receiver();
+        let own = tokio::select! {
+            o = ownership.wait_for(|o| o.ready) => match o { Ok(o) => o.clone(), Err(_) => return },
+            () = shutdown.clone().wait() => return,
+        };
+        // Recovery: every recorded VIF of this replica's nodes into the index before any stream
+        // is served.
         let held = {
             let mut idx = lock(&index);
-            for f in &found {
+            for f in found.iter().filter(|f| own.owns(&f.node)) {
                 if let Some((record, state)) = &f.recorded {
                     idx.upsert_vif(convert::to_proto(&f.pod, &f.node, &network, record, *state));
                 }
@@ -292,12 +357,13 @@ impl Start {
         };
         if !backend.ready_when_plugged() {
             // Plugged before the restart and not yet confirmed: watch them again.
-            for f in &found {
+            for f in found.iter().filter(|f| own.owns(&f.node)) {
                 if let Some((record, VifState::Plugged)) = &f.recorded {
                     backend.watch_ready(&f.pod.uid, &record.vif_id, true);
                 }
             }
         }
+        shards.set_loaded(own.owned.clone());
         metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
         tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
         readiness.set_recovered();
@@ -306,9 +372,23 @@ impl Start {
         let cluster = KubeCluster::new(client.clone(), backend.clone(), &network, Some(instance.clone()));
         let queue = Arc::new(WorkQueue::default());
         let view = SharedView::default();
-        let controller = Arc::new(Controller::new(cluster, &network, view, index.clone(), queue, metrics.clone()));
+        let controller = Arc::new(
+            Controller::new(cluster, &network, view, index.clone(), queue, metrics.clone()).with_shards(shards.clone()),
+        );
         let _ = cell.set(controller.clone());
         controller.spawn_workers(config.workers, shutdown.clone());
+        let follower = shards::Follower {
+            shards: shards.clone(),
+            controller: controller.clone(),
+            client: client.clone(),
+            network: network.clone(),
+            index: index.clone(),
+            backend: backend.clone(),
+            readiness: readiness.clone(),
+            metrics: metrics.clone(),
+            recovered: own.owned.clone(),
+        };
+        tokio::spawn(follower.run(shutdown.clone()).instrument(tracing::info_span!("shards")));
         if let Some(store) = store {
             let blocks = k8s::follow_blocks(client, store, network, index.clone(), shutdown.clone());
             tokio::spawn(blocks.instrument(tracing::info_span!("address-blocks")));
@@ -448,7 +528,8 @@ async fn collect_orphans(
         let orphans: Vec<_> = {
             let holders = backend.holders();
             let view = view_lock(controller.view());
-            holders.into_iter().filter(|(k, _)| view.get(&k.uid).is_none()).collect()
+            // Only on this replica's nodes: the others' owners collect theirs.
+            holders.into_iter().filter(|(k, node)| view.get(&k.uid).is_none() && controller.serves(node)).collect()
         };
         for (key, node) in orphans {
             tracing::info!(uid = %key.uid, pod = %format!("{}/{}", key.namespace, key.name), node,

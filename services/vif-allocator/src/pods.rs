@@ -141,6 +141,11 @@ impl PodView {
         self.pods.is_empty()
     }
 
+    /// The uids of the pods (tombstones included) on nodes `which` selects.
+    pub fn uids_where(&self, which: impl Fn(&str) -> bool) -> Vec<String> {
+        self.pods.iter().filter(|(_, e)| which(&e.info.node)).map(|(uid, _)| uid.clone()).collect()
+    }
+
     /// Forgets a pod whose cleanup finished, if it is still gone.
     pub fn forget(&mut self, uid: &str) {
         if self.pods.get(uid).is_some_and(|e| e.gone) {

@@ -1,6 +1,7 @@
 //! Readiness: the allocator is SERVING only when (a) the watcher's stream is live (its snapshot
-//! complete), (b) the VIFs recorded in PodVifs were loaded (recovery), and (c) the PodNetwork
-//! exists. Each change is logged once, naming what is missing.
+//! complete), (b) the VIFs recorded in PodVifs were loaded (recovery), (c) the PodNetwork
+//! exists, and (d) its first round of shard Leases is done (it may own no shard: it then serves
+//! by redirecting binders to the owners). Each change is logged once, naming what is missing.
 //!
 //! WatchVifs itself serves from (b) on, even while the watcher is away: binders then keep the
 //! VIFs they have (and get those recovered after a restart at once), which beats refusing them.
@@ -19,12 +20,14 @@ pub struct Conditions {
     pub recovered: bool,
     /// The watcher's stream is live.
     pub watcher: bool,
+    /// The first round of shard Leases is done (at once without sharding).
+    pub shards: bool,
 }
 
 impl Conditions {
     /// Whether every condition holds.
     pub fn all(&self) -> bool {
-        self.network && self.recovered && self.watcher
+        self.network && self.recovered && self.watcher && self.shards
     }
 
     fn missing(&self) -> Vec<&'static str> {
@@ -37,6 +40,9 @@ impl Conditions {
         }
         if !self.watcher {
             m.push("a live watcher stream");
+        }
+        if !self.shards {
+            m.push("the first round of shard Leases");
         }
         m
     }
@@ -63,6 +69,11 @@ impl Readiness {
         self.0.send_if_modified(|c| !std::mem::replace(&mut c.recovered, true));
     }
 
+    /// Marks the first round of shard Leases done.
+    pub fn set_shards(&self) {
+        self.0.send_if_modified(|c| !std::mem::replace(&mut c.shards, true));
+    }
+
     /// Marks the watcher stream live or not.
     pub fn set_watcher(&self, live: bool) {
         self.0.send_if_modified(|c| std::mem::replace(&mut c.watcher, live) != live);
@@ -86,7 +97,7 @@ impl Readiness {
                     let now = *rx.borrow_and_update();
                     if last != Some(now.all()) && !shutdown.is_triggered() {
                         if now.all() {
-                            tracing::info!("network present, VIFs recovered, watcher live: serving");
+                            tracing::info!("network present, VIFs recovered, watcher live, shards known: serving");
                         } else {
                             tracing::info!(missing = ?now.missing(), "not serving");
                         }

@@ -1,0 +1,105 @@
+//! Which allocator replica this node talks to. Allocator replicas split the nodes between them
+//! (shards owned through Kubernetes Leases); a replica asked about a node it does not serve
+//! answers UNAVAILABLE with the owner's `HOST:PORT` in the `kuryr-shard-owner` trailer. The
+//! binder then talks to that owner — for its VIF stream and its plug reports — until the owner
+//! cannot be reached, when it falls back to `--allocator` (which routes to any replica).
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use tonic::transport::Channel;
+
+/// The gRPC metadata an allocator replica names a node's owner in.
+pub const OWNER_METADATA: &str = "kuryr-shard-owner";
+
+#[derive(Debug)]
+struct Current {
+    /// The owner's endpoint, when following a redirect; `None`: `--allocator`.
+    owner: Option<String>,
+    channel: Channel,
+}
+
+/// The allocator this node follows; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Allocator {
+    default: Channel,
+    current: Arc<Mutex<Current>>,
+}
+
+impl Allocator {
+    /// Talks to `default` (`--allocator`) until redirected.
+    pub fn new(default: Channel) -> Self {
+        let current = Current { owner: None, channel: default.clone() };
+        Self { default, current: Arc::new(Mutex::new(current)) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A client of the allocator to talk to now.
+    pub fn client(&self) -> VifAllocatorClient<Channel> {
+        VifAllocatorClient::new(self.lock().channel.clone())
+    }
+
+    /// The owner followed, if any (`None`: `--allocator`).
+    pub fn owner(&self) -> Option<String> {
+        self.lock().owner.clone()
+    }
+
+    /// Follows the redirect in `status`, if it names an owner other than the current one;
+    /// returns the owner when it did.
+    pub fn redirect(&self, status: &tonic::Status) -> Option<String> {
+        let owner = status.metadata().get(OWNER_METADATA)?.to_str().ok()?.trim().to_string();
+        let mut cur = self.lock();
+        if owner.is_empty() || cur.owner.as_deref() == Some(owner.as_str()) {
+            return None;
+        }
+        match kuryr_runtime::client::channel(&owner) {
+            Ok(channel) => {
+                *cur = Current { owner: Some(owner.clone()), channel };
+                Some(owner)
+            }
+            Err(e) => {
+                tracing::warn!(owner, error = %e, "the allocator named an unusable owner address; ignoring it");
+                None
+            }
+        }
+    }
+
+    /// Back to `--allocator`; returns whether an owner was followed until now.
+    pub fn fall_back(&self) -> bool {
+        let mut cur = self.lock();
+        let was = cur.owner.take().is_some();
+        cur.channel = self.default.clone();
+        was
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use tonic::metadata::MetadataMap;
+
+    use super::*;
+
+    fn redirect_to(endpoint: &str) -> tonic::Status {
+        let mut md = MetadataMap::new();
+        md.insert(OWNER_METADATA, endpoint.parse().unwrap());
+        tonic::Status::with_metadata(tonic::Code::Unavailable, "elsewhere", md)
+    }
+
+    #[tokio::test]
+    async fn follows_redirects_and_falls_back() {
+        let a = Allocator::new(kuryr_runtime::client::channel("127.0.0.1:1").unwrap());
+        assert_eq!(a.owner(), None);
+        assert_eq!(a.redirect(&tonic::Status::unavailable("no trailer")), None);
+        assert_eq!(a.redirect(&redirect_to("127.0.0.1:2")).as_deref(), Some("127.0.0.1:2"));
+        assert_eq!(a.owner().as_deref(), Some("127.0.0.1:2"));
+        assert_eq!(a.redirect(&redirect_to("127.0.0.1:2")), None, "already there");
+        assert!(a.fall_back());
+        assert!(!a.fall_back());
+        assert_eq!(a.owner(), None);
+    }
+}

@@ -36,6 +36,7 @@ use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{GetVifRequest, ListPoolsRequest, Pool, PoolKey, PopulatePoolRequest, Vif, VifState};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::openstack::{NeutronNode, OpenStackEnv, PodNetwork, Service};
 use kuryr_tests::services::{ServiceProcess, wait_until};
@@ -336,6 +337,47 @@ fn fixed_addrs(p: &Port) -> BTreeSet<String> {
     p.fixed_ips.iter().filter_map(|f| f.ip_address.clone()).collect()
 }
 
+/// After two pods (one from a cold pool, one from a populated one) were plugged and ACTIVE: the
+/// pool gauges agree with ShowPool, port creations and Neutron calls moved, and both pods'
+/// network-ready latencies were recorded by the allocator (scheduled → READY) and the binder
+/// (plugged → ready, which for Neutron is the port ACTIVE).
+async fn pool_and_latency_metrics(
+    w: &World,
+    alloc: &Svc,
+    before: &Scrape,
+    binder_before: &Scrape,
+) -> anyhow::Result<()> {
+    let host = w.node.host.as_str();
+    let m = wait_until("the pool gauges to match ShowPool", SLOW, || async {
+        let m = Scrape::http(&alloc.metrics).await?;
+        let pool = node_pool(alloc, host).await.ok_or_else(|| anyhow::anyhow!("no pool"))?;
+        let gauge = |state| m.sum("kuryr_allocator_neutron_pool_ports", &[("node", host), ("state", state)]);
+        anyhow::ensure!(gauge("in_use") == 2.0, "in_use {} (ShowPool: {})", gauge("in_use"), pool.in_use);
+        let free = pool.free_port_ids.len() as f64;
+        anyhow::ensure!(gauge("free") == free && free >= 3.0, "free {} (ShowPool: {free})", gauge("free"));
+        Ok(m)
+    })
+    .await?;
+    m.moved(before, "kuryr_allocator_neutron_port_creations_total", &[("path", "add")]).exactly(1.0)?;
+    m.moved(before, "kuryr_allocator_neutron_port_creations_total", &[("path", "pool")]).at_least(4.0)?;
+    let network = [("service", "network")];
+    m.moved(before, "openstack_requests_total", &[("service", "network"), ("code", "201")]).at_least(2.0)?;
+    m.moved_count(before, "openstack_request_duration_seconds", &network).at_least(4.0)?;
+    m.moved_count(before, "kuryr_allocator_neutron_active_seconds", &[]).at_least(2.0)?;
+    m.moved(before, "kuryr_allocator_neutron_status_polls_total", &[]).at_least(1.0)?;
+    m.moved_count(before, "kuryr_allocator_vif_ready_seconds", &[]).exactly(2.0)?;
+    m.moved_count(before, "kuryr_allocator_pod_ready_seconds", &[]).exactly(2.0)?;
+    let b = Scrape::in_netns(&w.node.netns_path(), "127.0.0.1:9631").await?;
+    let add_ok = [("op", "ADD"), ("code", "0")];
+    b.moved(binder_before, "kuryr_cni_requests_total", &add_ok).exactly(2.0)?;
+    b.moved_count(binder_before, "kuryr_cni_request_duration_seconds", &add_ok).exactly(2.0)?;
+    b.moved_count(binder_before, "kuryr_cni_add_ready_wait_seconds", &[]).exactly(2.0)?;
+    let waited = b.hist_sum("kuryr_cni_add_ready_wait_seconds", &[])
+        - binder_before.hist_sum("kuryr_cni_add_ready_wait_seconds", &[]);
+    eprintln!("ADD waited {:.0} ms in total for the two ports to turn ACTIVE", waited * 1e3);
+    Ok(())
+}
+
 #[tokio::test]
 async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_outages() {
     let w = world().await;
@@ -354,6 +396,8 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
         .await
         .unwrap(),
     );
+    let alloc_before = Scrape::http(&alloc.metrics).await.unwrap();
+    let binder_before = Scrape::in_netns(&w.node.netns_path(), "127.0.0.1:9631").await.unwrap();
 
     // 1. Cold pool: the first pod's port is created on its path.
     let t = Instant::now();
@@ -431,6 +475,7 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
     ping(&nb, &a4).await;
     let active = metric(&alloc, "kuryr_allocator_neutron_active_seconds_sum").await;
     eprintln!("plug report → ACTIVE seen: {:.2} s summed over 2 ports", active);
+    pool_and_latency_metrics(&w, &alloc, &alloc_before, &binder_before).await.unwrap_or_else(|e| panic!("{e:#}"));
 
     // 4. kill -9 and restart: the same ports, pools recovered, no second port for a pod.
     let before = node_pool(&alloc, &w.node.host).await.unwrap();

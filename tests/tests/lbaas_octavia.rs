@@ -40,6 +40,7 @@ use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::{free_port, repo_root, unique_id};
@@ -365,6 +366,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
     let creates = lbaas.metric(REQUESTS, &[CREATE]).await;
+    let scraped_before = Scrape::http(&lbaas.metrics_url).await.unwrap();
 
     // A Service with two ports; two ready endpoints and one that is not.
     let svc: Service = serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"ports": [
@@ -472,19 +474,27 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     eprintln!("endpoint change (1 pool) → converged and recorded: {:?}", changed.elapsed());
     assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
     assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
-    let m = lbaas.metrics().await;
-    for want in [
-        r#"kuryr_lbaas_octavia_changes_total{kind="members_replace"}"#,
-        r#"kuryr_lbaas_octavia_active_seconds_count{kind="lb_create"}"#,
-        r#"kuryr_lbaas_octavia_calls_per_reconcile_count{outcome="changed"}"#,
-        "kuryr_lbaas_octavia_overhead_seconds_count",
-    ] {
-        assert!(
-            m.contains(want),
-            "metrics lack `{want}`:\n{}",
-            m.lines().filter(|l| l.contains("octavia")).collect::<Vec<_>>().join("\n")
-        );
-    }
+    // The Service's create and two member updates, in the Octavia and client metrics.
+    let m = Scrape::http(&lbaas.metrics_url).await.unwrap();
+    let b = &scraped_before;
+    let octavia_calls = [("service", "load-balancer")];
+    let octavia_moved = || -> anyhow::Result<()> {
+        m.moved(b, "kuryr_lbaas_octavia_changes_total", &[("kind", "members_replace")]).at_least(2.0)?;
+        m.moved_count(b, "kuryr_lbaas_octavia_active_seconds", &[("kind", "lb_create")]).exactly(1.0)?;
+        m.moved_count(b, "kuryr_lbaas_octavia_active_seconds", &[("kind", "members_replace")]).at_least(2.0)?;
+        m.moved_count(b, "kuryr_lbaas_octavia_calls_per_reconcile", &[("outcome", "changed")]).at_least(3.0)?;
+        m.moved_count(b, "kuryr_lbaas_octavia_overhead_seconds", &[]).at_least(3.0)?;
+        m.moved(b, REQUESTS, &octavia_calls).at_least(3.0)?;
+        m.moved_count(b, "openstack_request_duration_seconds", &octavia_calls).at_least(3.0)?;
+        m.moved_count(b, "kuryr_lbaas_reconcile_seconds", &[("result", "applied")]).at_least(3.0)?;
+        anyhow::ensure!(m.value("kuryr_lbaas_queue_depth", &[])? == 0.0, "lbaas queue not drained");
+        Ok(())
+    };
+    octavia_moved().unwrap_or_else(|e| {
+        let octavia: Vec<String> =
+            m.series.iter().filter(|s| s.name.contains("octavia")).map(ToString::to_string).collect();
+        panic!("{e:#}\n{}", octavia.join("\n"))
+    });
 
     // Ports change: dns goes, https comes; its listener and pool follow.
     let patch = json!({"spec": {"ports": [

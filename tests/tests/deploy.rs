@@ -83,6 +83,7 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
             kinds(&objs, "CustomResourceDefinition"),
             [
                 "addressblocks.kuryr.openstack.org",
+                "namespacenetworks.kuryr.openstack.org",
                 "podnetworks.kuryr.openstack.org",
                 "podvifs.kuryr.openstack.org",
                 "serviceloadbalancers.kuryr.openstack.org"

@@ -276,7 +276,9 @@ impl<B: Backend> Controller<B> {
         while let Some(key) = self.queue.next().await {
             self.gauge_queue();
             let started = Instant::now();
-            let (result, outcome) = match self.reconcile(&key).await {
+            // Every line logged while reconciling, the backend's included, names the Service.
+            let span = tracing::info_span!("reconcile", service = %key);
+            let (result, outcome) = match self.reconcile(&key).instrument(span).await {
                 Ok(result) => (result, Outcome::Done),
                 // Its shard moved while it ran: the new owner converges it from what is there.
                 Err(e) if !self.shards.serves(&key) => {

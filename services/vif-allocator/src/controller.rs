@@ -198,7 +198,8 @@ impl<C: Cluster> Controller<C> {
     async fn work(&self) {
         while let Some(uid) = self.queue.next().await {
             self.gauge_queue();
-            let outcome = match self.reconcile(&uid).await {
+            let span = self.reconcile_span(&uid);
+            let outcome = match self.reconcile(&uid).instrument(span).await {
                 Ok(()) => Outcome::Done,
                 Err(e) => {
                     self.report(&e).await;
@@ -208,6 +209,16 @@ impl<C: Cluster> Controller<C> {
             self.queue.done(&uid, outcome);
             self.gauge_queue();
         }
+    }
+
+    /// The span of one reconcile: every line logged under it, the backend's included, names the
+    /// pod.
+    fn reconcile_span(&self, uid: &str) -> tracing::Span {
+        let pod = view_lock(&self.view)
+            .get(uid)
+            .map(|e| format!("{}/{}", e.info.key.namespace, e.info.key.name))
+            .unwrap_or_default();
+        tracing::info_span!("reconcile", pod = %pod, uid)
     }
 
     async fn report(&self, e: &ReconcileError) {

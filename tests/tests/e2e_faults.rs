@@ -31,6 +31,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
 use kuryr_tests::kubelet::PodPhase;
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::services::wait_until;
 use kuryr_vif_allocator::crd::PodVif;
 
@@ -162,7 +163,8 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
     }
     if kind == ServiceKind::Watcher {
         // The allocator lost its subscription and made a new one.
-        let reconnects = metric(&cluster.allocator().metrics, "kuryr_allocator_watcher_reconnects_total").await?;
+        let reconnects =
+            Scrape::http(&cluster.allocator().metrics).await?.value("kuryr_allocator_watcher_reconnects_total", &[])?;
         ensure!(reconnects >= 1.0, "the allocator never reconnected to the watcher ({reconnects})");
     }
 
@@ -355,17 +357,6 @@ fn kubelet_summary(cluster: &Cluster) -> String {
         ));
     }
     out.join("; ")
-}
-
-/// The value of the un-labelled metric `name` at `addr`'s /metrics.
-async fn metric(addr: &str, name: &str) -> Result<f64> {
-    let url = format!("http://{addr}/metrics");
-    let out = tokio::process::Command::new("curl").args(["-sf", &url]).output().await?;
-    ensure!(out.status.success(), "GET {url} failed");
-    let text = String::from_utf8(out.stdout)?;
-    let line = text.lines().find(|l| l.split_whitespace().next() == Some(name));
-    let value = line.and_then(|l| l.split_whitespace().nth(1)).with_context(|| format!("no {name} at {url}"))?;
-    Ok(value.parse()?)
 }
 
 async fn create_namespace(client: &kube::Client) -> Result<()> {

@@ -50,6 +50,7 @@ bench: tools
 	$(MAKE) --no-print-directory bench-e2e
 	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
+	$(MAKE) --no-print-directory bench-neutron
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
 ## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
@@ -77,6 +78,17 @@ bench-octavia: tools openstack
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-lbaas -p kuryr-tests --bin kuryr-watcher --bin kuryr-lbaas --bin octavia-bench
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-lbaas target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/octavia-bench
+
+## bench-neutron: kuryr-vif-allocator --backend neutron against a real Neutron (API, RPC, ML2/OVS agent on
+## OVS) with a binder on the node's br-int, optimised: pod created → CNI ADD returned with a cold and a
+## warm pool, Neutron calls per pod, port ACTIVE → ADD returned (BENCH_NEUTRON_PODS, BENCH_NEUTRON_RATE,
+## BENCH_NEUTRON_POLL_MS, BENCH_NEUTRON_STATUS_POLL)
+.PHONY: bench-neutron
+bench-neutron: tools openstack
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin neutron-bench
+	$(CARGO) build --profile shim -p kuryr-cni
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/neutron-bench
 
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack

@@ -78,8 +78,9 @@ pub struct NeutronArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub pool_bulk_concurrency: usize,
 
-    /// Shortest wait between two batched status reads while ports wait for ACTIVE.
-    #[arg(long, env = "KURYR_STATUS_POLL_MIN", default_value = "250ms", value_parser = kuryr_runtime::config::parse_duration)]
+    /// Interval of the batched status reads while plugged ports wait for ACTIVE (one read covers
+    /// every waiting port): how late, at most, a pod learns that its port is ACTIVE.
+    #[arg(long, env = "KURYR_STATUS_POLL_MIN", default_value = "100ms", value_parser = kuryr_runtime::config::parse_duration)]
     pub status_poll_min: Duration,
 
     /// Longest wait between two batched status reads (the backoff's cap).

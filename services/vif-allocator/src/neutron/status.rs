@@ -3,9 +3,14 @@
 //! batched list calls (`GET /v2.0/ports?id=..&id=..&fields=status`, 50 ids per call), not one
 //! GET per port.
 //!
-//! Pacing: right after something is added, then backing off by half each idle round from
-//! `--status-poll-min` to `--status-poll-max`; back to the minimum whenever a port changed or a
-//! new one is watched. When Neutron fails, the wait doubles up to the larger of the maximum and
+//! Pacing: right after something is added; then every `--status-poll-min` while a plugged port
+//! waits for ACTIVE and was plugged less than [`EXPECTED_ACTIVE`] ago — the agent wires a port
+//! within seconds, and each round's wait is time added to the pod's start (one read covers
+//! every waiting port, so the reads are per interval, not per port). Otherwise (only released
+//! ports being recycled, or ports waiting far longer than an agent takes) the wait grows by half
+//! each idle round up to `--status-poll-max`, back to the minimum whenever a port changed or a
+//! new one is watched. The interval counts from the start of a read, so a slow answer does not
+//! stretch it. When Neutron fails, the wait doubles up to the larger of the maximum and
 //! [`FAILURE_CAP`], the failure is logged once and counted; nothing is dropped.
 
 use std::collections::HashMap;
@@ -24,9 +29,21 @@ const FAILURE_CAP: Duration = Duration::from_secs(5);
 /// plugged (a node gone without unplugging) would make it unusable for the next pod.
 pub const RECYCLE_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long after its plug report a port is expected to turn ACTIVE at the latest: the ML2/OVS
+/// agent measured 1–3 s here, more on a loaded node. Until then its status is read at the
+/// shortest interval; a port still waiting beyond it (agent down or overloaded) is read on the
+/// backoff.
+pub const EXPECTED_ACTIVE: Duration = Duration::from_secs(30);
+
 /// The next wait of an idle round.
 fn idle(delay: Duration, max: Duration) -> Duration {
     (delay + delay / 2).min(max)
+}
+
+/// The wait after a successful round: the shortest while a port is expected to turn ACTIVE
+/// soon or something changed, else one step further on the backoff.
+fn next_delay(delay: Duration, (min, max): (Duration, Duration), changed: bool, expecting: bool) -> Duration {
+    if changed || expecting { min } else { idle(delay, max) }
 }
 
 impl NeutronBackend {
@@ -48,6 +65,8 @@ impl NeutronBackend {
             }
             let ids: Vec<String> =
                 watched.iter().map(|(id, _)| id.clone()).chain(recycling.iter().map(|(_, id, _)| id.clone())).collect();
+            let expecting = watched.iter().any(|(_, w)| w.since.elapsed() < EXPECTED_ACTIVE);
+            let started = tokio::time::Instant::now();
             self.metrics.status_polls.inc();
             let filter = Filter::new().fields(&["status", "network_id", "mac_address"]);
             match self.neutron.list_ports_by_ids(&ids, &filter).await {
@@ -59,7 +78,7 @@ impl NeutronBackend {
                     let status: HashMap<&str, &str> =
                         ports.iter().map(|p| (p.id.as_str(), p.status.as_str())).collect();
                     let changed = self.apply_status(&status, &watched, &recycling).await;
-                    delay = if changed { min } else { idle(delay, max) };
+                    delay = next_delay(delay, (min, max), changed, expecting);
                 }
                 Err(e) => {
                     self.metrics.status_poll_failures.inc();
@@ -70,8 +89,9 @@ impl NeutronBackend {
                     delay = (delay * 2).min(max.max(FAILURE_CAP));
                 }
             }
+            let next = if failing { tokio::time::Instant::now() + delay } else { started + delay };
             tokio::select! {
-                () = tokio::time::sleep(delay) => {}
+                () = tokio::time::sleep_until(next) => {}
                 () = self.wake.notified() => delay = min,
                 () = shutdown.clone().wait() => return,
             }
@@ -154,5 +174,15 @@ mod tests {
         assert_eq!(seen[1], Duration::from_millis(375));
         assert!(seen.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(*seen.last().unwrap_or(&Duration::ZERO), max);
+    }
+
+    #[test]
+    fn ports_expected_active_soon_are_read_at_the_shortest_interval() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(2));
+        let d = Duration::from_millis(900);
+        assert_eq!(next_delay(d, (min, max), false, true), min, "a port plugged moments ago");
+        assert_eq!(next_delay(d, (min, max), true, false), min, "something changed");
+        assert_eq!(next_delay(d, (min, max), false, false), Duration::from_millis(1350), "idle: back off");
+        assert_eq!(next_delay(max, (min, max), false, false), max);
     }
 }

@@ -187,6 +187,8 @@ async fn services_become_serving_once_their_dependencies_are() {
     })
     .await
     .unwrap();
+    // The allocator's and lbaas' shard Leases live in their namespace, as when deployed.
+    kube.kubectl(&["create", "namespace", "kuryr-system"]).await.unwrap();
     let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig.clone()]).unwrap();
     let allocator = start(
         &SERVICES[1],

@@ -35,5 +35,6 @@ pub mod node;
 pub mod openstack;
 pub mod services;
 pub mod shim;
+pub mod stats;
 pub mod util;
 pub mod vifserver;

@@ -40,6 +40,7 @@ use kuryr_tests::cluster::{Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_AC
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::PodRecord;
 use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::stats::Stats;
 use kuryr_tests::util::{free_port, repo_root};
 use kuryr_vif_allocator::crd::PodVif;
 
@@ -118,36 +119,6 @@ async fn run(cfg: Config) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // Figures
-
-/// Summary of a sample, in milliseconds.
-#[derive(Debug, Clone, Copy)]
-struct Stats {
-    n: usize,
-    mean: f64,
-    p50: f64,
-    p90: f64,
-    p99: f64,
-    max: f64,
-}
-
-impl Stats {
-    fn of(values: &[f64]) -> Option<Stats> {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        let pct = |p: f64| v[(((v.len() - 1) as f64) * p).round() as usize];
-        Some(Stats {
-            n: v.len(),
-            mean: v.iter().sum::<f64>() / v.len() as f64,
-            p50: pct(0.50),
-            p90: pct(0.90),
-            p99: pct(0.99),
-            max: v[v.len() - 1],
-        })
-    }
-}
 
 /// Everything measured, printed at the end as tables.
 #[derive(Debug, Default)]

@@ -35,6 +35,7 @@ use kuryr_tests::binder::Binder;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum};
 use kuryr_tests::services::wait_until;
+use kuryr_tests::stats::Stats;
 use serde_json::Value;
 
 const NS: &str = "bench-neutron";
@@ -58,36 +59,6 @@ where
             v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a valid value: {e}"))
         }
         _ => Ok(default),
-    }
-}
-
-/// Summary of a sample, in milliseconds.
-#[derive(Debug, Clone, Copy)]
-struct Stats {
-    n: usize,
-    mean: f64,
-    p50: f64,
-    p90: f64,
-    p99: f64,
-    max: f64,
-}
-
-impl Stats {
-    fn of(values: &[f64]) -> Option<Stats> {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        let pct = |p: f64| v[(((v.len() - 1) as f64) * p).round() as usize];
-        Some(Stats {
-            n: v.len(),
-            mean: v.iter().sum::<f64>() / v.len() as f64,
-            p50: pct(0.50),
-            p90: pct(0.90),
-            p99: pct(0.99),
-            max: v[v.len() - 1],
-        })
     }
 }
 

@@ -37,6 +37,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::svc::{nft_table, table_has};
 use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions};
+use kuryr_tests::stats::Stats;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::Notify;
 
@@ -422,28 +423,6 @@ impl PollCost {
     }
     fn stats(&self) -> Option<Stats> {
         Stats::of(&self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
-    }
-}
-
-/// Summary of a sample, in milliseconds.
-#[derive(Debug, Clone, Copy)]
-struct Stats {
-    n: usize,
-    p50: f64,
-    p90: f64,
-    p99: f64,
-    max: f64,
-}
-
-impl Stats {
-    fn of(values: &[f64]) -> Option<Stats> {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        let pct = |p: f64| v[(((v.len() - 1) as f64) * p).round() as usize];
-        Some(Stats { n: v.len(), p50: pct(0.50), p90: pct(0.90), p99: pct(0.99), max: v[v.len() - 1] })
     }
 }
 

@@ -43,6 +43,7 @@ pub mod octavia;
 pub mod octavia_fip;
 pub mod octavia_metrics;
 pub mod octavia_plan;
+pub mod octavia_poll;
 pub mod ready;
 pub mod shards;
 pub mod spec;

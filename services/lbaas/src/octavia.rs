@@ -8,10 +8,10 @@
 //! Service at a time; within it each change waits for ACTIVE before the next): a new Service is
 //! one fully-populated create; an endpoint change is one batch member update (`PUT
 //! .../members`) per pool whose members changed; listeners and pools are added or removed as
-//! ports come and go. Waiting for ACTIVE polls with a growing interval ([`POLL_FIRST`] to
-//! [`POLL_MAX`]), never a fixed sleep. A load balancer busy with someone else's change (PENDING_*,
-//! or 409 "immutable") is waited for, then retried by the controller's backoff; one in ERROR is
-//! deleted (cascade) and created again.
+//! ports come and go. Waiting for ACTIVE polls on a schedule learnt from the last settle times of
+//! the same kind and size of change ([`crate::octavia_poll`]), never a fixed sleep. A load
+//! balancer busy with someone else's change (PENDING_*, or 409 "immutable") is waited for, then
+//! retried by the controller's backoff; one in ERROR is deleted (cascade) and created again.
 //!
 //! **What is trusted**: after a change, lbaas keeps the tree it built (ids, members) in memory,
 //! so the next endpoint change costs the member update and the polls only. A reconcile at an
@@ -55,13 +55,8 @@ use crate::octavia_metrics::{OctaviaMetrics, Tally};
 use crate::octavia_plan::{
     self as plan, DesiredLb, DesiredListener, ObservedListener, ObservedPool, ObservedTree, Shape, Step,
 };
+use crate::octavia_poll::Pacer;
 use crate::shards::Shards;
-
-/// The first poll for ACTIVE after a change. Octavia takes 0.3–4 s per change; short first polls
-/// catch the quick ones without hammering the API during the slow ones.
-pub const POLL_FIRST: Duration = Duration::from_millis(50);
-/// Polls grow by a quarter each time up to this, so ACTIVE is seen at most ~25% (or 0.5 s) late.
-pub const POLL_MAX: Duration = Duration::from_millis(500);
 
 /// The backend's name in records and messages.
 pub const NAME: &str = "octavia";
@@ -216,6 +211,8 @@ struct Inner {
     active_timeout: Duration,
     drift_interval: Duration,
     metrics: OctaviaMetrics,
+    /// When to poll for ACTIVE, learnt from recent changes.
+    pacer: Pacer,
     known: Mutex<HashMap<String, Known>>,
     /// The Services this replica may change.
     shards: Shards,
@@ -269,6 +266,7 @@ impl OctaviaBackend {
                 active_timeout: args.active_timeout,
                 drift_interval: args.drift_interval,
                 metrics: OctaviaMetrics::register(registry),
+                pacer: Pacer::default(),
                 known: Mutex::default(),
                 shards,
             }),
@@ -452,7 +450,7 @@ impl Inner {
             self.delete_lb(&dup.id, t).await?;
         }
         let settled =
-            if lb.provisioning_status.is_pending() { self.wait_settled(&lb.id, "", t).await? } else { Some(lb) };
+            if lb.provisioning_status.is_pending() { self.wait_settled(&lb.id, "", 0, t).await? } else { Some(lb) };
         let lb = match settled {
             Some(lb) if lb.provisioning_status == ProvisioningStatus::Active => lb,
             Some(lb) => {
@@ -550,7 +548,7 @@ impl Inner {
             .map_err(|e| os_fail("creating the load balancer", &e, None))?;
         self.metrics.changed("lb_create");
         tracing::info!(lb = lb.id, name = want.name, listeners = want.listeners.len(), "load balancer created");
-        let lb = match self.wait_settled(&lb.id, "lb_create", t).await? {
+        let lb = match self.wait_settled(&lb.id, "lb_create", want.member_count(), t).await? {
             Some(lb) if lb.provisioning_status == ProvisioningStatus::Active => lb,
             Some(lb) => {
                 // Left for the next attempt to replace (adopt deletes an ERROR load balancer).
@@ -609,6 +607,8 @@ impl Inner {
         self.still_mine_for(want).map_err(|m| Applied::Failed(m.into()))?;
         t.calls += 1;
         t.changes += 1;
+        // Members added and removed: Octavia's work, and so the poll schedule, grows with it.
+        let mut size = 0;
         match step {
             Step::DeletePool { id } => {
                 self.octavia.delete_pool(&id).await.map_err(|e| failed("deleting a pool", e))?;
@@ -640,7 +640,7 @@ impl Inner {
                     pool: None,
                 });
                 self.metrics.changed(kind);
-                self.settle_change(lb_id, kind, t).await?;
+                self.settle_change(lb_id, kind, 0, t).await?;
                 let step = Step::CreatePool { listener_id: l.id, listener: w };
                 return Box::pin(self.apply(lb_id, want, step, tree, t)).await;
             }
@@ -661,7 +661,7 @@ impl Inner {
                 }
                 if !w.members.is_empty() {
                     self.metrics.changed(kind);
-                    self.settle_change(lb_id, kind, t).await?;
+                    self.settle_change(lb_id, kind, 0, t).await?;
                     let step = Step::ReplaceMembers { pool_id: p.id, name: w.name.clone(), members: w.members.clone() };
                     return Box::pin(self.apply(lb_id, want, step, tree, t)).await;
                 }
@@ -679,18 +679,23 @@ impl Inner {
                     .replace_members(&pool_id, &members)
                     .await
                     .map_err(|e| failed(&format!("updating the members of {name}"), e))?;
-                if let Some(p) = tree.listeners.iter_mut().filter_map(|l| l.pool.as_mut()).find(|p| p.id == pool_id) {
-                    p.members = ObservedPool::member_set(members.iter().map(|m| (m.address.as_str(), m.protocol_port)));
+                let new = ObservedPool::member_set(members.iter().map(|m| (m.address.as_str(), m.protocol_port)));
+                match tree.listeners.iter_mut().filter_map(|l| l.pool.as_mut()).find(|p| p.id == pool_id) {
+                    Some(p) => {
+                        size = p.members.symmetric_difference(&new).count();
+                        p.members = new;
+                    }
+                    None => size = new.len(),
                 }
             }
         }
         self.metrics.changed(kind);
-        self.settle_change(lb_id, kind, t).await
+        self.settle_change(lb_id, kind, size, t).await
     }
 
     /// Waits for the load balancer to be ACTIVE after a change of `kind`.
-    async fn settle_change(&self, lb_id: &str, kind: &'static str, t: &mut Tally) -> Result<(), Applied> {
-        match self.wait_settled(lb_id, kind, t).await.map_err(Applied::Failed)? {
+    async fn settle_change(&self, lb_id: &str, kind: &'static str, size: usize, t: &mut Tally) -> Result<(), Applied> {
+        match self.wait_settled(lb_id, kind, size, t).await.map_err(Applied::Failed)? {
             Some(lb) if lb.provisioning_status == ProvisioningStatus::Active => Ok(()),
             Some(_) => Err(Applied::LbError),
             None => {
@@ -713,17 +718,21 @@ impl Inner {
     }
 
     /// Polls the load balancer until it leaves PENDING_*: `Some` as it then is (ACTIVE or
-    /// ERROR), `None` when it is gone. `kind` labels the time-to-ACTIVE metric (empty: not ours).
+    /// ERROR), `None` when it is gone. `kind` labels the time-to-ACTIVE metric (empty: not ours);
+    /// with `size` (members added and removed) it picks the learnt poll schedule.
     async fn wait_settled(
         &self,
         id: &str,
         kind: &'static str,
+        size: usize,
         t: &mut Tally,
     ) -> Result<Option<LoadBalancer>, BackendError> {
         let started = Instant::now();
         let deadline = started + self.active_timeout;
-        let mut delay = POLL_FIRST;
+        let mut schedule = self.pacer.schedule(kind, size);
+        tokio::time::sleep(schedule.first().min(self.active_timeout)).await;
         let mut last_poll = started;
+        let mut first_poll = true;
         loop {
             t.calls += 1;
             let polled = Instant::now();
@@ -740,10 +749,14 @@ impl Inner {
                 t.waited += took;
                 if !kind.is_empty() {
                     self.metrics.settled(kind, took, polled.duration_since(last_poll));
+                    if lb.provisioning_status == ProvisioningStatus::Active {
+                        self.pacer.observe(kind, size, polled.duration_since(started), first_poll);
+                    }
                 }
                 return Ok(Some(lb));
             }
             last_poll = polled;
+            first_poll = false;
             let now = Instant::now();
             if now >= deadline {
                 t.waited += started.elapsed();
@@ -763,15 +776,14 @@ impl Inner {
                     }),
                 ));
             }
-            tokio::time::sleep(delay.min(deadline - now)).await;
-            delay = (delay + delay / 4).min(POLL_MAX);
+            tokio::time::sleep(schedule.next_gap().min(deadline - now)).await;
         }
     }
 
     /// Deletes a load balancer with everything in it and waits until it is gone.
     async fn delete_lb(&self, id: &str, t: &mut Tally) -> Result<(), BackendError> {
         // Immutable while PENDING: wait that out first (the client would retry 409 only briefly).
-        match self.wait_settled(id, "", t).await? {
+        match self.wait_settled(id, "", 0, t).await? {
             None => return Ok(()),
             Some(lb) if lb.provisioning_status == ProvisioningStatus::Deleted => return Ok(()),
             Some(_) => {}
@@ -783,7 +795,7 @@ impl Inner {
             Err(e) => return Err(os_fail("deleting the load balancer", &e, Some(id))),
         }
         self.metrics.changed("lb_delete");
-        match self.wait_settled(id, "", t).await? {
+        match self.wait_settled(id, "", 0, t).await? {
             None => Ok(()),
             Some(lb) if lb.provisioning_status == ProvisioningStatus::Deleted => Ok(()),
             Some(lb) => Err(fail(

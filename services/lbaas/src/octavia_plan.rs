@@ -206,6 +206,11 @@ impl DesiredListener {
 }
 
 impl DesiredLb {
+    /// Members over all pools.
+    pub fn member_count(&self) -> usize {
+        self.listeners.iter().map(|l| l.members.len()).sum()
+    }
+
     /// The fully-populated create: load balancer, listeners, pools and members in one call.
     pub fn create_body(&self, shape: &Shape) -> LoadBalancerCreate {
         LoadBalancerCreate {

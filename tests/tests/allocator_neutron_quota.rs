@@ -7,6 +7,9 @@
 //! other two with 409 `OverQuota`, which must reach the pods as `NeutronQuotaExceeded` Warning
 //! Events and the allocator's failure metric, while their CNI ADDs wait instead of failing. Once
 //! the quota is raised, the waiting pods get exactly one port each and their ADDs return with it.
+//! Then, with pools on and room for one port: the pod gets it, the background pool refill is
+//! refused, counted (`kuryr_allocator_neutron_pool_refill_failures_total{reason=
+//! "neutron_quota_exceeded"}`) and retried until the quota is raised and the pool fills.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -41,7 +44,7 @@ async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_rai
         instance: "alloc-quota".into(),
         ..Default::default()
     };
-    let alloc = c.allocator(&watcher, &o).unwrap();
+    let mut alloc = c.allocator(&watcher, &o).unwrap();
     alloc.wait_ready(SLOW).await.unwrap();
     let binder = Arc::new(c.binder(&alloc, SLOW, &[]).await.unwrap());
 
@@ -161,5 +164,58 @@ async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_rai
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    alloc.proc.terminate(Duration::from_secs(10)).await.unwrap();
+
+    // A background pool refill that meets the quota: counted by reason and retried, while the
+    // pod still gets the one port the quota allows; once raised, the pool fills.
+    let o = AllocatorOptions {
+        cluster_id: "quota-refill".into(),
+        pool_min: 2,
+        pool_batch: 2,
+        instance: "alloc-quota-refill".into(),
+        ..Default::default()
+    };
+    let held = c.neutron.list_ports(&Filter::new().project_id(&project)).await.unwrap().len();
+    c.set_port_quota(&project, i64::try_from(held).unwrap() + 1).await.unwrap();
+    let alloc = c.allocator(&watcher, &o).unwrap();
+    alloc.wait_ready(SLOW).await.unwrap();
+    let made = pods.create(&PostParams::default(), &c.pod("r0")).await.unwrap();
+    let uid = made.metadata.uid.unwrap();
+    let vifs = VifAllocatorClient::new(alloc.channel().await.unwrap());
+    let refill_failed = r#"kuryr_allocator_neutron_pool_refill_failures_total{reason="neutron_quota_exceeded"}"#;
+    wait_until("the pod's port created and a refill refused by the quota", SLOW, || {
+        let (mut vifs, uid, alloc) = (vifs.clone(), uid.clone(), &alloc);
+        async move {
+            vifs.get_vif(GetVifRequest { pod_uid: uid }).await?;
+            let text = alloc.metrics().await?;
+            let failed = metric(&text, refill_failed);
+            anyhow::ensure!(failed >= 1.0, "pool refill failures counted: {failed}");
+            Ok(())
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    let tag = o.cluster_tag();
+    let tagged = c.neutron.list_ports(&Filter::new().tags(&[tag.as_str()])).await.unwrap();
+    assert_eq!(tagged.len(), 1, "only the pod's port fits in the quota: {tagged:?}");
+    assert!(alloc.proc.logs().contains("pool refill failed"), "the refusal is not logged");
     c.set_port_quota(&project, -1).await.unwrap();
+    wait_until("the pool refilled once the quota was raised", SLOW, || async {
+        let n = c.neutron.list_ports(&Filter::new().tags(&[tag.as_str()])).await?.len();
+        anyhow::ensure!(n >= 3, "{n} ports (the pod's and the pool's)");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    pods.delete("r0", &grace0).await.unwrap();
+    wait_until("the pod gone", SLOW, || async {
+        anyhow::ensure!(pods.get_opt("r0").await?.is_none(), "r0 still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    drop(alloc);
+    for p in c.neutron.list_ports(&Filter::new().tags(&[tag.as_str()])).await.unwrap() {
+        c.neutron.delete_port(&p.id).await.unwrap();
+    }
 }

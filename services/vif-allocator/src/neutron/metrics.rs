@@ -16,6 +16,13 @@ pub struct PathLabels {
     pub path: &'static str,
 }
 
+/// Why something failed.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// [`crate::cluster::ClusterError::reason`]: `neutron_quota_exceeded`, `neutron_unavailable`, ...
+    pub reason: &'static str,
+}
+
 /// Why a port was deleted.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WhyLabels {
@@ -52,6 +59,8 @@ pub struct NeutronMetrics {
     pub status_polls: Counter,
     /// Status list calls that failed.
     pub status_poll_failures: Counter,
+    /// Background pool refills that failed (retried with backoff), by reason.
+    pub refill_failures: Family<ReasonLabels, Counter>,
     /// Per-namespace networks.
     pub namespaces: super::namespaces::metrics::NamespaceMetrics,
 }
@@ -67,6 +76,7 @@ impl Default for NeutronMetrics {
             active_latency: kuryr_runtime::metrics::latency_histogram(),
             status_polls: Counter::default(),
             status_poll_failures: Counter::default(),
+            refill_failures: Family::default(),
             namespaces: super::namespaces::metrics::NamespaceMetrics::default(),
         }
     }
@@ -98,6 +108,11 @@ impl NeutronMetrics {
         );
         r.register("status_polls", "Batched port status reads", m.status_polls.clone());
         r.register("status_poll_failures", "Batched port status reads that failed", m.status_poll_failures.clone());
+        r.register(
+            "pool_refill_failures",
+            "Background pool refills that failed and will be retried, by reason (neutron_quota_exceeded, ...)",
+            m.refill_failures.clone(),
+        );
         m
     }
 

@@ -41,7 +41,7 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::Instrument as _;
 
 use self::config::NeutronArgs;
-use self::metrics::{NeutronMetrics, PoolLabels};
+use self::metrics::{NeutronMetrics, PoolLabels, ReasonLabels};
 use self::namespaces::NamespaceNetworks;
 use self::namespaces::k8s::NamespaceKube;
 use self::pool::{Inventory, Limits, PoolKey, PoolView};
@@ -619,7 +619,10 @@ impl NeutronBackend {
                                 }
                             }
                             Err(e) => {
-                                tracing::warn!(error = %crate::cluster::chain(&e), retry_in = ?delay, "pool refill failed");
+                                let reason = e.reason();
+                                this.metrics.refill_failures.get_or_create(&ReasonLabels { reason }).inc();
+                                tracing::warn!(error = %crate::cluster::chain(&e), reason, retry_in = ?delay,
+                                    "pool refill failed");
                                 tokio::time::sleep(delay).await;
                                 delay = (delay * 2).min(Duration::from_secs(30));
                             }

@@ -9,6 +9,8 @@
 //! - [`lbserver`]: a scripted kuryr-lbaas (real gRPC server, test-chosen load balancer specs).
 //! - [`binder`]: a kuryr-binder process in a node network namespace.
 //! - [`node`]: a test node: containerd + kuryr-cni + kuryr-binder in one network namespace.
+//! - [`control`]: the API server set up for one service under test (namespaces, its CRDs and
+//!   RBAC, the watcher's and its credentials) and kuryr-watcher, for the allocator and lbaas suites.
 //! - [`cluster`]: a whole embedded-backend cluster: API server, watcher, allocator, an underlay
 //!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
 //! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
@@ -24,6 +26,7 @@
 
 pub mod binder;
 pub mod cluster;
+pub mod control;
 pub mod cri;
 pub mod kube;
 pub mod kubelet;

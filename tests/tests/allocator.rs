@@ -15,12 +15,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec, Secret};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
@@ -28,10 +27,11 @@ use kuryr_proto::allocator::v1::{
     GetVifRequest, NodeRoutes, ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_proto::service_names::VIF_ALLOCATOR;
-use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
+use kuryr_tests::control::{ControlPlane, Served, Watcher};
+use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root};
-use kuryr_vif_allocator::crd::{self, AddressBlock, PodNetwork, PodVif, PodVifSpec, VifState as CrdState};
+use kuryr_tests::util::free_port;
+use kuryr_vif_allocator::crd::{AddressBlock, PodNetwork, PodVif, PodVifSpec, VifState as CrdState};
 use serde_json::json;
 use tonic::Streaming;
 use tonic::transport::Channel;
@@ -43,55 +43,27 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(60);
 const FINALIZER: &str = "kuryr.openstack.org/vif";
 const NETWORK: &str = "pods";
 
-/// The API server with the CRDs and both services' accounts and rights.
-struct Cluster {
-    /// Kept for its lifetime: dropping it stops the API server.
-    _env: KubeEnv,
-    admin: kube::Client,
-    dir: tempfile::TempDir,
-    watcher_kubeconfig: PathBuf,
-    allocator_kubeconfig: PathBuf,
+/// The control plane for the allocator, with two Nodes.
+struct Cluster(ControlPlane);
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    fn deref(&self) -> &ControlPlane {
+        &self.0
+    }
 }
 
 async fn cluster(ns: &str) -> Cluster {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
-    let pp = PostParams::default();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", ns] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&pp, &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/vif-allocator.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let established = c
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            anyhow::ensure!(established, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let allocator_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-vif-allocator").await.unwrap();
-    let nodes: Api<Node> = Api::all(admin.clone());
+    let c = ControlPlane::start(Served::Allocator, ns).await.unwrap();
+    let nodes: Api<Node> = Api::all(c.admin.clone());
     for (n, ip) in [("n1", "192.168.0.1"), ("n2", "192.168.0.2")] {
         let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        nodes.create(&pp, &Node { metadata: meta, ..Default::default() }).await.unwrap();
+        nodes.create(&PostParams::default(), &Node { metadata: meta, ..Default::default() }).await.unwrap();
         let status = json!({"status": {"addresses": [{"type": "InternalIP", "address": ip}]}});
         nodes.patch_status(n, &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
     }
-    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, allocator_kubeconfig }
+    Cluster(c)
 }
 
 /// A service process with its gRPC and metrics addresses.
@@ -101,10 +73,10 @@ struct Svc {
     metrics_url: String,
 }
 
-/// Starts `bin` listening on `addr` (a free port when `None`).
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, addr: Option<&str>) -> Svc {
+/// Starts `bin` listening on a free port.
+fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
     let mport = free_port().unwrap();
-    let addr = addr.map_or_else(|| format!("127.0.0.1:{}", free_port().unwrap()), str::to_string);
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
     args.extend([
         "--listen".into(),
         addr.clone(),
@@ -119,21 +91,20 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, addr: Option<&str>) -> Sv
 
 impl Cluster {
     /// A watcher on `addr` (a free port when `None`).
-    fn watcher(&self, addr: Option<&str>) -> Svc {
-        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
-        spawn("kuryr-watcher", args, self.dir.path(), addr)
+    fn watcher(&self, addr: Option<&str>) -> Watcher {
+        self.0.watcher(addr, &["--shutdown-grace", "3s"]).unwrap()
     }
 
     /// An allocator named `instance` (also its replica identity, as a pod name would be: a
     /// restart is the same replica and takes its shard Leases back at once).
-    fn allocator(&self, watcher: &Svc, instance: &str) -> Svc {
+    fn allocator(&self, watcher: &Watcher, instance: &str) -> Svc {
         self.allocator_with(watcher, instance, &[])
     }
 
-    fn allocator_with(&self, watcher: &Svc, instance: &str, extra: &[&str]) -> Svc {
+    fn allocator_with(&self, watcher: &Watcher, instance: &str, extra: &[&str]) -> Svc {
         let args = [
             "--kubeconfig",
-            &self.allocator_kubeconfig.display().to_string(),
+            &self.kubeconfig.display().to_string(),
             "--watcher",
             &watcher.addr,
             "--network",
@@ -150,7 +121,7 @@ impl Cluster {
             "info,kuryr_vif_allocator=debug",
         ];
         let args = args.iter().chain(extra).map(ToString::to_string).collect();
-        spawn("kuryr-vif-allocator", args, self.dir.path(), None)
+        spawn("kuryr-vif-allocator", args, self.dir.path())
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -367,7 +338,7 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     assert_eq!((net.spec.cidrs.as_slice(), net.spec.ipv4_block_prefix), (&["10.244.0.0/16".to_string()][..], 26));
 
     // Its account edits pods' finalizers and nothing else: no listing pods, no secrets.
-    let sa = client_from_kubeconfig(&c.allocator_kubeconfig).await.unwrap();
+    let sa = client_from_kubeconfig(&c.kubeconfig).await.unwrap();
     let forbidden = |r: Result<(), kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
     assert!(forbidden(Api::<Pod>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<Pod>::namespaced(sa.clone(), ns).create(&pp, &pod("nope", None, false)).await.map(drop)));
@@ -664,8 +635,11 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     }
     let by_pod: BTreeMap<IpAddr, String> = by_pod.into_iter().collect();
     assert_eq!(recorded, by_pod, "the blocks record other allocations than the PodVifs");
-    // 70 pods on n2 need two /26 blocks.
-    assert_eq!((blocks["n1"].len(), blocks["n2"].len()), (1, 2), "{blocks:?}");
+    // 30 pods on n1 need one /26 block, 70 on n2 two. Unsharded, both replicas allocate for the
+    // same pods, and one may claim a block while the other's addresses for those pods are not
+    // written yet: at most one block more per node, never an address twice (checked above).
+    let (n1b, n2b) = (blocks["n1"].len(), blocks["n2"].len());
+    assert!((1..=2).contains(&n1b) && (2..=3).contains(&n2b), "{blocks:?}");
     let mut failures = Vec::new();
     for svc in [&a, &b] {
         let m = svc.metrics().await;
@@ -680,11 +654,11 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     }
     eprintln!("{PODS} pods by two allocators in {took:?}; {failures:#?}");
 
-    // Both replicas stream the same VIFs, and n2's routes carry both of its blocks.
+    // Both replicas stream the same VIFs, and n2's routes carry all of its blocks.
     for svc in [&a, &b] {
         let mut s = svc.watch("n1", "").await;
-        s.until("n1's 30 VIFs and n2's two blocks", |s| {
-            s.vifs.len() == ON_N1 && s.routes.get("n2").is_some_and(|r| r.cidrs.len() == 2)
+        s.until("n1's 30 VIFs and all of n2's blocks", |s| {
+            s.vifs.len() == ON_N1 && s.routes.get("n2").is_some_and(|r| r.cidrs.len() == n2b)
         })
         .await;
         for v in s.vifs.values() {

@@ -18,23 +18,21 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest};
 use kuryr_proto::service_names::VIF_ALLOCATOR;
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::control::{ControlPlane, Served};
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root};
-use kuryr_vif_allocator::crd::{self, AddressBlock, PodVif, VifState as CrdState};
+use kuryr_tests::util::free_port;
+use kuryr_vif_allocator::crd::{AddressBlock, PodVif, VifState as CrdState};
 use serde_json::json;
 use tokio::sync::watch;
 
@@ -192,36 +190,9 @@ async fn binder(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
+    let c = ControlPlane::start(Served::Allocator, NS).await.unwrap();
+    let (admin, allocator_kc) = (c.admin.clone(), &c.kubeconfig);
     let pp = PostParams::default();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&pp, &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/vif-allocator.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let ok = c
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            anyhow::ensure!(ok, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kc = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let allocator_kc: PathBuf = env.service_account_kubeconfig("kuryr-system", "kuryr-vif-allocator").await.unwrap();
     let nodes: Api<Node> = Api::all(admin.clone());
     for i in 0..NODES {
         let meta = ObjectMeta { name: Some(node_name(i)), ..Default::default() };
@@ -230,22 +201,8 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
             json!({"status": {"addresses": [{"type": "InternalIP", "address": format!("192.168.0.{}", i + 1)}]}});
         nodes.patch_status(&node_name(i), &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
     }
-    let dir = tempfile::tempdir().unwrap();
-    let watcher_addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let wm = free_port().unwrap();
-    let _watcher = ServiceProcess::spawn(
-        "kuryr-watcher",
-        &[
-            "--kubeconfig".into(),
-            watcher_kc.display().to_string(),
-            "--listen".into(),
-            watcher_addr.clone(),
-            "--metrics-listen".into(),
-            format!("127.0.0.1:{wm}"),
-        ],
-        dir.path(),
-    )
-    .unwrap();
+    let watcher = c.watcher(None, &[]).unwrap();
+    let watcher_addr = &watcher.addr;
     let replica = |id: &str| {
         let (port, mport) = (free_port().unwrap(), free_port().unwrap());
         let addr = format!("127.0.0.1:{port}");
@@ -253,7 +210,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
             "--kubeconfig",
             &allocator_kc.display().to_string(),
             "--watcher",
-            &watcher_addr,
+            watcher_addr,
             "--network",
             NETWORK,
             "--network-cidrs",
@@ -280,7 +237,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         .iter()
         .map(ToString::to_string)
         .collect();
-        let proc = ServiceProcess::spawn("kuryr-vif-allocator", &args, dir.path()).unwrap();
+        let proc = ServiceProcess::spawn("kuryr-vif-allocator", &args, c.dir.path()).unwrap();
         Replica { proc, id: id.into(), addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
     };
     let a = replica("alloc-a");

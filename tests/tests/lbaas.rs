@@ -15,25 +15,24 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
+use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kuryr_lbaas::crd::{self, ServiceLoadBalancer, ServiceLoadBalancerSpec};
+use kuryr_lbaas::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{
     GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol,
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
+use kuryr_tests::control::{ControlPlane, Served, Watcher};
+use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root};
+use kuryr_tests::util::free_port;
 use serde_json::json;
 use tonic::Streaming;
 use tonic::transport::Channel;
@@ -45,47 +44,19 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(60);
 const FINALIZER: &str = "kuryr.openstack.org/lbaas";
 const NS: &str = "lb";
 
-/// The API server with the CRDs and both services' accounts and rights.
-struct Cluster {
-    /// Kept for its lifetime: dropping it stops the API server.
-    _env: KubeEnv,
-    admin: kube::Client,
-    dir: tempfile::TempDir,
-    watcher_kubeconfig: PathBuf,
-    lbaas_kubeconfig: PathBuf,
+/// The control plane for kuryr-lbaas.
+struct Cluster(ControlPlane);
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    fn deref(&self) -> &ControlPlane {
+        &self.0
+    }
 }
 
 async fn cluster() -> Cluster {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let established = c
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            anyhow::ensure!(established, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
-    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
 }
 
 /// A service process with its gRPC and metrics addresses.
@@ -111,15 +82,14 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
 }
 
 impl Cluster {
-    fn watcher(&self) -> Svc {
-        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
-        spawn("kuryr-watcher", args, self.dir.path())
+    fn watcher(&self) -> Watcher {
+        self.0.watcher(None, &["--shutdown-grace", "3s"]).unwrap()
     }
 
-    fn lbaas(&self, watcher: &Svc) -> Svc {
+    fn lbaas(&self, watcher: &Watcher) -> Svc {
         let args = [
             "--kubeconfig",
-            &self.lbaas_kubeconfig.display().to_string(),
+            &self.kubeconfig.display().to_string(),
             "--watcher",
             &watcher.addr,
             "--instance",
@@ -357,7 +327,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     lbaas.wait_serving().await;
 
     // Its account edits Services' finalizers and nothing else: no listing Services or slices.
-    let sa = client_from_kubeconfig(&c.lbaas_kubeconfig).await.unwrap();
+    let sa = client_from_kubeconfig(&c.kubeconfig).await.unwrap();
     let forbidden = |r: Result<(), kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
     assert!(forbidden(Api::<Service>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<EndpointSlice>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));

@@ -24,26 +24,24 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_openstack::neutron::{ExternalGateway, NetworkCreate, RouterCreate, RouterInterface, SubnetCreate};
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, Metrics};
 use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root, unique_id};
+use kuryr_tests::util::{free_port, unique_id};
 use serde_json::{Value, json};
 
 /// Bound on one convergence: Octavia takes 0.3–4 s per change on an idle machine, several
@@ -60,42 +58,19 @@ const PROJECT: &str = "5b0c8e1f3a2d4c6b9e7f1a2b3c4d5e6f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "6d1f5a2c-9b3e-4c7d-8e0f-1a2b3c4d5e6f";
 
-struct Cluster {
-    _env: KubeEnv,
-    admin: kube::Client,
-    dir: tempfile::TempDir,
-    watcher_kubeconfig: PathBuf,
-    lbaas_kubeconfig: PathBuf,
+/// The control plane for kuryr-lbaas.
+struct Cluster(ControlPlane);
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    fn deref(&self) -> &ControlPlane {
+        &self.0
+    }
 }
 
 async fn cluster() -> Cluster {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    for (file, _) in crd::crds() {
-        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let ok = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established");
-            anyhow::ensure!(ok, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
-    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
 }
 
 struct Svc {
@@ -113,16 +88,12 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
 }
 
 impl Cluster {
-    fn watcher(&self) -> Svc {
-        spawn(
-            "kuryr-watcher",
-            vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()],
-            self.dir.path(),
-        )
+    fn watcher(&self) -> Watcher {
+        self.0.watcher(None, &[]).unwrap()
     }
 
-    fn lbaas(&self, watcher: &Svc, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
-        let kubeconfig = self.lbaas_kubeconfig.display().to_string();
+    fn lbaas(&self, watcher: &Watcher, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
+        let kubeconfig = self.kubeconfig.display().to_string();
         let mut args = vec![
             "--kubeconfig",
             &kubeconfig,

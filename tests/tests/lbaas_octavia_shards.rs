@@ -11,22 +11,20 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root, unique_id};
+use kuryr_tests::util::{free_port, unique_id};
 use serde_json::{Value, json};
 
 const NS: &str = "lbos";
@@ -47,43 +45,19 @@ const PROJECT: &str = "7c1d9e2f4b3a4d5c8e6f2a3b4c5d6e7f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "8e2f6b3d-0c4e-4d8f-9a1b-2c3d4e5f6a7b";
 
-struct Cluster {
-    /// Kept for its lifetime: dropping it stops the API server.
-    _env: KubeEnv,
-    admin: kube::Client,
-    dir: tempfile::TempDir,
-    watcher_kubeconfig: PathBuf,
-    lbaas_kubeconfig: PathBuf,
+/// The control plane for kuryr-lbaas.
+struct Cluster(ControlPlane);
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    fn deref(&self) -> &ControlPlane {
+        &self.0
+    }
 }
 
 async fn cluster() -> Cluster {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    for (file, _) in crd::crds() {
-        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let ok = c.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established");
-            anyhow::ensure!(ok, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
-    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
 }
 
 struct Replica {
@@ -106,15 +80,14 @@ fn logs(replicas: &[&Replica]) -> String {
 }
 
 impl Cluster {
-    fn watcher(&self) -> Replica {
-        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
-        spawn("kuryr-watcher", args, self.dir.path(), "watcher")
+    fn watcher(&self) -> Watcher {
+        self.0.watcher(None, &[]).unwrap()
     }
 
-    fn lbaas(&self, watcher: &Replica, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
+    fn lbaas(&self, watcher: &Watcher, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
         let args = [
             "--kubeconfig",
-            &self.lbaas_kubeconfig.display().to_string(),
+            &self.kubeconfig.display().to_string(),
             "--watcher",
             &watcher.addr,
             "--backend",

@@ -22,25 +22,23 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kuryr_lbaas::crd::{self, ServiceLoadBalancer};
+use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, repo_root};
+use kuryr_tests::util::free_port;
 use serde_json::json;
 
 const NS: &str = "lbshards";
@@ -55,47 +53,19 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
 const FINALIZER: &str = "kuryr.openstack.org/lbaas";
 const SET: &str = "kuryr-lbaas";
 
-/// The API server with the CRDs and both services' accounts and rights.
-struct Cluster {
-    /// Kept for its lifetime: dropping it stops the API server.
-    _env: KubeEnv,
-    admin: kube::Client,
-    dir: tempfile::TempDir,
-    watcher_kubeconfig: PathBuf,
-    lbaas_kubeconfig: PathBuf,
+/// The control plane for kuryr-lbaas.
+struct Cluster(ControlPlane);
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    fn deref(&self) -> &ControlPlane {
+        &self.0
+    }
 }
 
 async fn cluster() -> Cluster {
-    let env = KubeEnv::start().await.unwrap();
-    let admin = env.client().await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        namespaces.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await.unwrap();
-    }
-    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await.unwrap();
-    env.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    for (_, c) in crd::crds() {
-        let name = c.metadata.name.unwrap();
-        wait_until(&format!("CRD {name} Established"), PHASE_TIMEOUT, || async {
-            let c = crds.get(&name).await?;
-            let established = c
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            anyhow::ensure!(established, "not yet");
-            Ok(())
-        })
-        .await
-        .unwrap();
-    }
-    let watcher_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await.unwrap();
-    let lbaas_kubeconfig = env.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await.unwrap();
-    Cluster { _env: env, admin, dir: tempfile::tempdir().unwrap(), watcher_kubeconfig, lbaas_kubeconfig }
+    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
 }
 
 /// A running process with its gRPC and metrics addresses.
@@ -115,16 +85,15 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, id: &str) -> Replica {
 }
 
 impl Cluster {
-    fn watcher(&self) -> Replica {
-        let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
-        spawn("kuryr-watcher", args, self.dir.path(), "watcher")
+    fn watcher(&self) -> Watcher {
+        self.0.watcher(None, &[]).unwrap()
     }
 
     /// A replica named `id` (its identity in the Leases and its instance in Events).
-    fn lbaas(&self, watcher: &Replica, id: &str) -> Replica {
+    fn lbaas(&self, watcher: &Watcher, id: &str) -> Replica {
         let args = [
             "--kubeconfig",
-            &self.lbaas_kubeconfig.display().to_string(),
+            &self.kubeconfig.display().to_string(),
             "--watcher",
             &watcher.addr,
             "--instance",

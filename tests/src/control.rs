@@ -1,0 +1,166 @@
+//! The control plane that the allocator and lbaas suites (and `octavia-bench`) put one service
+//! under test into: a real kube-apiserver ([`KubeEnv`]) with the namespace `kuryr-system` and the
+//! suite's own, the CRDs of `deploy/crds/` (the service's waited for until Established), the
+//! RBAC of `deploy/rbac/watcher.yaml` and of the service, and a kubeconfig per ServiceAccount, so
+//! that both the watcher and the service run with exactly the rights they are deployed with.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use kuryr_tests::control::{ControlPlane, Served};
+//! let c = ControlPlane::start(Served::Lbaas, "lb").await?;
+//! let watcher = c.watcher(None, &[])?;
+//! // kuryr-lbaas --kubeconfig c.kubeconfig --watcher watcher.addr ...
+//! # Ok(()) }
+//! ```
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+
+use crate::cluster::{ALLOCATOR_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use crate::kube::KubeEnv;
+use crate::services::{ServiceProcess, wait_until};
+use crate::util::{free_port, repo_root};
+
+/// Bound on a CRD becoming Established.
+const CRD_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The service a control plane is set up for.
+#[derive(Clone, Copy, Debug)]
+pub enum Served {
+    /// kuryr-vif-allocator: `deploy/rbac/vif-allocator.yaml` and its CRDs.
+    Allocator,
+    /// kuryr-lbaas: `deploy/rbac/lbaas.yaml` and its CRD.
+    Lbaas,
+}
+
+impl Served {
+    /// Its ServiceAccount in `kuryr-system`.
+    fn account(self) -> &'static str {
+        match self {
+            Self::Allocator => ALLOCATOR_ACCOUNT,
+            Self::Lbaas => LBAAS_ACCOUNT,
+        }
+    }
+
+    /// Its RBAC manifest, relative to the repository root.
+    fn rbac(self) -> &'static str {
+        match self {
+            Self::Allocator => "deploy/rbac/vif-allocator.yaml",
+            Self::Lbaas => "deploy/rbac/lbaas.yaml",
+        }
+    }
+
+    /// The CRDs it needs, as the service crate lists them.
+    fn crds(self) -> Vec<(&'static str, CustomResourceDefinition)> {
+        match self {
+            Self::Allocator => kuryr_vif_allocator::crd::crds(),
+            Self::Lbaas => kuryr_lbaas::crd::crds(),
+        }
+    }
+}
+
+/// The API server set up for one service; dropping it stops the API server.
+pub struct ControlPlane {
+    /// The API server.
+    pub env: KubeEnv,
+    /// Cluster admin.
+    pub admin: kube::Client,
+    /// Where the processes started for the test log.
+    pub dir: tempfile::TempDir,
+    /// kuryr-watcher's ServiceAccount credentials.
+    pub watcher_kubeconfig: PathBuf,
+    /// The served service's ServiceAccount credentials.
+    pub kubeconfig: PathBuf,
+}
+
+/// A kuryr-watcher process with its gRPC and metrics addresses.
+#[derive(Debug)]
+pub struct Watcher {
+    /// The process (killed on drop).
+    pub proc: ServiceProcess,
+    /// `127.0.0.1:port`, as given to `--watcher`.
+    pub addr: String,
+    /// `http://127.0.0.1:port/metrics`.
+    pub metrics_url: String,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("env", &self.env)
+            .field("dir", &self.dir)
+            .field("watcher_kubeconfig", &self.watcher_kubeconfig)
+            .field("kubeconfig", &self.kubeconfig)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlPlane {
+    /// Starts an API server and sets it up for `served` with the namespace `ns`.
+    pub async fn start(served: Served, ns: &str) -> Result<Self> {
+        Self::on(KubeEnv::start().await?, served, ns).await
+    }
+
+    /// Sets `env` up for `served`: the namespaces `kuryr-system` and `ns`, all CRDs (the
+    /// service's Established on return), the watcher's and the service's RBAC and credentials.
+    pub async fn on(env: KubeEnv, served: Served, ns: &str) -> Result<Self> {
+        let admin = env.client().await?;
+        let namespaces: Api<Namespace> = Api::all(admin.clone());
+        for n in [SYSTEM_NAMESPACE, ns] {
+            let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
+            namespaces
+                .create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() })
+                .await
+                .with_context(|| format!("creating namespace {n}"))?;
+        }
+        env.apply_file(&repo_root().join("deploy/crds")).await?;
+        env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await?;
+        env.apply_file(&repo_root().join(served.rbac())).await?;
+        let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+        for (_, c) in served.crds() {
+            let name = c.metadata.name.context("CRD without a name")?;
+            wait_until(&format!("CRD {name} Established"), CRD_TIMEOUT, || async {
+                let c = crds.get(&name).await?;
+                let established = c
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True");
+                anyhow::ensure!(established, "not yet");
+                Ok(())
+            })
+            .await?;
+        }
+        let watcher_kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
+        let kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, served.account()).await?;
+        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig })
+    }
+
+    /// Starts kuryr-watcher under its ServiceAccount, listening on `addr` (a free port when
+    /// `None`, the old address to restart it) and metrics on a free port, with `extra` flags.
+    pub fn watcher(&self, addr: Option<&str>, extra: &[&str]) -> Result<Watcher> {
+        let addr = match addr {
+            Some(a) => a.to_string(),
+            None => format!("127.0.0.1:{}", free_port()?),
+        };
+        let mport = free_port()?;
+        let mut args = vec![
+            "--kubeconfig".to_string(),
+            self.watcher_kubeconfig.display().to_string(),
+            "--listen".into(),
+            addr.clone(),
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{mport}"),
+        ];
+        args.extend(extra.iter().map(ToString::to_string));
+        let proc = ServiceProcess::spawn("kuryr-watcher", &args, self.dir.path())?;
+        Ok(Watcher { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") })
+    }
+}

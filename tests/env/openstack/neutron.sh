@@ -99,7 +99,7 @@ EOF
     migrate neutron neutron "$venv/bin/neutron-db-manage" "${files[@]}" upgrade heads
     took "Neutron database ready"
 
-    uwsgi_ini neutron "$port" neutron.wsgi.api 2 1 >"$n/uwsgi.ini"
+    uwsgi_ini neutron "$port" neutron.wsgi.api "${NEUTRON_API_PROCESSES:-2}" 1 >"$n/uwsgi.ini"
     start neutron-api env OS_NEUTRON_CONFIG_DIR="$n" OS_NEUTRON_CONFIG_FILES="neutron.conf;ml2_conf.ini" \
         "$venv/bin/uwsgi" --ini "$n/uwsgi.ini"
     start neutron-rpc env PATH="$venv/bin:$PATH" "$venv/bin/neutron-rpc-server" "${files[@]}"

@@ -45,6 +45,7 @@
 #   OS_UP_OWNER_PID     if set, a watchdog runs down.sh --purge (unless KURYR_KEEP_STATE=1) once
 #                       that process is gone
 #   NEUTRON_AGENT_HOST  the agent's host name, i.e. the `binding:host_id` ports bind to
+#   NEUTRON_API_PROCESSES  uWSGI processes of the Neutron API (default 2)
 set -euo pipefail
 SCRIPT=openstack/up.sh
 # shellcheck source=common.sh

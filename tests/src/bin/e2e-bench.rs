@@ -545,17 +545,23 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
     }
     let e2e = s.stats("e2e").context("no pod measured")?;
     let verdict = |v: f64, target: f64| if v <= target { "met" } else { "MISSED" };
+    // The target is on the ADD (what the network plugin controls); RunPodSandbox adds the
+    // runtime's own sandbox work before and after it.
+    let target = |st: &Stats| {
+        format!(
+            "target p50 ≤ {TARGET_P50_MS} ({}), p99 ≤ {TARGET_P99_MS} ({})",
+            verdict(st.p50, TARGET_P50_MS),
+            verdict(st.p99, TARGET_P99_MS)
+        )
+    };
+    let add = s.stats("add_done");
     report.latency.push((
         format!("created → RunPodSandbox returned ({} pods, {}/s)", cfg.pods, cfg.rate),
         e2e,
-        format!(
-            "target p50 ≤ {TARGET_P50_MS} ({}), p99 ≤ {TARGET_P99_MS} ({})",
-            verdict(e2e.p50, TARGET_P50_MS),
-            verdict(e2e.p99, TARGET_P99_MS)
-        ),
+        if add.is_some() { String::new() } else { target(&e2e) },
     ));
-    if let Some(add) = s.stats("add_done") {
-        report.latency.push(("created → CNI ADD returned (binder's ADD done)".into(), add, String::new()));
+    if let Some(add) = add {
+        report.latency.push(("created → CNI ADD returned (binder's ADD done)".into(), add, target(&add)));
     }
     for (key, label) in [
         ("create", "API create request round trip"),

@@ -5,53 +5,79 @@
 //! a time, alternating between a change of both pools and of one. For each change:
 //! - **converged**: the EndpointSlice write → the ServiceLoadBalancer record ACTIVE at the new
 //!   generation (Octavia holds the new members by then);
-//! - **Octavia's processing**: a separate poller reads the load balancer every 10 ms and adds up
-//!   the periods it is PENDING_* until ACTIVE again — Octavia's own work on the change(s), as
-//!   seen from outside;
+//! - **Octavia's processing**: a separate poller reads the load balancer's row in Octavia's
+//!   database every 5 ms (one `mariadb` client session, so the measurement does not load
+//!   Octavia's API) and adds up the periods it is PENDING_* until ACTIVE again — Octavia's own
+//!   work on the change(s);
 //! - **beyond Octavia**: converged − Octavia's processing: the watcher, lbaas, its calls and
-//!   polls, and the record write;
+//!   polls, the record write — and the part of Octavia's API answer to the member PUT before it
+//!   marks the load balancer PENDING, shown apart;
 //! - **Octavia API calls** made by lbaas for the change (from its `openstack_requests_total`),
-//!   and the member PUTs among them.
+//!   the member PUTs among them, and their latency (`openstack_request_duration_seconds`).
 #![allow(clippy::print_stdout)]
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kuryr_lbaas::crd::ServiceLoadBalancer;
+use kuryr_tests::control::{ControlPlane, Served};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
 use kuryr_tests::services::ServiceProcess;
-use kuryr_tests::util::{free_port, repo_root};
+use kuryr_tests::stats::Stats;
+use kuryr_tests::util::free_port;
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
 const NS: &str = "bench-octavia";
 const PROJECT: &str = "7c1d9e2f4a3b4d5c8e6f0a1b2c3d4e5f";
 const VIP_SUBNET: &str = "8e2a6b3d-0c4f-4d8e-9f1a-2b3c4d5e6f70";
 const CONVERGE: Duration = Duration::from_secs(120);
+/// Direct member PUTs that measure Octavia's API on its own.
+const CALIBRATION_PUTS: usize = 6;
 
 /// What the outside poller saw of the load balancer's PENDING periods during one change.
 #[derive(Clone, Copy, Debug, Default)]
 struct Seen {
     /// Since when it is PENDING_*, while it is.
     pending_since: Option<Instant>,
+    /// When the first PENDING_* of the change was seen.
+    first_pending: Option<Instant>,
+    /// When it was last seen turning ACTIVE.
+    last_active: Option<Instant>,
     /// PENDING_* → ACTIVE periods completed.
     periods: u32,
     /// Their total length.
     pending_total: Duration,
+    /// ACTIVE between two periods (lbaas seeing ACTIVE and making the next change).
+    between: Duration,
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
+/// One reading of the load balancer's provisioning status at `now`.
+fn record(seen: &Mutex<Seen>, status: &str, now: Instant) {
+    let mut s = seen.lock().unwrap_or_else(PoisonError::into_inner);
+    if status.starts_with("PENDING") && s.pending_since.is_none() {
+        s.pending_since = Some(now);
+        s.first_pending.get_or_insert(now);
+        if let Some(active) = s.last_active {
+            s.between += now.duration_since(active);
+        }
+    } else if status == "ACTIVE"
+        && let Some(since) = s.pending_since.take()
+    {
+        s.periods += 1;
+        s.pending_total += now.duration_since(since);
+        s.last_active = Some(now);
     }
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i.min(v.len() - 1)]
+}
+
+/// The mean of `v` (0 when empty).
+fn mean(v: &[f64]) -> f64 {
+    Stats::of(v).map_or(0.0, |s| s.mean)
 }
 
 fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
@@ -116,29 +142,10 @@ async fn main() -> Result<()> {
     let (kube, os) = tokio::join!(KubeEnv::start(), OpenStackEnv::start(&[OsService::Octavia]));
     let (kube, os) = (kube?, os?);
     println!("octavia-bench: API server and Octavia up in {:.1} s", t0.elapsed().as_secs_f64());
-    let admin = kube.client().await?;
-    let nss: Api<Namespace> = Api::all(admin.clone());
-    for n in ["kuryr-system", NS] {
-        let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-        nss.create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() }).await?;
-    }
-    for (file, _) in kuryr_lbaas::crd::crds() {
-        kube.apply_file(&repo_root().join("deploy/crds").join(file)).await?;
-    }
-    for f in ["deploy/rbac/watcher.yaml", "deploy/rbac/lbaas.yaml"] {
-        kube.apply_file(&repo_root().join(f)).await?;
-    }
-    let watcher_kc = kube.service_account_kubeconfig("kuryr-system", "kuryr-watcher").await?;
-    let lbaas_kc = kube.service_account_kubeconfig("kuryr-system", "kuryr-lbaas").await?;
-    let dir = tempfile::tempdir()?;
-    let watcher_addr = format!("127.0.0.1:{}", free_port()?);
+    let c = ControlPlane::on(kube, Served::Lbaas, NS).await?;
+    let admin = c.admin.clone();
+    let watcher = c.watcher(None, &[])?;
     let args = |v: &[&str]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
-    let wm = format!("127.0.0.1:{}", free_port()?);
-    let _watcher = ServiceProcess::spawn(
-        "kuryr-watcher",
-        &args(&["--kubeconfig", &watcher_kc.display().to_string(), "--listen", &watcher_addr, "--metrics-listen", &wm]),
-        dir.path(),
-    )?;
     let octavia_url = os.octavia_url().context("no Octavia URL")?.to_string();
     let mport = free_port()?;
     let lbaas_addr = format!("127.0.0.1:{}", free_port()?);
@@ -146,9 +153,9 @@ async fn main() -> Result<()> {
         "kuryr-lbaas",
         &args(&[
             "--kubeconfig",
-            &lbaas_kc.display().to_string(),
+            &c.kubeconfig.display().to_string(),
             "--watcher",
-            &watcher_addr,
+            &watcher.addr,
             "--backend",
             "octavia",
             "--octavia-url",
@@ -164,7 +171,7 @@ async fn main() -> Result<()> {
             "--metrics-listen",
             &format!("127.0.0.1:{mport}"),
         ]),
-        dir.path(),
+        c.dir.path(),
     )?;
     let metrics_url = format!("http://127.0.0.1:{mport}/metrics");
 
@@ -185,35 +192,45 @@ async fn main() -> Result<()> {
     let create_s = created.elapsed().as_secs_f64();
     let lb_id = records.get("web").await?.status.and_then(|s| s.backend_id).context("no backend id")?;
 
-    // The outside poller.
+    // The outside poller: Octavia's own record of the load balancer, straight from its database.
+    let socket = os.env_value("MARIADB_SOCKET").context("no MARIADB_SOCKET in the OpenStack env")?.to_string();
     let seen = Arc::new(Mutex::new(Seen::default()));
     let poller = {
         let seen = seen.clone();
-        let url = format!("{octavia_url}/v2/lbaas/loadbalancers/{lb_id}");
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+        let mut db = tokio::process::Command::new("mariadb")
+            .args(["--socket", &socket, "-u", "root", "--batch", "--skip-column-names", "--unbuffered", "octavia"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the mariadb client")?;
+        let mut stdin = db.stdin.take().context("mariadb stdin")?;
+        let mut lines = BufReader::new(db.stdout.take().context("mariadb stdout")?).lines();
+        let query = format!("SELECT provisioning_status FROM load_balancer WHERE id = '{lb_id}';\n");
+        // One round trip first, so a broken poller fails the bench instead of measuring nothing.
+        stdin.write_all(query.as_bytes()).await?;
+        let first = lines.next_line().await?.context("no answer from Octavia's database")?;
+        ensure!(first == "ACTIVE", "the load balancer is {first:?} in Octavia's database, not ACTIVE");
         tokio::spawn(async move {
+            let _db = db;
             loop {
-                if let Ok(resp) = http.get(&url).header("X-Project-Id", PROJECT).send().await
-                    && let Ok(body) = resp.json::<Value>().await
-                {
-                    let status = body["loadbalancer"]["provisioning_status"].as_str().unwrap_or_default().to_string();
-                    let now = Instant::now();
-                    let mut s = seen.lock().unwrap_or_else(PoisonError::into_inner);
-                    if status.starts_with("PENDING") && s.pending_since.is_none() {
-                        s.pending_since = Some(now);
-                    } else if status == "ACTIVE"
-                        && let Some(since) = s.pending_since.take()
-                    {
-                        s.periods += 1;
-                        s.pending_total += now.duration_since(since);
-                    }
+                if stdin.write_all(query.as_bytes()).await.is_err() {
+                    return;
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                let Ok(Some(status)) = lines.next_line().await else { return };
+                record(&seen, &status, Instant::now());
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
     };
 
     let (mut total, mut octavia, mut beyond, mut calls, mut puts) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut put_ms, mut get_ms) = (vec![], vec![]);
+    // Where the time beyond Octavia goes: before its first PENDING, between its changes, after
+    // its last ACTIVE; for single-pool changes apart.
+    let (mut lead, mut between, mut tail, mut beyond_one) = (vec![], vec![], vec![], vec![]);
+    let mut beyond_puts = vec![];
+    let m0 = metrics(&metrics_url).await?;
     for round in 1..=rounds {
         let before = metrics(&metrics_url).await?;
         *seen.lock().unwrap_or_else(PoisonError::into_inner) = Seen::default();
@@ -234,47 +251,120 @@ async fn main() -> Result<()> {
         let replace = r#"operation="members.replace""#;
         let p = sum_metric(&after, "openstack_requests_total", &[replace])
             - sum_metric(&before, "openstack_requests_total", &[replace]);
+        let secs = |text: &str, op: &str, what: &str| {
+            sum_metric(text, &format!("openstack_request_duration_seconds_{what}"), &[&format!(r#"operation="{op}""#)])
+        };
+        let mean_ms = |op: &str| {
+            let n = secs(&after, op, "count") - secs(&before, op, "count");
+            (n > 0.0).then(|| 1e3 * (secs(&after, op, "sum") - secs(&before, op, "sum")) / n)
+        };
+        put_ms.extend(mean_ms("members.replace"));
+        get_ms.extend(mean_ms("loadbalancers.show"));
         total.push(t);
         if o.is_finite() {
             octavia.push(o);
             beyond.push(t - o);
+            beyond_puts.push((t - o, p));
+            if round % 2 == 0 {
+                beyond_one.push(t - o);
+            }
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            if let (Some(first), Some(last)) = (s.first_pending, s.last_active) {
+                lead.push(ms(first.duration_since(start)));
+                tail.push(ms(done.duration_since(last)));
+                if s.periods > 1 {
+                    between.push(ms(s.between) / f64::from(s.periods - 1));
+                }
+            }
         }
         calls.push(lb_calls);
         puts.push(p);
     }
-    poller.abort();
     let m = metrics(&metrics_url).await?;
-    let lag_sum = sum_metric(&m, "kuryr_lbaas_octavia_poll_lag_seconds_sum", &[]);
-    let lag_n = sum_metric(&m, "kuryr_lbaas_octavia_poll_lag_seconds_count", &[]);
-    let over_sum = sum_metric(&m, "kuryr_lbaas_octavia_overhead_seconds_sum", &[]);
-    let over_n = sum_metric(&m, "kuryr_lbaas_octavia_overhead_seconds_count", &[]);
+    let delta = |name: &str| sum_metric(&m, name, &[]) - sum_metric(&m0, name, &[]);
+    let lag_sum = delta("kuryr_lbaas_octavia_poll_lag_seconds_sum");
+    let lag_n = delta("kuryr_lbaas_octavia_poll_lag_seconds_count");
+    let over_sum = delta("kuryr_lbaas_octavia_overhead_seconds_sum");
+    let over_n = delta("kuryr_lbaas_octavia_overhead_seconds_count");
+    drop(lbaas);
+
+    // Octavia's API on its own: member PUTs made directly (lbaas stopped), PUT sent → PENDING in
+    // the database, so that part of "beyond Octavia" can be told apart from lbaas' own.
+    let (mut pre_pending, mut answered) = (vec![], vec![]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
+    let pools: Value = http
+        .get(format!("{octavia_url}/v2/lbaas/pools?loadbalancer_id={lb_id}"))
+        .header("X-Project-Id", PROJECT)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let pool = pools["pools"][0]["id"].as_str().context("no pool")?.to_string();
+    for k in 0..CALIBRATION_PUTS {
+        let body = json!({"members": (0..members).map(|i| json!({
+            "address": format!("10.251.{k}.{}", i + 1), "protocol_port": 8080})).collect::<Vec<_>>()});
+        *seen.lock().unwrap_or_else(PoisonError::into_inner) = Seen::default();
+        let sent = Instant::now();
+        http.put(format!("{octavia_url}/v2/lbaas/pools/{pool}/members"))
+            .header("X-Project-Id", PROJECT)
+            .json(&body)
+            .send()
+            .await?
+            .error_for_status()?;
+        answered.push(sent.elapsed().as_secs_f64() * 1e3);
+        let deadline = Instant::now() + CONVERGE;
+        let s = loop {
+            let s = *seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if s.last_active.is_some() {
+                break s;
+            }
+            ensure!(Instant::now() < deadline, "direct member PUT {k} not ACTIVE within {CONVERGE:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        if let Some(first) = s.first_pending {
+            pre_pending.push(first.duration_since(sent).as_secs_f64() * 1e3);
+        }
+    }
+    poller.abort();
+    let pre = Stats::of(&pre_pending).map_or(f64::NAN, |s| s.p50);
+    let get_mean = mean(&get_ms);
+    // Per change: beyond − (PUT sent → PENDING) and the status GET that sees ACTIVE, per PUT.
+    let ours: Vec<f64> = beyond_puts.iter().map(|(b, n)| b - n * (pre + get_mean)).collect();
 
     println!("octavia-bench: {rounds} endpoint changes, {members} members (odd rounds: both pools; even: one)");
     println!("  Service created → load balancer ACTIVE and recorded: {create_s:.2} s");
-    let row = |name: &str, v: &mut Vec<f64>| {
-        let n = v.len();
-        println!(
-            "  {name:<44} n={n:<3} p50={:>8.1} ms  p90={:>8.1} ms  max={:>8.1} ms",
-            pct(v, 0.5),
-            pct(v, 0.9),
-            pct(v, 1.0)
-        );
+    let row = |name: &str, v: &[f64]| match Stats::of(v) {
+        Some(s) => {
+            println!("  {name:<44} n={:<3} p50={:>8.1} ms  p90={:>8.1} ms  max={:>8.1} ms", s.n, s.p50, s.p90, s.max)
+        }
+        None => println!("  {name:<44} n=0"),
     };
-    row("endpoint change → converged and recorded", &mut total);
-    row("Octavia's processing (PENDING → ACTIVE, summed)", &mut octavia);
-    row("beyond Octavia (the rest)", &mut beyond);
-    let avg = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    row("endpoint change → converged and recorded", &total);
+    row("Octavia's processing (PENDING → ACTIVE, summed)", &octavia);
+    row("beyond Octavia (the rest)", &beyond);
+    row("  of single-pool changes (one member PUT)", &beyond_one);
+    row("  change written → Octavia's first PENDING", &lead);
+    row("  ACTIVE → next PENDING (two-pool changes)", &between);
+    row("  last ACTIVE → record ACTIVE", &tail);
+    row("Octavia's API: member PUT sent → PENDING", &pre_pending);
+    row("Octavia's API: member PUT answered", &answered);
+    row("beyond Octavia's API and worker (lbaas, k8s)", &ours);
     println!(
         "  Octavia API calls per change: mean {:.1}, max {:.0}; member PUTs per change: mean {:.1} (odd rounds 2, even 1)",
-        avg(&calls),
-        calls.iter().copied().fold(0.0, f64::max),
-        avg(&puts)
+        mean(&calls),
+        Stats::of(&calls).map_or(0.0, |s| s.max),
+        mean(&puts)
+    );
+    println!(
+        "  lbaas's Octavia requests: member PUT answered in {:.1} ms, status GET in {:.1} ms (means)",
+        mean(&put_ms),
+        get_mean
     );
     println!(
         "  lbaas: ACTIVE seen at most {:.0} ms late on average (poll lag); {:.0} ms per change outside Octavia waits",
         1e3 * lag_sum / lag_n.max(1.0),
         1e3 * over_sum / over_n.max(1.0)
     );
-    drop(lbaas);
     Ok(())
 }

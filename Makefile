@@ -5,8 +5,13 @@ SHELL := /bin/bash
 CARGO ?= cargo
 export KURYR_TOOLS_DIR ?= /var/cache/kuryr-rs/bin
 
-.PHONY: all setup tools build lint test test-unit bench bench-e2e clean
+.PHONY: all setup tools build lint test test-unit bench bench-e2e clean shim
 BENCH_PODS ?= 200
+# The shim as shipped is linked statically: the runtime executes it for every pod operation (no
+# dynamic loader: ~0.3 ms less per call here) and it is installed onto hosts whose C library may
+# differ from the build machine's. --target keeps the flag off build scripts and proc macros.
+HOST_TRIPLE := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
+SHIM_BIN := target/shim-static/kuryr-cni
 
 all: build
 
@@ -41,11 +46,16 @@ test: tools lint build
 clean:
 	$(CARGO) clean
 
+## shim: the CNI shim as shipped (size-optimised, statically linked) in target/shim-static/kuryr-cni
+shim:
+	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --profile shim -p kuryr-cni --target $(HOST_TRIPLE)
+	mkdir -p target/shim-static && cp target/$(HOST_TRIPLE)/shim/kuryr-cni $(SHIM_BIN)
+
 ## bench: CNI ADD latency of kuryr-cni vs the reference bridge+host-local plugins, sizes, RSS
 bench: tools
 	$(CARGO) build --release -p kuryr-binder -p kuryr-tests --bin kuryr-binder --bin cni-bench
-	$(CARGO) build --profile shim -p kuryr-cni
-	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin $(CARGO) run --release -q -p kuryr-tests --bin cni-bench -- $(BENCH_PODS)
 	$(MAKE) --no-print-directory bench-e2e
 	$(MAKE) --no-print-directory bench-svc
@@ -57,8 +67,8 @@ bench: tools
 ## with many pods (BENCH_E2E_RSS_PODS)
 bench-e2e: tools
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin e2e-bench
-	$(CARGO) build --profile shim -p kuryr-cni
-	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/e2e-bench
 
 ## bench-svc: the Service dataplane end to end, optimised: endpoint change (EndpointSlice written, pod
@@ -66,8 +76,8 @@ bench-e2e: tools
 .PHONY: bench-svc
 bench-svc: tools
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder --bin svc-bench
-	$(CARGO) build --profile shim -p kuryr-cni
-	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/svc-bench
 
 ## bench-octavia: kuryr-lbaas --backend octavia against a real Octavia, optimised: endpoint change →
@@ -86,8 +96,8 @@ bench-octavia: tools openstack
 .PHONY: bench-neutron
 bench-neutron: tools openstack
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin neutron-bench
-	$(CARGO) build --profile shim -p kuryr-cni
-	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp target/shim/kuryr-cni target/bench-bin/
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/neutron-bench
 
 ## openstack: only the OpenStack venvs (cached; fast when warm)

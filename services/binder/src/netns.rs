@@ -92,11 +92,31 @@ where
 /// Moves the calling thread into the network namespace at `path`. Only for threads that are
 /// never reused for anything else (see the module documentation).
 fn enter(path: &Path) -> Result<(), NetnsError> {
-    let file = open(path)?;
-    setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| match source {
+    enter_file(&open(path)?, path)
+}
+
+/// Moves the calling thread into the network namespace open as `file` (from `path`, for errors).
+fn enter_file(file: &File, path: &Path) -> Result<(), NetnsError> {
+    setns(file, CloneFlags::CLONE_NEWNET).map_err(|source| match source {
         Errno::EINVAL => NetnsError::NotANetns { path: path.to_path_buf(), source },
         source => NetnsError::Enter { path: path.to_path_buf(), source },
     })
+}
+
+/// The calling thread's own network namespace, as `/proc` shows it.
+const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
+
+/// Runs `f` with the calling thread inside the network namespace open as `ns` (from `path`, for
+/// errors), then moves the thread back to the namespace it was in. Sockets `f` opens stay in
+/// `ns`; this is how one thread holds netlink sockets in two namespaces. `f` must be synchronous
+/// (nothing else may run on the thread meanwhile), and the thread must be a dedicated one, as for
+/// [`run_in_netns`]: should the way back fail, the thread is left in `ns` and the error says so.
+pub fn visit<T>(ns: &File, path: &Path, f: impl FnOnce() -> T) -> Result<T, NetnsError> {
+    let home = open(Path::new(THREAD_NETNS))?;
+    enter_file(ns, path)?;
+    let out = f();
+    enter_file(&home, Path::new(THREAD_NETNS))?;
+    Ok(out)
 }
 
 /// Opens a network namespace file, mapping a missing (or empty) path to
@@ -147,6 +167,40 @@ mod tests {
         let err = run_in_netns::<_, (), NetnsError>(Some(f.path().to_path_buf()), || Ok(())).await.unwrap_err();
         // EINVAL as root; EPERM without CAP_SYS_ADMIN.
         assert!(matches!(err, NetnsError::NotANetns { .. } | NetnsError::Enter { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn visit_runs_inside_and_comes_back() {
+        // A namespace of our own (needs CAP_SYS_ADMIN), entered by a visit from a dedicated thread.
+        let seen = std::thread::spawn(|| {
+            let home = inode("/proc/thread-self/ns/net");
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).ok()?;
+            let other = File::open("/proc/thread-self/ns/net").unwrap();
+            let other_ino = inode("/proc/thread-self/ns/net");
+            // Back where we started (the main thread's namespace), then visit the new one.
+            setns(File::open("/proc/self/ns/net").unwrap(), CloneFlags::CLONE_NEWNET).unwrap();
+            assert_eq!(inode("/proc/thread-self/ns/net"), home);
+            let inside = visit(&other, Path::new("test"), || inode("/proc/thread-self/ns/net")).unwrap();
+            Some((home, other_ino, inside, inode("/proc/thread-self/ns/net")))
+        })
+        .join()
+        .unwrap();
+        let Some((home, other, inside, after)) = seen else { return };
+        assert_ne!(home, other);
+        assert_eq!(inside, other);
+        assert_eq!(after, home);
+    }
+
+    #[tokio::test]
+    async fn visiting_a_non_namespace_fails_and_stays_home() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let file = File::open(f.path()).unwrap();
+        let before = inode("/proc/thread-self/ns/net");
+        let mut ran = false;
+        let err = visit(&file, f.path(), || ran = true).unwrap_err();
+        assert!(matches!(err, NetnsError::NotANetns { .. } | NetnsError::Enter { .. }), "{err:?}");
+        assert!(!ran);
+        assert_eq!(inode("/proc/thread-self/ns/net"), before);
     }
 
     #[tokio::test]

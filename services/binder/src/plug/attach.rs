@@ -17,12 +17,14 @@ use super::{BindingDriver, PlugError, PlugSpec, Plugged, format_mac, ovs};
 /// Steps: refuse if `ifname` already exists in the pod (→ [`PlugError::IfnameExists`]); remove
 /// a stale host end of the same name (an interrupted earlier ADD of this attachment); create the
 /// veth pair with the pod end born inside the pod's namespace, already named `ifname` and
-/// carrying the MAC and MTU, so no other namespace ever sees it; bring the host end up; in the
-/// pod bring `lo` and `ifname` up, add the addresses (IPv6 without DAD), the routes and the
-/// default routes; finally attach the host end to its bridge or OVS.
+/// carrying the MAC and MTU, so no other namespace ever sees it, and the host end born up and
+/// (for a Linux bridge) already enslaved; in the pod bring `lo` and `ifname` up, add the
+/// addresses (IPv6 without DAD), the routes and the default routes; for OVS finally add the host
+/// end as a port.
 ///
-/// The work runs on a dedicated thread. Whatever it created is undone if any step fails, if the
-/// thread panics, or if the caller stopped waiting before the result could be handed over.
+/// The work runs on one dedicated thread with one netlink socket in each namespace. Whatever it
+/// created is undone if any step fails, if the thread panics, or if the caller stopped waiting
+/// before the result could be handed over.
 pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<Plugged, PlugError> {
     let mac = spec.validate()?;
     let (spec, ovs_db) = (spec.clone(), ovs_db.map(str::to_string));
@@ -58,80 +60,97 @@ async fn plug_steps(
     undo: &mut Rollback,
 ) -> Result<Plugged, PlugError> {
     let (ifname, host_ifname) = (spec.ifname.as_str(), spec.host_ifname.as_str());
-    if link_exists(Some(spec.netns.clone()), ifname).await? {
-        return Err(PlugError::IfnameExists { netns: spec.netns.clone(), ifname: ifname.to_string() });
-    }
-    // Held open until the veth exists: the kernel moves the peer through this descriptor.
+    // Held open until the pod end is configured: the kernel moves the peer through this
+    // descriptor, and the thread visits the namespace through it.
     let netns_file = crate::netns::open(&spec.netns)?;
+    // A netlink socket stays in the namespace it was opened in: the thread visits the pod's only
+    // to open one there (and below to switch DAD off), and otherwise stays in the host's, so
+    // that ovs-vsctl and the rollback run there.
+    let label = spec.netns.display().to_string();
+    let pod = crate::netns::visit(&netns_file, &spec.netns, || Nl::connect(label))??;
     let host = Nl::connect("host".to_string())?;
 
+    if pod.link(ifname).await?.is_some() {
+        return Err(PlugError::IfnameExists { netns: spec.netns.clone(), ifname: ifname.to_string() });
+    }
     if host.delete(host_ifname).await? {
         tracing::warn!(host_ifname, container_id = %spec.container_id, "removed a stale host interface");
     }
+    let controller = match &spec.driver {
+        BindingDriver::Bridge { bridge } => Some(bridge_index(&host, bridge).await?),
+        BindingDriver::Ovs { .. } => None,
+    };
 
     let mut peer = LinkUnspec::new_with_name(ifname).address(mac.to_vec()).setns_by_fd(netns_file.as_raw_fd());
-    let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname);
+    let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname).up();
     if spec.mtu > 0 {
         peer = peer.mtu(spec.mtu);
         veth = veth.mtu(spec.mtu);
+    }
+    if let Some(index) = controller {
+        veth = veth.controller(index);
     }
     let veth = veth.set_info_data(InfoData::Veth(InfoVeth::Peer(peer.build()))).build();
     host.add_link(veth).await.map_err(
         host.fail(format!("create veth pair {host_ifname} <-> {ifname} (peer in {})", spec.netns.display())),
     )?;
     undo.host_link = Some(host_ifname.to_string());
-    drop(netns_file);
 
+    // The host end names its peer's index; a lookup in the pod only when it does not (the two
+    // indexes are equal, which the kernel does not report).
     let host_link = host.require(host_ifname).await?;
-    let host_index = host_link.header.index;
-    host.set_up(host_index, host_ifname).await?;
+    let index = match nl::link_peer(&host_link) {
+        Some(i) => i,
+        None => pod.require(ifname).await?.header.index,
+    };
+    crate::netns::visit(&netns_file, &spec.netns, || disable_dad(ifname))??;
+    drop(netns_file);
+    configure_sandbox(&pod, spec, index).await?;
 
-    let sandbox = configure_sandbox(spec).await?;
-
-    match &spec.driver {
-        BindingDriver::Bridge { bridge } => {
-            let bridge_index = ensure_bridge_with(&host, bridge, &[]).await?;
-            host.set_controller(host_index, host_ifname, bridge_index).await?;
-        }
-        BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid } => {
-            // Armed before running: a timed-out ovs-vsctl may still have added the port.
-            undo.ovs_port = Some((ovs_db.map(str::to_string), host_ifname.to_string()));
-            ovs::vsctl(ovs_db, &ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid)).await?;
-        }
+    if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid } = &spec.driver {
+        // Armed before running: a timed-out ovs-vsctl may still have added the port.
+        undo.ovs_port = Some((ovs_db.map(str::to_string), host_ifname.to_string()));
+        ovs::vsctl(ovs_db, &ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid)).await?;
     }
 
     Ok(Plugged {
         host_ifname: host_ifname.to_string(),
         host_mac: nl::link_mac(&host_link).map(format_mac).unwrap_or_default(),
         sandbox_ifname: ifname.to_string(),
-        sandbox_mac: sandbox.0,
+        sandbox_mac: format_mac(&mac),
         sandbox: spec.netns.clone(),
-        mtu: sandbox.1,
+        // Both ends are created with the same MTU (the spec's, or the kernel's default).
+        mtu: nl::link_mtu(&host_link).unwrap_or_default(),
     })
 }
 
-/// Configures the pod end inside the pod's namespace; returns its MAC and MTU.
-async fn configure_sandbox(spec: &PlugSpec) -> Result<(String, u32), PlugError> {
-    let ifname = spec.ifname.clone();
-    let addresses: Vec<IpNet> = spec.ips.iter().map(|ip| ip.address).collect();
-    let routes = spec.all_routes();
-    in_netns(Some(spec.netns.clone()), move |nl| async move {
-        let lo = nl.require("lo").await?;
-        nl.set_up(lo.header.index, "lo").await?;
-        let link = nl.require(&ifname).await?;
-        let index = link.header.index;
-        disable_dad(&ifname)?;
-        nl.set_up(index, &ifname).await?;
-        for addr in addresses {
-            nl.add_address(index, &ifname, addr).await?;
-        }
-        for route in &routes {
-            nl.add_route(index, &ifname, route).await?;
-        }
-        let mac = nl::link_mac(&link).map(format_mac).unwrap_or_default();
-        Ok((mac, nl::link_mtu(&link).unwrap_or_default()))
-    })
-    .await
+/// Configures the pod end (index `index`) through the pod's netlink socket. `lo`, the link and
+/// the addresses go out back to back (the kernel takes them in any order); the routes follow one
+/// at a time, as each may need the link up, an address, or a route before it.
+async fn configure_sandbox(pod: &Nl, spec: &PlugSpec, index: u32) -> Result<(), PlugError> {
+    let ifname = spec.ifname.as_str();
+    let mut first: Vec<futures::future::BoxFuture<'_, Result<(), PlugError>>> =
+        vec![Box::pin(pod.set_up(LOOPBACK_INDEX, "lo")), Box::pin(pod.set_up(index, ifname))];
+    for ip in &spec.ips {
+        first.push(Box::pin(pod.add_address(index, ifname, ip.address)));
+    }
+    futures::future::try_join_all(first).await?;
+    for route in &spec.all_routes() {
+        pod.add_route(index, ifname, route).await?;
+    }
+    Ok(())
+}
+
+/// The loopback device's index, the same in every network namespace.
+const LOOPBACK_INDEX: u32 = 1;
+
+/// The index of the Linux bridge `name`: one lookup when it exists and is up, otherwise
+/// [`ensure_bridge_with`] (it was deleted or taken down behind our back, or is not a bridge).
+async fn bridge_index(nl: &Nl, name: &str) -> Result<u32, PlugError> {
+    match nl.link(name).await? {
+        Some(link) if nl::link_kind(&link) == Some(&InfoKind::Bridge) && nl::link_up(&link) => Ok(link.header.index),
+        _ => ensure_bridge_with(nl, name, &[]).await,
+    }
 }
 
 /// Turns off IPv6 duplicate address detection on `ifname` in the current thread's namespace

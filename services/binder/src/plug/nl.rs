@@ -125,12 +125,6 @@ impl Nl {
         self.handle.link().set(msg).execute().await.map_err(self.fail(format!("set the MAC address of {name}")))
     }
 
-    /// Makes `controller` (a bridge) the master of the link.
-    pub(crate) async fn set_controller(&self, index: u32, name: &str, controller: u32) -> Result<(), PlugError> {
-        let msg = LinkUnspec::new_with_index(index).controller(controller).build();
-        self.handle.link().set(msg).execute().await.map_err(self.fail(format!("attach {name} to its bridge")))
-    }
-
     /// Adds an address; IPv6 ones without duplicate address detection so that they are usable
     /// at once (the address comes from IPAM, it is unique by construction). An identical address
     /// already present is fine.
@@ -309,6 +303,15 @@ pub(crate) fn link_name(link: &LinkMessage) -> Option<&str> {
 pub(crate) fn link_mac(link: &LinkMessage) -> Option<&[u8]> {
     link.attributes.iter().find_map(|a| match a {
         LinkAttribute::Address(mac) => Some(mac.as_slice()),
+        _ => None,
+    })
+}
+
+/// The index of a veth's peer (`IFLA_LINK`, in the peer's namespace), when the kernel reports
+/// it: it leaves it out when it equals the link's own index.
+pub(crate) fn link_peer(link: &LinkMessage) -> Option<u32> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Link(i) => Some(*i),
         _ => None,
     })
 }

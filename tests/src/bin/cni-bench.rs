@@ -1,6 +1,7 @@
 //! `make bench`: CNI ADD latency of `kuryr-cni` (VIF already known) next to the reference
 //! `bridge` + `host-local` plugins doing the same job in the same run, measured as a runtime sees
-//! it — from exec of the plugin to its exit — plus the shim's size and memory and the binder's RSS.
+//! it — from exec of the plugin to its exit — plus the floor under it (the shim's exec alone, and
+//! with one call to the binder), the shim's size and memory and the binder's RSS.
 //!
 //! Runs inside a network namespace of its own (it re-executes itself under `nsenter`), so the
 //! bridges, veths and routes of both plugins never touch the host's network configuration.
@@ -78,7 +79,7 @@ fn summary(name: &str, mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort();
     let (p50, p99) = (percentile(&v, 0.50), percentile(&v, 0.99));
     println!(
-        "{name:<28} n={:<4} p50={:>7.2} ms  p90={:>7.2} ms  p99={:>7.2} ms  max={:>7.2} ms",
+        "{name:<36} n={:<4} p50={:>7.2} ms  p90={:>7.2} ms  p99={:>7.2} ms  max={:>7.2} ms",
         v.len(),
         ms(p50),
         ms(percentile(&v, 0.90)),
@@ -158,6 +159,14 @@ async fn run() -> Result<()> {
         }
     }
     let shim_rss = peak_rss_kib(&shim, &[("CNI_COMMAND", "VERSION".to_string())], conf.as_bytes());
+    // The floor under each ADD: the exec alone (VERSION is answered by the shim itself), and the
+    // exec plus one call to the binder that does no work there (STATUS).
+    let (mut version, mut status) = (Vec::with_capacity(pods), Vec::with_capacity(pods));
+    let conf_11 = binder.netconf("1.1.0", "kuryr").to_string();
+    for _ in 0..pods {
+        version.push(exec_plugin(&shim, &[("CNI_COMMAND", "VERSION".to_string())], conf.as_bytes())?.0);
+        status.push(exec_plugin(&shim, &[("CNI_COMMAND", "STATUS".to_string())], conf_11.as_bytes())?.0);
+    }
 
     // The reference plugins on the same machine, same run, same number of fresh netns.
     let ipam_dir = dir.path().join("host-local");
@@ -189,6 +198,8 @@ async fn run() -> Result<()> {
         ms(k50) / ms(r50),
         ms(k99) / ms(r99)
     );
+    summary("kuryr-cni VERSION (exec only)", version);
+    summary("kuryr-cni STATUS (exec + binder call)", status);
     let size = std::fs::metadata(&shim)?.len();
     println!("kuryr-cni binary: {} ({:.2} MiB)", shim.display(), size as f64 / 1048576.0);
     match shim_rss {
@@ -211,7 +222,12 @@ async fn run() -> Result<()> {
             })
             .collect()
     };
-    for (name, label) in [("took_ms", "binder: ADD total"), ("plug_ms", "binder: plugging (netlink)")] {
+    for (name, label) in [
+        ("took_ms", "binder: ADD total"),
+        ("vif_wait_ms", "binder: VIF lookup"),
+        ("plug_ms", "binder: plugging (netlink)"),
+        ("ready_wait_ms", "binder: reported → READY seen"),
+    ] {
         let v = field(name);
         if !v.is_empty() {
             summary(label, v);

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kuryr_proto::allocator::v1::Vif;
 use kuryr_runtime::Shutdown;
+use kuryr_stream::{Outcome, WorkQueue};
 use tokio::sync::OwnedMutexGuard;
 use tracing::Instrument as _;
 
@@ -35,7 +36,6 @@ use crate::index::{SharedIndex, lock, vif_node};
 use crate::ipam::store::PodKey;
 use crate::metrics::Metrics;
 use crate::pods::{Desired, FINALIZER, PodEntry, PodView};
-use crate::queue::{Outcome, WorkQueue};
 use crate::shards::Shards;
 
 /// Event reasons, as `kubectl describe pod` shows them.

@@ -13,7 +13,8 @@ use kuryr_proto::watcher::v1::{EventType, Kind, Object, Pod, SubscribeResponse};
 use super::*;
 use crate::cluster::{PodMeta, Recorded};
 use crate::crd::{VifIp, VifRecord};
-use crate::index::{Change, Epoch, VifIndex};
+use crate::index::{Change, VifIndex};
+use kuryr_stream::Epoch;
 
 #[derive(Debug, Default)]
 pub(crate) struct FakeState {

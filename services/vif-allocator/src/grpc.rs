@@ -20,6 +20,7 @@ use kuryr_proto::allocator::v1::{
     GetVifRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_runtime::Shutdown;
+use kuryr_stream::Epoch;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -27,7 +28,7 @@ use tracing::Instrument as _;
 
 use crate::cluster::Cluster;
 use crate::controller::{Controller, PlugError, view_lock};
-use crate::index::{Change, Epoch, Lagged, SharedIndex, Start, lock};
+use crate::index::{Change, Lagged, SharedIndex, Start, lock};
 use crate::metrics::Metrics;
 use crate::shards::Shards;
 

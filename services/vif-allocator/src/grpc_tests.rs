@@ -130,7 +130,7 @@ async fn requests_are_validated_naming_the_field() {
 async fn unavailable_until_recovered() {
     let s = setup();
     let (_trigger, signal) = shutdown::channel();
-    let index = crate::index::VifIndex::new(crate::index::Epoch::fixed("e"), 8).shared();
+    let index = crate::index::VifIndex::new(kuryr_stream::Epoch::fixed("e"), 8).shared();
     let svc = AllocatorService::new(index, ControllerCell::<Fake>::default(), s.metrics, signal);
     let req = WatchVifsRequest { node_name: "n1".into(), ..Default::default() };
     let err = svc.watch_vifs(Request::new(req)).await.unwrap_err();

@@ -15,62 +15,15 @@
 //!   before that, so the first resume point is `<epoch>-0`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::SystemTime;
 
 use kuryr_proto::allocator::v1::{NodeRoutes, Vif, VifState};
+use kuryr_stream::Epoch;
 use tokio::sync::watch;
 
 /// Deltas kept for resuming: a binder that reconnects within this many changes gets only what
 /// it missed. A delta is a few hundred bytes shared with the index, so 16k cost a few MB.
 pub const DEFAULT_HISTORY: usize = 16_384;
-
-/// This process's identity in resume points `"<epoch>-<revision>"`. Random per process, so a
-/// point handed out by another replica, or before a restart, never matches: RESET + snapshot.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Epoch(String);
-
-impl Epoch {
-    /// A fresh random epoch: 64 bits from std's per-process random hash keys, mixed with the
-    /// clock and pid, as 16 hex digits (no `-`, so a point splits unambiguously).
-    pub fn random() -> Self {
-        let bits = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-        Self(format!("{bits:016x}"))
-    }
-
-    /// A fixed epoch, for tests. `-` is not allowed in an epoch.
-    pub fn fixed(s: &str) -> Self {
-        Self(s.replace('-', ""))
-    }
-
-    /// The point after the delta of `revision`.
-    pub fn point(&self, revision: u64) -> String {
-        format!("{}-{revision}", self.0)
-    }
-
-    /// The point carried by the events of a snapshot: never resumable, so a binder cut off in
-    /// the middle of a snapshot gets RESET and a fresh one.
-    pub fn snapshot_point(&self) -> String {
-        format!("{}-snapshot", self.0)
-    }
-
-    /// The revision `point` names, when it is this epoch's and well-formed.
-    pub fn revision_of(&self, point: &str) -> Option<u64> {
-        let (epoch, rev) = point.rsplit_once('-')?;
-        if epoch != self.0 {
-            return None;
-        }
-        rev.parse().ok()
-    }
-}
-
-impl fmt::Display for Epoch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// One change, as streamed.
 #[derive(Clone, Debug, PartialEq)]
@@ -560,9 +513,5 @@ mod tests {
         assert!(matches!(idx.start("n1", "e-4"), Ok(Start::Snapshot { reset: true, .. })));
         assert!(matches!(idx.start("n1", "e-5"), Ok(Start::Resume { cursor: 5 })));
         assert!(idx.get("p0").is_none() && idx.revision() == 5, "dropped silently");
-        let e = Epoch::fixed("abc");
-        assert_eq!(e.revision_of(&e.point(7)), Some(7));
-        assert_eq!(e.revision_of(&e.snapshot_point()), None);
-        assert_ne!(Epoch::random(), Epoch::random());
     }
 }

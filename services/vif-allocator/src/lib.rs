@@ -6,8 +6,8 @@
 //! AddressBlocks (metadata only, for node routes) and nothing else.
 //!
 //! **Owns** per pod: the finalizer `kuryr.openstack.org/vif`, a PodVif (spec + status) and the
-//! pod's addresses in the AddressBlocks ([`ipam`]). A keyed queue ([`queue`]) reconciles pods one
-//! uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
+//! pod's addresses in the AddressBlocks ([`ipam`]). A keyed queue ([`WorkQueue`]) reconciles pods
+//! one uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
 //! before the VIF is handed out.
 //!
 //! **Streams** per node over `WatchVifs` ([`grpc`]): the node's VIFs and the other nodes' routes,
@@ -41,7 +41,6 @@ pub mod metrics;
 pub mod neutron;
 pub mod pods;
 pub mod pool_api;
-pub mod queue;
 pub mod ready;
 pub mod shards;
 
@@ -54,6 +53,7 @@ use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_stream::WorkQueue;
 use tracing::Instrument as _;
 
 use crate::backend::{AnyBackend, EmbeddedBackend, VifBackend as _};
@@ -69,7 +69,6 @@ use crate::neutron::metrics::NeutronMetrics;
 use crate::neutron::namespaces::k8s::NamespaceKube;
 use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
-use crate::queue::WorkQueue;
 use crate::ready::Readiness;
 use crate::shards::Shards;
 
@@ -228,7 +227,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             Some((client, NeutronMetrics::register(rt.registry())))
         }
     };
-    let index = VifIndex::new(index::Epoch::random(), index::DEFAULT_HISTORY);
+    let index = VifIndex::new(kuryr_stream::Epoch::random(), index::DEFAULT_HISTORY);
     tracing::info!(epoch = %index.epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
     let index = index.shared();
     let readiness = Readiness::default();

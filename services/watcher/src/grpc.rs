@@ -14,6 +14,7 @@ use std::sync::Arc;
 use kuryr_proto::watcher::v1::watcher_server::Watcher;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeRequest, SubscribeResponse};
 use kuryr_runtime::Shutdown;
+use kuryr_stream::Epoch;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -21,7 +22,6 @@ use tracing::Instrument as _;
 
 use crate::index::{Change, Delta, Lagged, SharedIndex, Start, lock};
 use crate::metrics::Metrics;
-use crate::resume::Epoch;
 use crate::selector::{Selector, kind_label};
 
 /// Responses buffered per stream before the stream task waits for the client to read.

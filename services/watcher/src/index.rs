@@ -17,9 +17,9 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kuryr_proto::watcher::v1::{Kind, Object};
+use kuryr_stream::Epoch;
 use tokio::sync::watch;
 
-use crate::resume::Epoch;
 use crate::selector::{KINDS, Selector, slot};
 
 /// Deltas kept for resuming: at about 100 bytes of bookkeeping each plus the objects they share

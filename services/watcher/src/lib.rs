@@ -10,10 +10,11 @@
 //! nobody reads) costs the streams nothing.
 //!
 //! **Streams** it over `kuryr.watcher.v1.Watcher/Subscribe` ([`grpc`]): a snapshot, then
-//! SNAPSHOT_COMPLETE, then deltas, each with a resume point `"<epoch>-<revision>"` ([`resume`]).
-//! Resuming with a point of this process whose deltas are still in the history replays only
-//! what was missed; anything else (another replica, a restart, a point too old) gets RESET and a
-//! fresh snapshot. Replicas share nothing: each has its own epoch and its own watches.
+//! SNAPSHOT_COMPLETE, then deltas, each with a resume point `"<epoch>-<revision>"`
+//! ([`kuryr_stream::epoch`]). Resuming with a point of this process whose deltas are still in the
+//! history replays only what was missed; anything else (another replica, a restart, a point too
+//! old) gets RESET and a fresh snapshot; an empty `resume_from` gets a snapshot without the RESET.
+//! Replicas share nothing: each has its own epoch and its own watches.
 //!
 //! Readiness: the Watcher service is NOT_SERVING until every kind has been listed once, and
 //! while the Kubernetes API does not answer; Subscribe is UNAVAILABLE until that first sync.
@@ -33,7 +34,6 @@ pub mod grpc;
 pub mod index;
 pub mod k8s;
 pub mod metrics;
-pub mod resume;
 pub mod selector;
 
 use std::path::PathBuf;
@@ -75,7 +75,7 @@ pub struct Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-watcher", &config.common)?;
     let metrics = metrics::Metrics::register(rt.registry());
-    let index = index::Index::new(resume::Epoch::random(), config.history);
+    let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
     tracing::info!(epoch = %index.epoch(), history = config.history, "starting");
     let index = index.shared();
     rt.health().register(service_names::WATCHER).await;

@@ -12,12 +12,12 @@ use std::time::Duration;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_stream::{Outcome, WorkQueue};
 use tonic::transport::Channel;
 use tracing::Instrument as _;
 
 use super::{NamespaceOutcome, guard};
 use crate::neutron::NeutronBackend;
-use crate::queue::{Outcome, WorkQueue};
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);

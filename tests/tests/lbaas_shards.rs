@@ -458,13 +458,21 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         async move { c.put_slice(&format!("svc-{i}"), &members(i, 1)).await }
     }))
     .await;
-    let recorded = c.converged(&names, &[&a, &b]).await;
-    for &i in &changed {
-        let spec = &recorded[&format!("svc-{i}")];
-        let addrs: Vec<&str> =
-            spec.listeners[0].pool.as_ref().unwrap().members.iter().map(|m| m.address.as_str()).collect();
-        assert_eq!(addrs, members(i, 1), "svc-{i}");
-    }
+    // Records that are PROGRAMMED at their generation may still be the ones from before the
+    // change (lbaas has not seen the slices yet): wait for the new members, so that only an
+    // update that never arrives fails.
+    let recorded = wait_until("the endpoint changes recorded", PHASE_TIMEOUT, || async {
+        let recorded = c.converged(&names, &[&a, &b]).await;
+        for &i in &changed {
+            let spec = &recorded[&format!("svc-{i}")];
+            let addrs: Vec<&str> =
+                spec.listeners[0].pool.as_ref().unwrap().members.iter().map(|m| m.address.as_str()).collect();
+            anyhow::ensure!(addrs == members(i, 1), "svc-{i} has members {addrs:?}, want {:?}", members(i, 1));
+        }
+        Ok(recorded)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
 

@@ -290,7 +290,12 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     );
     assert_eq!(s0.allocations + s1.allocations, PODS as u64);
     assert_eq!(s0.blocks_claimed + s1.blocks_claimed, 4);
-    assert!(conflicts > 0, "the allocators never collided, so optimistic concurrency was not exercised");
+    // The group commit per node makes collisions rarer: a refused write or a lost block claim
+    // shows that the two stores did race.
+    assert!(
+        conflicts + s0.claim_races + s1.claim_races > 0,
+        "the allocators never collided, so optimistic concurrency was not exercised"
+    );
 
     // Asked again, through the other store: the same addresses, nothing written.
     let again = phase(

@@ -347,3 +347,67 @@ async fn recorded_allocations(client: &kube::Client) -> HashMap<String, IpAddr> 
     }
     by_uid
 }
+
+/// A pod holding addresses in two blocks of its node, as when two allocators raced for it
+/// (the second entry written straight to the block, as the other allocator would): `holds`
+/// reads the blocks as they are now, and `release_addresses` gives back only what it lists,
+/// and only when the pod holds it.
+#[tokio::test]
+async fn holds_reads_now_and_release_addresses_frees_only_the_listed_ones() {
+    let (_env, client) = cluster().await;
+    let store = IpamStore::new(client.clone());
+    let spec = PodNetworkSpec { ipv4_block_prefix: 28, ..PodNetworkSpec::new(["10.60.0.0/24"]) };
+    store.ensure_network("dup", &spec).await.unwrap();
+    let first = store.allocate("dup", "node-0", &pod(0)).await.unwrap().addresses[0].address;
+    // Fill the first block until an allocation lands in a second one.
+    let second_block: IpAddr = "10.60.0.16".parse().unwrap();
+    let mut other = None;
+    for i in 1..40 {
+        let addr = store.allocate("dup", "node-0", &pod(i)).await.unwrap().addresses[0].address;
+        if addr >= second_block {
+            other = Some((i, addr));
+            break;
+        }
+    }
+    let (k, theirs) = other.expect("no allocation reached a second block");
+    assert!(theirs < "10.60.0.29".parse::<IpAddr>().unwrap(), "{theirs}");
+    let blocks: Api<AddressBlock> = Api::all(client.clone());
+    let name = "dup-10-60-0-16-28";
+    let mut block = blocks.get_status(name).await.unwrap();
+    let dup: IpAddr = "10.60.0.29".parse().unwrap();
+    let status = block.status.as_mut().unwrap();
+    assert!(!status.allocations.contains_key("10.60.0.29"));
+    let entry = crd::BlockAllocation {
+        namespace: "ns1".into(),
+        name: "pod-0".into(),
+        uid: "uid-0".into(),
+        mac: "0a:58:0a:3c:00:1d".into(),
+    };
+    status.allocations.insert(dup.to_string(), entry);
+    status.used += 1;
+    blocks.replace_status(name, &PostParams::default(), &block).await.unwrap();
+
+    let holds = |addrs: Vec<IpAddr>| {
+        let store = &store;
+        async move { store.holds("dup", "node-0", "uid-0", &addrs).await.unwrap() }
+    };
+    assert!(holds(vec![first]).await && holds(vec![dup]).await && holds(vec![first, dup]).await);
+    assert!(!holds(vec![first, theirs]).await, "another pod's address counted as held");
+    assert!(!holds(vec![]).await);
+
+    // Only the listed address goes, through the store's stale copy of the block (a 409, re-read).
+    assert!(store.release_addresses("dup", "node-0", "uid-0", &[dup]).await.unwrap());
+    let st = blocks.get_status(name).await.unwrap().status.unwrap();
+    assert!(!st.allocations.contains_key("10.60.0.29"));
+    assert_eq!(st.used as usize, st.allocations.len());
+    assert_eq!(st.allocations[&theirs.to_string()].uid, format!("uid-{k}"));
+    assert!(holds(vec![first]).await && !holds(vec![dup]).await);
+    // Nothing held: nothing freed; another pod's address is never freed for this one.
+    assert!(!store.release_addresses("dup", "node-0", "uid-0", &[dup]).await.unwrap());
+    assert!(!store.release_addresses("dup", "node-0", "uid-0", &[theirs]).await.unwrap());
+    assert!(store.holds("dup", "node-0", &format!("uid-{k}"), &[theirs]).await.unwrap());
+    // The pod keeps its first address.
+    let again = store.allocate("dup", "node-0", &pod(0)).await.unwrap();
+    assert!(again.existing);
+    assert_eq!(again.addresses[0].address, first);
+}

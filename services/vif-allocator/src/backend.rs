@@ -11,6 +11,7 @@
 //! what was never allocated is a no-op.
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use crate::cluster::ClusterError;
@@ -29,6 +30,25 @@ pub trait VifBackend: Send + Sync + 'static {
     /// Gives back whatever the pod holds (searching `node` first when given); returns whether
     /// anything was held.
     fn release(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<bool, ClusterError>> + Send;
+
+    /// Whether the pod still holds what `record` describes (a read made now). When two
+    /// allocators raced for one pod, the VIF on record in the PodVif is the one that stays.
+    fn holds(
+        &self,
+        pod: &PodKey,
+        node: &str,
+        record: &VifRecord,
+    ) -> impl Future<Output = Result<bool, ClusterError>> + Send;
+
+    /// Gives back what `ours` holds for the pod and `keep` does not: an allocation that lost to
+    /// the one on record.
+    fn discard(
+        &self,
+        pod: &PodKey,
+        node: &str,
+        ours: &VifRecord,
+        keep: &VifRecord,
+    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Whether a VIF the binder reports plugged is ready at once. When not, the backend's
     /// readiness source tells (see [`VifBackend::watch_ready`]).
@@ -72,6 +92,25 @@ impl VifBackend for EmbeddedBackend {
         released.map_err(ClusterError::Ipam)
     }
 
+    async fn holds(&self, pod: &PodKey, node: &str, record: &VifRecord) -> Result<bool, ClusterError> {
+        let addresses = addresses(record);
+        if addresses.len() != record.ips.len() {
+            return Ok(false);
+        }
+        self.store.holds(&self.network, node, &pod.uid, &addresses).await.map_err(ClusterError::Ipam)
+    }
+
+    async fn discard(&self, pod: &PodKey, node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+        let keep = addresses(keep);
+        let give: Vec<IpAddr> = addresses(ours).into_iter().filter(|a| !keep.contains(a)).collect();
+        let freed =
+            self.store.release_addresses(&self.network, node, &pod.uid, &give).await.map_err(ClusterError::Ipam)?;
+        if freed {
+            tracing::info!(uid = %pod.uid, node, addresses = ?give, "gave back addresses that lost to the VIF on record");
+        }
+        Ok(())
+    }
+
     fn ready_when_plugged(&self) -> bool {
         true
     }
@@ -110,6 +149,20 @@ impl VifBackend for AnyBackend {
         }
     }
 
+    async fn holds(&self, pod: &PodKey, node: &str, record: &VifRecord) -> Result<bool, ClusterError> {
+        match self {
+            AnyBackend::Embedded(b) => b.holds(pod, node, record).await,
+            AnyBackend::Neutron(b) => b.holds(pod, node, record).await,
+        }
+    }
+
+    async fn discard(&self, pod: &PodKey, node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+        match self {
+            AnyBackend::Embedded(b) => b.discard(pod, node, ours, keep).await,
+            AnyBackend::Neutron(b) => b.discard(pod, node, ours, keep).await,
+        }
+    }
+
     fn ready_when_plugged(&self) -> bool {
         match self {
             AnyBackend::Embedded(b) => b.ready_when_plugged(),
@@ -123,4 +176,9 @@ impl VifBackend for AnyBackend {
             AnyBackend::Neutron(b) => b.watch_ready(pod_uid, vif_id, watch),
         }
     }
+}
+
+/// The addresses of a VIF record (those that parse), without their prefix lengths.
+fn addresses(record: &VifRecord) -> Vec<IpAddr> {
+    record.ips.iter().filter_map(|i| i.address.split('/').next()?.parse().ok()).collect()
 }

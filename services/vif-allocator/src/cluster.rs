@@ -24,6 +24,16 @@ pub struct PodMeta {
 /// What a PodVif's status holds.
 pub type Recorded = Option<(VifRecord, VifState)>;
 
+/// A pod's PodVif as [`Cluster::ensure_pod_vif`] found or made it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Ensured {
+    /// What its status holds.
+    pub recorded: Recorded,
+    /// Its resourceVersion then: [`Cluster::record_vif`] writes only over that version, so that
+    /// of two allocators racing for one pod exactly one records its VIF.
+    pub version: String,
+}
+
 /// Why a cluster operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -137,16 +147,18 @@ pub trait Cluster: Send + Sync + 'static {
         current: &[String],
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
-    /// Creates the pod's PodVif (spec only) unless it exists; returns what its status holds.
-    /// [`ClusterError::StalePodVif`] when the name is held by an earlier pod.
-    fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<Recorded, ClusterError>> + Send;
+    /// Creates the pod's PodVif (spec only) unless it exists; returns what its status holds and
+    /// its version. [`ClusterError::StalePodVif`] when the name is held by an earlier pod.
+    fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<Ensured, ClusterError>> + Send;
 
-    /// Writes the PodVif's status: the VIF and its state.
+    /// Writes the PodVif's status (the VIF and its state), provided the PodVif is still at
+    /// `version` ([`ClusterError::Conflict`] otherwise).
     fn record_vif(
         &self,
         pod: &PodKey,
         record: &VifRecord,
         state: VifState,
+        version: &str,
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Writes only the state, provided the PodVif still records `vif_id`
@@ -167,6 +179,23 @@ pub trait Cluster: Send + Sync + 'static {
     /// Releases every address the pod holds (searching `node`'s blocks when given); returns
     /// whether anything was released.
     fn release(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<bool, ClusterError>> + Send;
+
+    /// Whether the pod still holds what `record` describes in the backend (a read made now).
+    fn holds(
+        &self,
+        pod: &PodKey,
+        node: &str,
+        record: &VifRecord,
+    ) -> impl Future<Output = Result<bool, ClusterError>> + Send;
+
+    /// Gives back what `ours` holds for the pod and `keep` does not.
+    fn discard(
+        &self,
+        pod: &PodKey,
+        node: &str,
+        ours: &VifRecord,
+        keep: &VifRecord,
+    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Whether a VIF the binder reports plugged is READY at once (the embedded backend) or only
     /// once the backend confirms it (Neutron: port ACTIVE), see [`Cluster::watch_ready`].

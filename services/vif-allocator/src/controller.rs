@@ -7,7 +7,9 @@
 //! 2. the PodVif (named after the pod, owned by it, spec only) and, at the same time,
 //! 3. the addresses from the IPAM (idempotent per pod uid; neither step needs the other, and
 //!    the finalizer already guarantees the addresses are released whatever happens next);
-//! 4. the PodVif status `{vif, state}` — the record;
+//! 4. the PodVif status `{vif, state}` — the record, written only over the PodVif's version as
+//!    read in step 2, so that of two allocators racing for a pod exactly one records its VIF; a
+//!    VIF already on record that the backend still holds is kept, and ours given back;
 //! 5. only then the VIF into the index, which streams VIF_APPLIED to the pod's node.
 //!
 //! **Cleanup** (being deleted, gone, or finished), tolerating any step never having run:
@@ -267,9 +269,9 @@ impl<C: Cluster> Controller<C> {
             return Ok(());
         }
         // Two independent requests, so they go out together: one round trip less per pod.
-        let (recorded, allocated) =
+        let (ensured, allocated) =
             tokio::join!(self.cluster.ensure_pod_vif(key, node), self.cluster.allocate(key, node));
-        let recorded = match recorded {
+        let ensured = match ensured {
             Err(ClusterError::StalePodVif { namespace, name, other_uid, node: other_node }) => {
                 // Clean the earlier pod's up first; this pod is retried after.
                 let stale = PodKey::new(&namespace, &name, &other_uid);
@@ -279,13 +281,31 @@ impl<C: Cluster> Controller<C> {
             }
             other => other.map_err(fail("creating the PodVif"))?,
         };
-        let record = allocated.map_err(fail("allocating addresses"))?;
-        let state = match &recorded {
+        let mine = allocated.map_err(fail("allocating addresses"))?;
+        // The VIF on record stays while the backend still holds it: another allocator (unsharded
+        // replicas, a shard handover) may have recorded its own for the pod since or while this
+        // one allocated. Ours is given back then.
+        let record = match &ensured.recorded {
+            Some((r, _))
+                if *r != mine
+                    && self.cluster.holds(key, node, r).await.map_err(fail("checking the VIF on record"))? =>
+            {
+                self.cluster.discard(key, node, &mine, r).await.map_err(fail("giving back a VIF that lost"))?;
+                self.metrics.lost_races.inc();
+                tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = %key.uid, kept = %r.vif_id,
+                    discarded = %mine.vif_id, "the PodVif records another VIF of the pod; keeping that one");
+                r.clone()
+            }
+            _ => mine,
+        };
+        let state = match &ensured.recorded {
             Some((r, s)) if *r == record && *s != VifState::Failed => *s,
             _ => VifState::Allocated,
         };
-        if recorded.as_ref().is_none_or(|(r, s)| *r != record || *s != state) {
-            self.cluster.record_vif(key, &record, state).await.map_err(fail("recording the VIF"))?;
+        if ensured.recorded.as_ref().is_none_or(|(r, s)| *r != record || *s != state) {
+            // Over the version read only: of two allocators racing for the pod, exactly one
+            // records its VIF; the other sees a conflict and, retried, keeps the one on record.
+            self.cluster.record_vif(key, &record, state, &ensured.version).await.map_err(fail("recording the VIF"))?;
         }
         let vif = to_proto(key, node, &self.network, &record, state);
         let (fresh, held) = {

@@ -11,7 +11,7 @@ use kuryr_proto::watcher::v1::object::Body;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, Pod, SubscribeResponse};
 
 use super::*;
-use crate::cluster::{PodMeta, Recorded};
+use crate::cluster::{Ensured, PodMeta, Recorded};
 use crate::crd::{VifIp, VifRecord};
 use crate::index::{Change, VifIndex};
 use kuryr_stream::Epoch;
@@ -22,8 +22,14 @@ pub(crate) struct FakeState {
     pods: HashMap<String, (PodKey, PodMeta)>,
     /// (namespace, name) → (pod uid, node, status).
     podvifs: HashMap<(String, String), (String, String, Recorded)>,
+    /// (namespace, name) → the PodVif's version, bumped by every write.
+    versions: HashMap<(String, String), u64>,
+    /// Another allocator records this VIF in the pod's PodVif just before our next write.
+    records_first: Option<(PodKey, u32)>,
     /// uid → address index.
     allocations: HashMap<String, u32>,
+    /// Further allocations held by pods (another allocator's), uid → address indexes.
+    also_held: HashMap<String, Vec<u32>>,
     next_address: u32,
     /// Every call, in order.
     calls: Vec<String>,
@@ -120,12 +126,13 @@ impl Cluster for Fake {
         }
         Ok(())
     }
-    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Recorded, ClusterError> {
+    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Ensured, ClusterError> {
         self.call("ensure_pod_vif", pod)?;
         let mut s = self.s();
         let name = (pod.namespace.clone(), pod.name.clone());
+        let version = s.versions.get(&name).copied().unwrap_or_default().to_string();
         match s.podvifs.get(&name) {
-            Some((uid, _, recorded)) if *uid == pod.uid => Ok(recorded.clone()),
+            Some((uid, _, recorded)) if *uid == pod.uid => Ok(Ensured { recorded: recorded.clone(), version }),
             Some((uid, node, _)) => Err(ClusterError::StalePodVif {
                 namespace: pod.namespace.clone(),
                 name: pod.name.clone(),
@@ -134,18 +141,32 @@ impl Cluster for Fake {
             }),
             None => {
                 s.podvifs.insert(name, (pod.uid.clone(), node.to_string(), None));
-                Ok(None)
+                Ok(Ensured { recorded: None, version })
             }
         }
     }
-    async fn record_vif(&self, pod: &PodKey, record: &VifRecord, state: VifState) -> Result<(), ClusterError> {
+    async fn record_vif(
+        &self,
+        pod: &PodKey,
+        record: &VifRecord,
+        state: VifState,
+        version: &str,
+    ) -> Result<(), ClusterError> {
         self.call("record_vif", pod)?;
         let mut s = self.s();
-        let (_, _, status) = s
-            .podvifs
-            .get_mut(&(pod.namespace.clone(), pod.name.clone()))
-            .ok_or_else(|| ClusterError::NotFound("podvif".into()))?;
+        let name = (pod.namespace.clone(), pod.name.clone());
+        if let Some((other, i)) = s.records_first.take_if(|(k, _)| *k == *pod) {
+            s.also_held.entry(other.uid.clone()).or_default().push(i);
+            s.podvifs.get_mut(&name).unwrap().2 = Some((self::record(i), VifState::Allocated));
+            *s.versions.entry(name.clone()).or_default() += 1;
+        }
+        let current = s.versions.get(&name).copied().unwrap_or_default();
+        if version != current.to_string() {
+            return Err(ClusterError::Conflict(format!("PodVif at version {current}, not {version}")));
+        }
+        let (_, _, status) = s.podvifs.get_mut(&name).ok_or_else(|| ClusterError::NotFound("podvif".into()))?;
         *status = Some((record.clone(), state));
+        *s.versions.entry(name).or_default() += 1;
         Ok(())
     }
     async fn record_state(&self, pod: &PodKey, vif_id: &str, state: VifState) -> Result<(), ClusterError> {
@@ -158,6 +179,7 @@ impl Cluster for Fake {
             return Err(ClusterError::Conflict("another VIF".into()));
         }
         *st = state;
+        *s.versions.entry((pod.namespace.clone(), pod.name.clone())).or_default() += 1;
         Ok(())
     }
     async fn delete_pod_vif(&self, pod: &PodKey) -> Result<(), ClusterError> {
@@ -182,7 +204,31 @@ impl Cluster for Fake {
     }
     async fn release(&self, pod: &PodKey, _node: &str) -> Result<bool, ClusterError> {
         self.call("release", pod)?;
-        Ok(self.s().allocations.remove(&pod.uid).is_some())
+        let mut s = self.s();
+        let also = s.also_held.remove(&pod.uid).is_some_and(|v| !v.is_empty());
+        Ok(s.allocations.remove(&pod.uid).is_some() || also)
+    }
+    async fn holds(&self, pod: &PodKey, _node: &str, r: &VifRecord) -> Result<bool, ClusterError> {
+        self.call("holds", pod)?;
+        let s = self.s();
+        let held = s.allocations.get(&pod.uid).into_iter().chain(s.also_held.get(&pod.uid).into_iter().flatten());
+        Ok(held.map(|i| record(*i)).any(|h| h == *r))
+    }
+    async fn discard(&self, pod: &PodKey, _node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+        self.call("discard", pod)?;
+        let mut s = self.s();
+        // What the backend does: ours goes; the pod's allocation is the one kept from now on.
+        if ours != keep && s.allocations.get(&pod.uid).is_some_and(|i| record(*i) == *ours) {
+            s.allocations.remove(&pod.uid);
+            let kept = s.also_held.get_mut(&pod.uid).and_then(|v| {
+                let at = v.iter().position(|i| record(*i) == *keep)?;
+                Some(v.remove(at))
+            });
+            if let Some(i) = kept {
+                s.allocations.insert(pod.uid.clone(), i);
+            }
+        }
+        Ok(())
     }
     async fn warn(&self, pod: &PodKey, reason: &'static str, _note: String) {
         self.s().events.push((pod.uid.clone(), reason));
@@ -417,6 +463,69 @@ async fn a_recorded_state_survives_a_re_apply() {
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a"], "nothing to write");
     assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Ready);
+}
+
+/// A pod with our finalizer, seen scheduled on n1.
+fn scheduled(fake: &Fake, ctl: &Controller<Fake>, name: &str) {
+    let mut meta = PodMeta::default();
+    meta.finalizers.push(FINALIZER.into());
+    fake.s().pods.insert(key(name).uid, (key(name), meta));
+    see(ctl, fake, name, "n1", "Pending", EventType::Applied);
+}
+
+#[tokio::test]
+async fn the_vif_on_record_wins_over_a_racing_allocation_which_is_given_back() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    scheduled(&fake, &ctl, "a");
+    // Another allocator recorded its VIF (7) while ours (2) was being allocated.
+    fake.s()
+        .podvifs
+        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(7), VifState::Plugged))));
+    fake.s().also_held.insert("uid-a".into(), vec![7]);
+    fake.s().allocations.insert("uid-a".into(), 2);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "discard a"], "no write over the record");
+    let vif = ctl.get_vif("uid-a").unwrap();
+    assert_eq!((vif.vif_id.as_str(), vif.state()), ("net/10.0.0.7", PbState::Plugged));
+    assert_eq!(fake.s().allocations["uid-a"], 7, "ours given back, the recorded one kept");
+    assert!(fake.s().also_held["uid-a"].is_empty());
+    assert_eq!(metrics.lost_races.get(), 1);
+}
+
+#[tokio::test]
+async fn a_vif_on_record_the_backend_no_longer_holds_is_replaced() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    scheduled(&fake, &ctl, "a");
+    fake.s()
+        .podvifs
+        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(7), VifState::Ready))));
+    fake.s().allocations.insert("uid-a".into(), 2);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "record_vif a"]);
+    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    assert_eq!(recorded, Some((record(2), VifState::Allocated)));
+    assert_eq!(ctl.get_vif("uid-a").unwrap().vif_id, "net/10.0.0.2");
+    assert_eq!(metrics.lost_races.get(), 0);
+}
+
+#[tokio::test]
+async fn of_two_allocators_racing_for_a_pod_exactly_one_records_and_the_other_follows() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    scheduled(&fake, &ctl, "a");
+    // The other allocator records VIF 7 between our read of the PodVif and our write.
+    fake.s().records_first = Some((key("a"), 7));
+    let err = ctl.reconcile("uid-a").await.unwrap_err();
+    assert_eq!(err.source.reason(), "conflict", "{err}");
+    assert!(ctl.get_vif("uid-a").is_none(), "nothing published from a lost write");
+    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    assert_eq!(recorded, Some((record(7), VifState::Allocated)), "their record stands");
+    fake.calls();
+    // Retried: the record is kept and our allocation given back.
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "discard a"]);
+    assert_eq!(ctl.get_vif("uid-a").unwrap().vif_id, "net/10.0.0.7");
+    assert_eq!(fake.s().allocations["uid-a"], 7);
+    assert_eq!(metrics.lost_races.get(), 1);
 }
 
 #[tokio::test]

@@ -22,7 +22,7 @@ use kuryr_runtime::Shutdown;
 use serde_json::json;
 
 use crate::backend::{AnyBackend, VifBackend as _};
-use crate::cluster::{Cluster, ClusterError, PodMeta, Recorded};
+use crate::cluster::{Cluster, ClusterError, Ensured, PodMeta, Recorded};
 use crate::crd::{AddressBlock, PodNetwork, PodNetworkSpec, PodVif, PodVifSpec, VifRecord, VifState};
 use crate::index::{SharedIndex, lock};
 use crate::ipam::store::{IpamStore, PodKey};
@@ -311,7 +311,7 @@ impl Cluster for KubeCluster {
         }
     }
 
-    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Recorded, ClusterError> {
+    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Ensured, ClusterError> {
         let api = self.pod_vifs(&pod.namespace);
         let what = format!("PodVif {}/{}", pod.namespace, pod.name);
         let mut pv = PodVif::new(
@@ -336,7 +336,9 @@ impl Cluster for KubeCluster {
         pv.metadata.labels = Some([("kuryr.openstack.org/node".to_string(), node.to_string())].into());
         let pp = PostParams { field_manager: Some("kuryr-vif-allocator".into()), ..Default::default() };
         let existing = match api.create(&pp, &pv).await {
-            Ok(_) => return Ok(None),
+            Ok(made) => {
+                return Ok(Ensured { recorded: None, version: made.metadata.resource_version.unwrap_or_default() });
+            }
             Err(kube::Error::Api(s)) if s.is_already_exists() => {
                 api.get(&pod.name).await.map_err(api_err(format!("reading {what}")))?
             }
@@ -350,13 +352,22 @@ impl Cluster for KubeCluster {
                 node: existing.spec.node_name,
             });
         }
+        let version = existing.metadata.resource_version.unwrap_or_default();
         let status = existing.status.unwrap_or_default();
-        Ok(status.vif.map(|v| (v, status.state.unwrap_or(VifState::Allocated))))
+        let recorded = status.vif.map(|v| (v, status.state.unwrap_or(VifState::Allocated)));
+        Ok(Ensured { recorded, version })
     }
 
-    async fn record_vif(&self, pod: &PodKey, record: &VifRecord, state: VifState) -> Result<(), ClusterError> {
+    async fn record_vif(
+        &self,
+        pod: &PodKey,
+        record: &VifRecord,
+        state: VifState,
+        version: &str,
+    ) -> Result<(), ClusterError> {
         let ops = json!([
             {"op": "test", "path": "/spec/podUid", "value": pod.uid},
+            {"op": "test", "path": "/metadata/resourceVersion", "value": version},
             {"op": "add", "path": "/status", "value": {"vif": record, "state": state}},
         ]);
         let patch: json_patch::Patch = serde_json::from_value(ops)
@@ -410,6 +421,14 @@ impl Cluster for KubeCluster {
 
     async fn release(&self, pod: &PodKey, node: &str) -> Result<bool, ClusterError> {
         self.backend.release(pod, node).await
+    }
+
+    async fn holds(&self, pod: &PodKey, node: &str, record: &VifRecord) -> Result<bool, ClusterError> {
+        self.backend.holds(pod, node, record).await
+    }
+
+    async fn discard(&self, pod: &PodKey, node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+        self.backend.discard(pod, node, ours, keep).await
     }
 
     fn ready_when_plugged(&self) -> bool {

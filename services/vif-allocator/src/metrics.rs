@@ -53,6 +53,8 @@ pub struct Metrics {
     pub subscriptions: Family<StartLabels, Counter>,
     /// Times the watcher's stream broke or could not be opened.
     pub watcher_reconnects: Counter,
+    /// Allocations given back because the pod's PodVif recorded another VIF that it still held.
+    pub lost_races: Counter,
     /// The embedded IPAM's backend calls and addresses (no series with `--backend neutron`).
     pub ipam: IpamMetrics,
 }
@@ -71,6 +73,7 @@ impl Default for Metrics {
             subscribers: Gauge::default(),
             subscriptions: Family::default(),
             watcher_reconnects: Counter::default(),
+            lost_races: Counter::default(),
             ipam: IpamMetrics::default(),
         }
     }
@@ -114,6 +117,11 @@ impl Metrics {
             "kuryr_allocator_watcher_reconnects",
             "Times the watcher's Subscribe stream broke or could not be opened",
             m.watcher_reconnects.clone(),
+        );
+        registry.register(
+            "kuryr_allocator_lost_races",
+            "Allocations given back because the pod's PodVif already recorded another VIF (another replica's)",
+            m.lost_races.clone(),
         );
         m
     }

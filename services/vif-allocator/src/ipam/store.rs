@@ -21,7 +21,10 @@
 //!
 //! Allocations are keyed by pod uid. Allocating for a pod that already holds an address of a
 //! family in one of the node's blocks returns that address; releasing removes every address the
-//! uid holds and is a no-op when it holds none. A pod's MAC is a function of its address, so a
+//! uid holds (or only the listed ones: [`IpamStore::release_addresses`]) and is a no-op when it
+//! holds none. Blocks are separate objects, so two allocators racing for one pod can each record
+//! an address for it in a different block; the pod's PodVif settles which one stays (see
+//! `crate::controller`). A pod's MAC is a function of its address, so a
 //! repeated allocation yields the same VIF. Callers pass the pod's `spec.nodeName`, which never
 //! changes once set; only the node's blocks are read on the allocation path. An answer that
 //! involves no write ("already holds", "holds nothing") always comes from a fresh read.
@@ -44,6 +47,7 @@ mod types;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -242,7 +246,44 @@ impl IpamStore {
         check_network_name(network)?;
         check_non_empty("node", node)?;
         check_non_empty("pod uid", pod_uid)?;
-        self.submit(network, node, |tx| Op::Release(pod_uid.to_string(), tx)).await
+        self.submit(network, node, |tx| Op::Release(pod_uid.to_string(), None, tx)).await
+    }
+
+    /// Frees only `addresses` of what `pod_uid` holds in `node`'s blocks (those it does not hold
+    /// are left alone). Returns whether anything was freed.
+    pub async fn release_addresses(
+        &self,
+        network: &str,
+        node: &str,
+        pod_uid: &str,
+        addresses: &[IpAddr],
+    ) -> Result<bool, StoreError> {
+        check_network_name(network)?;
+        check_non_empty("node", node)?;
+        check_non_empty("pod uid", pod_uid)?;
+        if addresses.is_empty() {
+            return Ok(false);
+        }
+        self.submit(network, node, |tx| Op::Release(pod_uid.to_string(), Some(addresses.to_vec()), tx)).await
+    }
+
+    /// Whether `pod_uid` holds every one of `addresses` (at least one) in `node`'s blocks, as
+    /// listed now: a fresh read, never this process's copy.
+    pub async fn holds(
+        &self,
+        network: &str,
+        node: &str,
+        pod_uid: &str,
+        addresses: &[IpAddr],
+    ) -> Result<bool, StoreError> {
+        check_network_name(network)?;
+        check_non_empty("node", node)?;
+        check_non_empty("pod uid", pod_uid)?;
+        if addresses.is_empty() {
+            return Ok(false);
+        }
+        let blocks = self.list_blocks(network, Some(node)).await?;
+        Ok(addresses.iter().all(|ip| blocks.iter().any(|b| b.holds(pod_uid, *ip))))
     }
 
     /// Queues a request for the node and waits for its answer, serving the queue itself when it

@@ -27,7 +27,8 @@ pub struct ReasonLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WhyLabels {
     /// `released` (pool full or off), `binding_failed`, `freed` (pool API), `recycle_timeout`,
-    /// `duplicate`, `namespace_deleted` (a pool port of a namespace network being removed).
+    /// `duplicate`, `namespace_deleted` (a pool port of a namespace network being removed),
+    /// `lost_to_record` (created by a replica that lost the race for the pod's PodVif).
     pub why: &'static str,
 }
 

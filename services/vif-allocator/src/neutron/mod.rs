@@ -720,6 +720,36 @@ impl VifBackend for NeutronBackend {
         Ok(true)
     }
 
+    async fn holds(&self, pod: &PodKey, _node: &str, record: &VifRecord) -> Result<bool, ClusterError> {
+        let filter = Filter::new().device_id(&pod.uid);
+        let ports = self
+            .neutron
+            .list_ports(&filter)
+            .await
+            .map_err(neutron_err(format!("looking up the ports of pod {}", pod.uid)))?;
+        Ok(ports.iter().any(|p| p.id == record.vif_id && p.device_owner == self.device_owner))
+    }
+
+    async fn discard(&self, pod: &PodKey, _node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+        if ours.vif_id == keep.vif_id {
+            return Ok(());
+        }
+        {
+            let mut inv = guard(&self.inv);
+            if inv.held(&pod.uid).is_some_and(|p| p.id == ours.vif_id) {
+                inv.unassign(&pod.uid);
+            }
+        }
+        guard(&self.watched).remove(&ours.vif_id);
+        match self.delete_port(&ours.vif_id, "lost_to_record").await {
+            Err(ClusterError::Neutron { source, .. }) if source.is_not_found() => {}
+            other => other?,
+        }
+        self.gauges();
+        tracing::info!(uid = %pod.uid, port = %ours.vif_id, kept = %keep.vif_id, "deleted a port that lost to the VIF on record");
+        Ok(())
+    }
+
     fn ready_when_plugged(&self) -> bool {
         false
     }

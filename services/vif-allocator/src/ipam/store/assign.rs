@@ -39,6 +39,13 @@ impl Parsed {
         status.allocations.iter().find(|(_, a)| a.uid == uid).and_then(|(ip, _)| ip.parse().ok())
     }
 
+    /// Whether `uid` holds `address` in this block.
+    pub(super) fn holds(&self, uid: &str, address: IpAddr) -> bool {
+        self.obj.status.as_ref().is_some_and(|s| {
+            s.allocations.iter().any(|(ip, a)| a.uid == uid && ip.parse::<IpAddr>().is_ok_and(|ip| ip == address))
+        })
+    }
+
     /// The recorded addresses (entries whose key does not parse are ignored, as before).
     fn used(&self) -> BTreeSet<IpAddr> {
         self.obj
@@ -149,26 +156,26 @@ pub(super) fn assign(blocks: &[Parsed], pool: &Pool, wants: &[Want<'_>]) -> (Vec
     (got, drafts)
 }
 
-/// What a release removes: every address of `uid` in the node's blocks, or (undoing part of a
-/// failed allocation) only `address` in block `block`.
+/// What a release removes: every address of `uid` in the node's blocks, or only the listed
+/// ones of them (undoing part of a failed allocation, giving back a duplicate). Blocks never
+/// overlap, so an address names its block.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Removal {
     pub(super) uid: String,
-    pub(super) only: Option<(String, IpAddr)>,
+    pub(super) only: Option<Vec<IpAddr>>,
 }
 
 impl Removal {
-    fn matches(&self, block: &str, ip: &str, holder: &BlockAllocation) -> bool {
+    fn matches(&self, ip: &str, holder: &BlockAllocation) -> bool {
         holder.uid == self.uid
-            && self.only.as_ref().is_none_or(|(b, a)| b == block && ip.parse::<IpAddr>().is_ok_and(|ip| ip == *a))
+            && self.only.as_ref().is_none_or(|only| ip.parse::<IpAddr>().is_ok_and(|ip| only.contains(&ip)))
     }
 
     /// Whether any of `blocks` holds something this removal takes away.
     pub(super) fn found_in(&self, blocks: &[Parsed]) -> bool {
-        blocks.iter().any(|p| {
-            let name = p.name();
-            p.obj.status.as_ref().is_some_and(|s| s.allocations.iter().any(|(ip, a)| self.matches(&name, ip, a)))
-        })
+        blocks
+            .iter()
+            .any(|p| p.obj.status.as_ref().is_some_and(|s| s.allocations.iter().any(|(ip, a)| self.matches(ip, a))))
     }
 }
 
@@ -177,11 +184,10 @@ pub(super) fn remove(blocks: &[Parsed], removals: &[&Removal]) -> Vec<(Draft, Ve
     let mut out = Vec::new();
     for (index, p) in blocks.iter().enumerate() {
         let Some(status) = p.obj.status.as_ref() else { continue };
-        let name = p.name();
         let mut served = Vec::new();
         let mut next = status.clone();
         next.allocations.retain(|ip, a| {
-            let hit = removals.iter().position(|r| r.matches(&name, ip, a));
+            let hit = removals.iter().position(|r| r.matches(ip, a));
             if let Some(r) = hit
                 && !served.contains(&r)
             {
@@ -294,18 +300,18 @@ mod tests {
     }
 
     #[test]
-    fn removals_take_every_address_of_a_uid_or_exactly_one() {
+    fn removals_take_every_address_of_a_uid_or_only_the_listed_ones() {
         let blocks = vec![
             block("10.0.0.0/29", &[("10.0.0.2", "a"), ("10.0.0.3", "b")], None),
             block("fd00::/125", &[("fd00::2", "a"), ("fd00::3", "c")], None),
         ];
         let all_of_a = Removal { uid: "a".into(), only: None };
-        let one_of_c = Removal { uid: "c".into(), only: Some((blocks[1].name(), ip("fd00::3"))) };
-        let wrong_block = Removal { uid: "b".into(), only: Some((blocks[1].name(), ip("10.0.0.3"))) };
+        let one_of_c = Removal { uid: "c".into(), only: Some(vec![ip("fd00::3")]) };
+        let not_held = Removal { uid: "b".into(), only: Some(vec![ip("10.0.0.4"), ip("fd00::3")]) };
         let unknown = Removal { uid: "z".into(), only: None };
         assert!(all_of_a.found_in(&blocks) && one_of_c.found_in(&blocks));
-        assert!(!wrong_block.found_in(&blocks) && !unknown.found_in(&blocks));
-        let drafts = remove(&blocks, &[&all_of_a, &one_of_c, &wrong_block, &unknown]);
+        assert!(!not_held.found_in(&blocks) && !unknown.found_in(&blocks));
+        let drafts = remove(&blocks, &[&all_of_a, &one_of_c, &not_held, &unknown]);
         assert_eq!(drafts.len(), 2);
         let (d0, served0) = &drafts[0];
         assert_eq!((d0.index, served0.as_slice(), d0.status.used), (0, &[0][..], 1));

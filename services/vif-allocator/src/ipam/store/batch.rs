@@ -25,8 +25,8 @@ use crate::ipam::{MacAddr, NetworkPlan, PlanError, Pool};
 pub(super) enum Op {
     /// Addresses for a pod.
     Allocate(PodKey, oneshot::Sender<Result<Allocation, StoreError>>),
-    /// Free every address of a pod uid.
-    Release(String, oneshot::Sender<Result<bool, StoreError>>),
+    /// Free the addresses of a pod uid: every one, or only those listed.
+    Release(String, Option<Vec<IpAddr>>, oneshot::Sender<Result<bool, StoreError>>),
 }
 
 /// This process's copy of one node's blocks: as last listed, plus every successful write since.
@@ -45,7 +45,7 @@ pub(super) async fn run(store: &IpamStore, network: &str, node: &str, ops: Vec<O
     let started = Instant::now();
     let mut pods: Vec<PodKey> = Vec::new();
     let mut alloc_replies: Vec<Vec<oneshot::Sender<Result<Allocation, StoreError>>>> = Vec::new();
-    let mut uids: Vec<String> = Vec::new();
+    let mut removals: Vec<Removal> = Vec::new();
     let mut release_replies: Vec<Vec<oneshot::Sender<Result<bool, StoreError>>>> = Vec::new();
     for op in ops {
         // The same pod twice in one batch is served once.
@@ -57,20 +57,22 @@ pub(super) async fn run(store: &IpamStore, network: &str, node: &str, ops: Vec<O
                     alloc_replies.push(vec![tx]);
                 }
             },
-            Op::Release(uid, tx) => match uids.iter().position(|u| *u == uid) {
-                Some(i) => release_replies[i].push(tx),
-                None => {
-                    uids.push(uid);
-                    release_replies.push(vec![tx]);
+            Op::Release(uid, only, tx) => {
+                let removal = Removal { uid, only };
+                match removals.iter().position(|r| *r == removal) {
+                    Some(i) => release_replies[i].push(tx),
+                    None => {
+                        removals.push(removal);
+                        release_replies.push(vec![tx]);
+                    }
                 }
-            },
+            }
         }
     }
     let mut batch = Batch { store, network, node, fresh: false, retries: 0 };
 
     // Releases first: they never depend on this batch's allocations.
-    if !uids.is_empty() {
-        let removals: Vec<Removal> = uids.iter().map(|uid| Removal { uid: uid.clone(), only: None }).collect();
+    if !removals.is_empty() {
         let outcomes = batch.remove(cache, &removals).await;
         for (outcome, replies) in outcomes.into_iter().zip(release_replies) {
             if matches!(outcome, Ok(true)) {
@@ -105,7 +107,7 @@ pub(super) async fn run(store: &IpamStore, network: &str, node: &str, ops: Vec<O
         network,
         node,
         allocations = pods.len(),
-        releases = uids.len(),
+        releases = removals.len(),
         listed = batch.fresh,
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
         "IPAM batch done"
@@ -118,7 +120,7 @@ struct PodState<'p> {
     /// One address per family done so far, in the plan's order.
     got: Vec<AssignedAddress>,
     /// Entries this batch wrote for the pod: undone if a later family fails.
-    written: Vec<(String, IpAddr)>,
+    written: Vec<IpAddr>,
     error: Option<StoreError>,
 }
 
@@ -276,9 +278,8 @@ impl Batch<'_> {
         let undo: Vec<Removal> = states
             .iter()
             .filter(|s| s.error.is_some())
-            .flat_map(|s| {
-                s.written.iter().map(|(b, ip)| Removal { uid: s.pod.uid.clone(), only: Some((b.clone(), *ip)) })
-            })
+            .filter(|s| !s.written.is_empty())
+            .map(|s| Removal { uid: s.pod.uid.clone(), only: Some(s.written.clone()) })
             .collect();
         if !undo.is_empty() {
             for (removal, outcome) in undo.iter().zip(self.remove(cache, &undo).await) {
@@ -381,7 +382,7 @@ impl Batch<'_> {
                     Ok(obj) => {
                         Self::keep(cache, index, obj)?;
                         for (i, _, assigned) in mine {
-                            states[*i].written.push((name.clone(), assigned.address));
+                            states[*i].written.push(assigned.address);
                             states[*i].got.push(assigned.clone());
                         }
                     }

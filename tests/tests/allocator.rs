@@ -31,7 +31,11 @@ use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::free_port;
-use kuryr_vif_allocator::crd::{AddressBlock, PodNetwork, PodVif, PodVifSpec, VifState as CrdState};
+use kuryr_vif_allocator::crd::{
+    AddressBlock, AddressBlockSpec, AddressBlockStatus, BlockAllocation, PodNetwork, PodNetworkSpec, PodVif,
+    PodVifSpec, VifRecord, VifState as CrdState,
+};
+use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey};
 use serde_json::json;
 use tonic::Streaming;
 use tonic::transport::Channel;
@@ -706,4 +710,80 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\nallocator a:\n{}", a.proc.logs()));
+}
+
+/// What two allocators racing for one pod leave behind: the PodVif records the VIF of one (an
+/// address in the node's second block), while the pod also holds the address the other took in
+/// the first block. The allocator keeps the recorded VIF, streams it, and gives the other
+/// address back, so the pod holds one address.
+#[tokio::test]
+async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
+    let ns = "settle";
+    let c = cluster(ns).await;
+    let pods = c.pods(ns);
+    let pp = PostParams::default();
+    let made = pods.create(&pp, &pod("p", Some("n1"), false)).await.unwrap();
+    let uid = made.metadata.uid.unwrap();
+
+    // The first allocator's address, through the IPAM as any allocator uses it: the first block.
+    let store = IpamStore::new(c.admin.clone());
+    let spec = PodNetworkSpec { ipv4_block_prefix: 26, ..PodNetworkSpec::new(["10.244.0.0/16"]) };
+    store.ensure_network(NETWORK, &spec).await.unwrap();
+    let key = PodKey::new(ns, "p", uid.as_str());
+    let first = store.allocate(NETWORK, "n1", &key).await.unwrap();
+    let racing = first.addresses[0].address;
+    assert!(in_cidr(racing, "10.244.0.0/26"), "{racing}");
+
+    // The second allocator's: the node's second block, recorded in the PodVif.
+    let blocks: Api<AddressBlock> = Api::all(c.admin.clone());
+    let second = AddressBlock::new(
+        "pods-10-244-0-64-26",
+        AddressBlockSpec { network: NETWORK.into(), cidr: "10.244.0.64/26".into(), node: "n1".into() },
+    );
+    blocks.create(&pp, &second).await.unwrap();
+    let mut second = blocks.get_status("pods-10-244-0-64-26").await.unwrap();
+    let holder =
+        BlockAllocation { namespace: ns.into(), name: "p".into(), uid: uid.clone(), mac: "0a:58:0a:f4:00:46".into() };
+    second.status = Some(AddressBlockStatus {
+        allocations: [("10.244.0.70".to_string(), holder)].into(),
+        used: 1,
+        last_allocated: Some("10.244.0.70".into()),
+    });
+    blocks.replace_status("pods-10-244-0-64-26", &pp, &second).await.unwrap();
+    let mut recorded = VifRecord::from_config(first.vif_id.clone(), &first.vif);
+    recorded.vif_id = format!("{NETWORK}/10.244.0.70");
+    recorded.mac = "0a:58:0a:f4:00:46".into();
+    let prefix = recorded.ips[0].address.split('/').nth(1).unwrap().to_string();
+    recorded.ips[0].address = format!("10.244.0.70/{prefix}");
+    recorded.ips[0].gateway = Some("10.244.0.65".into());
+    let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
+    let pv = PodVif::new(
+        "p",
+        PodVifSpec { pod_uid: uid.clone(), pod_name: "p".into(), node_name: "n1".into(), network: NETWORK.into() },
+    );
+    pod_vifs.create(&pp, &pv).await.unwrap();
+    let status = json!({"status": {"vif": recorded, "state": CrdState::Plugged}});
+    pod_vifs.patch_status("p", &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
+
+    let watcher = c.watcher(None);
+    let alloc = c.allocator(&watcher, "a1");
+    alloc.wait_serving(VIF_ALLOCATOR).await;
+    let mut n1 = alloc.watch("n1", "").await;
+    n1.until("the pod's VIF", |s| s.vifs.contains_key("p")).await;
+    let vif = n1.vifs["p"].clone();
+    assert_eq!(vif.vif_id, recorded.vif_id, "the recorded VIF is the one streamed");
+    assert_eq!(ipv4(&vif).0, "10.244.0.70".parse::<IpAddr>().unwrap());
+    let held = wait_until("the racing address given back", PHASE_TIMEOUT, || async {
+        let held: Vec<IpAddr> =
+            c.try_recorded().await?.into_iter().filter(|(_, u)| *u == uid).map(|(ip, _)| ip).collect();
+        anyhow::ensure!(!held.contains(&racing), "the pod still holds {held:?}");
+        Ok(held)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    assert_eq!(held, ["10.244.0.70".parse::<IpAddr>().unwrap()]);
+    let after = pod_vifs.get_status("p").await.unwrap().status.unwrap();
+    assert_eq!(after.vif.unwrap().vif_id, recorded.vif_id, "the record was not overwritten");
+    let m = alloc.metrics().await;
+    assert!(m.lines().any(|l| l == "kuryr_allocator_lost_races_total 1"), "{m}");
 }

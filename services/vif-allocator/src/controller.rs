@@ -308,13 +308,15 @@ impl<C: Cluster> Controller<C> {
             self.cluster.record_vif(key, &record, state, &ensured.version).await.map_err(fail("recording the VIF"))?;
         }
         let vif = to_proto(key, node, &self.network, &record, state);
-        let (fresh, held) = {
+        let fresh = {
             let mut idx = lock(&self.index);
             let fresh = idx.get(&key.uid).is_none();
             idx.upsert_vif(vif);
-            (fresh, idx.len())
+            // Under the index lock: set by concurrent workers outside it, the gauge could be left
+            // at an older count.
+            self.metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+            fresh
         };
-        self.metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
         if fresh {
             self.metrics.allocations.inc();
             if let Some(seen) = entry.first_scheduled {
@@ -368,12 +370,11 @@ impl<C: Cluster> Controller<C> {
         let had = lock(&self.index).get(&key.uid).is_some();
         if entry.info.has_finalizer || had || entry.orphan {
             // The binder hears first, so that it stops using the address before it is reused.
-            let held = {
+            {
                 let mut idx = lock(&self.index);
                 idx.remove_vif(&key.uid);
-                idx.len()
-            };
-            self.metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
+                self.metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+            }
             let released =
                 self.cluster.release(key, &entry.info.node).await.map_err(fail("releasing the addresses"))?;
             self.cluster.delete_pod_vif(key).await.map_err(fail("deleting the PodVif"))?;

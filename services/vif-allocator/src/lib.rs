@@ -352,6 +352,7 @@ impl Start {
                 }
             }
             idx.set_ready();
+            metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
             idx.len()
         };
         if !backend.ready_when_plugged() {
@@ -363,7 +364,6 @@ impl Start {
             }
         }
         shards.set_loaded(own.owned.clone());
-        metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
         tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
         readiness.set_recovered();
 

@@ -221,12 +221,12 @@ impl Follower {
 
     fn drop_shards(&self, own: &Ownership, lost: &BTreeSet<u32>) {
         let in_lost = |node: &str| own.shard_of(node).is_some_and(|i| lost.contains(&i));
-        let (dropped, held) = {
+        let dropped = {
             let mut idx = lock(&self.index);
             let dropped = idx.forget_vifs(|v| in_lost(vif_node(v)));
-            (dropped, idx.len())
+            self.metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+            dropped
         };
-        self.metrics.vifs.set(i64::try_from(held).unwrap_or(i64::MAX));
         tracing::info!(shards = ?lost, vifs = dropped, "shards lost: their nodes are served elsewhere now");
     }
 

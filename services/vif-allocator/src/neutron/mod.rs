@@ -730,20 +730,35 @@ impl VifBackend for NeutronBackend {
         Ok(ports.iter().any(|p| p.id == record.vif_id && p.device_owner == self.device_owner))
     }
 
-    async fn discard(&self, pod: &PodKey, _node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
+    async fn discard(&self, pod: &PodKey, node: &str, ours: &VifRecord, keep: &VifRecord) -> Result<(), ClusterError> {
         if ours.vif_id == keep.vif_id {
             return Ok(());
         }
+        // The kept port becomes the pod's here too, so that releasing the pod deletes it even
+        // when the allocator that made it is gone (a shard handover).
+        let filter = Filter::new().device_id(&pod.uid);
+        let kept = self
+            .neutron
+            .list_ports(&filter)
+            .await
+            .map_err(neutron_err(format!("looking up the ports of pod {}", pod.uid)))?
+            .into_iter()
+            .find(|p| p.id == keep.vif_id);
+        // Deleted first: should that fail, the pod still holds ours here and a retry comes back.
+        match self.delete_port(&ours.vif_id, "lost_to_record").await {
+            Err(ClusterError::Neutron { source, .. }) if source.is_not_found() => {}
+            other => other?,
+        }
+        guard(&self.watched).remove(&ours.vif_id);
         {
             let mut inv = guard(&self.inv);
             if inv.held(&pod.uid).is_some_and(|p| p.id == ours.vif_id) {
                 inv.unassign(&pod.uid);
             }
-        }
-        guard(&self.watched).remove(&ours.vif_id);
-        match self.delete_port(&ours.vif_id, "lost_to_record").await {
-            Err(ClusterError::Neutron { source, .. }) if source.is_not_found() => {}
-            other => other?,
+            if let Some(port) = kept {
+                let key = self.key_on(node, &port.network_id);
+                inv.assign(&pod.uid, &key, port);
+            }
         }
         self.gauges();
         tracing::info!(uid = %pod.uid, port = %ours.vif_id, kept = %keep.vif_id, "deleted a port that lost to the VIF on record");

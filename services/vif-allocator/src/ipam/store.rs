@@ -210,9 +210,7 @@ impl IpamStore {
     /// that already holds addresses gets them back. On failure nothing this call recorded is
     /// left behind. Concurrent calls for one node are served together (see the module docs).
     pub async fn allocate(&self, network: &str, node: &str, pod: &PodKey) -> Result<Allocation, StoreError> {
-        check_network_name(network)?;
-        check_non_empty("node", node)?;
-        check_non_empty("pod uid", &pod.uid)?;
+        check_pod_on_node(network, node, &pod.uid)?;
         // Outside the node's lock, and from the cache: a missing or invalid network is refused
         // here, before queueing.
         self.plan(network).await?;
@@ -243,9 +241,7 @@ impl IpamStore {
 
     /// [`release`](Self::release), reading only `node`'s blocks.
     pub async fn release_on_node(&self, network: &str, node: &str, pod_uid: &str) -> Result<bool, StoreError> {
-        check_network_name(network)?;
-        check_non_empty("node", node)?;
-        check_non_empty("pod uid", pod_uid)?;
+        check_pod_on_node(network, node, pod_uid)?;
         self.submit(network, node, |tx| Op::Release(pod_uid.to_string(), None, tx)).await
     }
 
@@ -258,9 +254,7 @@ impl IpamStore {
         pod_uid: &str,
         addresses: &[IpAddr],
     ) -> Result<bool, StoreError> {
-        check_network_name(network)?;
-        check_non_empty("node", node)?;
-        check_non_empty("pod uid", pod_uid)?;
+        check_pod_on_node(network, node, pod_uid)?;
         if addresses.is_empty() {
             return Ok(false);
         }
@@ -276,9 +270,7 @@ impl IpamStore {
         pod_uid: &str,
         addresses: &[IpAddr],
     ) -> Result<bool, StoreError> {
-        check_network_name(network)?;
-        check_non_empty("node", node)?;
-        check_non_empty("pod uid", pod_uid)?;
+        check_pod_on_node(network, node, pod_uid)?;
         if addresses.is_empty() {
             return Ok(false);
         }
@@ -452,4 +444,11 @@ fn remembered(plan: &Result<NetworkPlan, StoreError>) -> Option<(Result<NetworkP
         Ok(_) | Err(StoreError::InvalidNetwork { .. }) => Some((plan.clone(), Instant::now())),
         Err(_) => None,
     }
+}
+
+/// Refuses an empty or invalid network, node or pod uid, naming which.
+fn check_pod_on_node(network: &str, node: &str, pod_uid: &str) -> Result<(), StoreError> {
+    check_network_name(network)?;
+    check_non_empty("node", node)?;
+    check_non_empty("pod uid", pod_uid)
 }

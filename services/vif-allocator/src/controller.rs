@@ -284,10 +284,11 @@ impl<C: Cluster> Controller<C> {
         let mine = allocated.map_err(fail("allocating addresses"))?;
         // The VIF on record stays while the backend still holds it: another allocator (unsharded
         // replicas, a shard handover) may have recorded its own for the pod since or while this
-        // one allocated. Ours is given back then.
+        // one allocated. Ours is given back then. (The same allocation with other details, an
+        // MTU or routes changed since, is simply recorded anew.)
         let record = match &ensured.recorded {
             Some((r, _))
-                if *r != mine
+                if (r.vif_id != mine.vif_id || r.ips != mine.ips)
                     && self.cluster.holds(key, node, r).await.map_err(fail("checking the VIF on record"))? =>
             {
                 self.cluster.discard(key, node, &mine, r).await.map_err(fail("giving back a VIF that lost"))?;

@@ -509,6 +509,21 @@ async fn a_vif_on_record_the_backend_no_longer_holds_is_replaced() {
 }
 
 #[tokio::test]
+async fn the_same_allocation_with_other_details_is_recorded_anew_without_a_race() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    scheduled(&fake, &ctl, "a");
+    let mut old = record(2);
+    old.mtu = 9000;
+    fake.s().podvifs.insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((old, VifState::Ready))));
+    fake.s().allocations.insert("uid-a".into(), 2);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "record_vif a"], "no race to settle");
+    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    assert_eq!(recorded, Some((record(2), VifState::Allocated)));
+    assert_eq!(metrics.lost_races.get(), 0);
+}
+
+#[tokio::test]
 async fn of_two_allocators_racing_for_a_pod_exactly_one_records_and_the_other_follows() {
     let Setup { fake, ctl, metrics, .. } = setup();
     scheduled(&fake, &ctl, "a");

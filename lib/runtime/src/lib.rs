@@ -6,20 +6,30 @@
 //!   listener, Prometheus metrics over HTTP, graceful shutdown with a bounded drain.
 //! - [`health`]: readiness per service; [`deps`]: NOT_SERVING while a dependency is unreachable.
 //! - [`metrics`]: the registry, per-call gRPC metrics with millisecond buckets.
-//! - [`client`]: channels to other services over TCP or unix sockets.
+//! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: the watcher's
+//!   Subscribe stream, resumed after breaks.
+//! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
+//! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment.
 
 pub mod client;
 pub mod config;
 pub mod deps;
+pub mod follow;
 pub mod health;
+#[cfg(feature = "kube")]
+pub mod k8s;
 pub mod listen;
 pub mod metrics;
+pub mod retry;
 pub mod server;
 pub mod shutdown;
 pub mod telemetry;
 
 pub use config::CommonArgs;
 pub use health::Health;
+#[cfg(feature = "kube")]
+pub use k8s::kube_client;
 pub use listen::ListenAddr;
+pub use retry::retry;
 pub use server::Runtime;
 pub use shutdown::Shutdown;

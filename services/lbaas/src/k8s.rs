@@ -1,26 +1,19 @@
-//! The Kubernetes side: the client, the Service finalizer, the ServiceLoadBalancer records, and
-//! Events on Services.
+//! The Kubernetes side: the Service finalizer, the ServiceLoadBalancer records, and Events on
+//! Services.
 //!
 //! Writes that could hit another object of the same name carry a uid precondition: finalizer
 //! edits are JSON patches that `test` the Service's `/metadata/uid` (and the finalizer list as
 //! read); spec replacements `test` the record's uid; deletions carry a uid precondition.
 
-use std::path::Path;
-use std::time::Duration;
-
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kuryr_runtime::Shutdown;
 use serde_json::json;
 
 use crate::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
 use crate::view::{FINALIZER, split};
 
-/// Retry delays of the start-up steps.
-const RETRY_MIN: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Page size when listing records at recovery.
 const PAGE: u32 = 500;
 /// The field manager of every write.
@@ -66,54 +59,6 @@ fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeError {
             KubeError::Conflict(format!("{action}: {}", s.message))
         }
         other => KubeError::Api { action, source: Box::new(other) },
-    }
-}
-
-/// Builds a Kubernetes client from a kubeconfig file, or from the environment (in-cluster
-/// service account, then `$KUBECONFIG`) when none is given.
-pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    // kube's rustls needs a process-wide crypto provider; installing twice is harmless.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
-
-/// Runs `step` until it succeeds, backing off between attempts and logging each new error once;
-/// `None` at shutdown.
-pub async fn retry<T, F, Fut>(what: &str, shutdown: &Shutdown, mut step: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = anyhow::Result<T>>,
-{
-    let mut delay = RETRY_MIN;
-    let mut last_error = String::new();
-    loop {
-        let attempt = tokio::select! {
-            r = step() => r,
-            () = shutdown.clone().wait() => return None,
-        };
-        match attempt {
-            Ok(v) => return Some(v),
-            Err(e) => {
-                let error = format!("{e:#}");
-                if error != last_error {
-                    tracing::warn!(error, "{what} failed; retrying with backoff");
-                    last_error = error;
-                }
-            }
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = shutdown.clone().wait() => return None,
-        }
-        delay = (delay * 2).min(RETRY_MAX);
     }
 }
 

@@ -252,8 +252,10 @@ impl<B: Backend> Start<B> {
             shard_handle,
         } = self;
         let kubeconfig = config.kubeconfig.clone();
-        let Some(client) =
-            k8s::retry("building a Kubernetes client", &shutdown, || k8s::kube_client(kubeconfig.as_deref())).await
+        let Some(client) = kuryr_runtime::retry("building a Kubernetes client", &shutdown, || {
+            kuryr_runtime::kube_client(kubeconfig.as_deref())
+        })
+        .await
         else {
             return;
         };
@@ -267,7 +269,8 @@ impl<B: Backend> Start<B> {
         let kube = Kube::new(client.clone(), Some(instance.clone()));
         // Recovery: every record, of every shard, before any reconcile; the backend gets what
         // was programmed (the node backend streams every Service, whoever owns it).
-        let Some(found) = k8s::retry("loading ServiceLoadBalancers", &shutdown, || kube.list_records()).await else {
+        let Some(found) = kuryr_runtime::retry("loading ServiceLoadBalancers", &shutdown, || kube.list_records()).await
+        else {
             return;
         };
         let specs = found

@@ -27,7 +27,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::backend::Backend;
 use crate::controller::{Controller, locked};
-use crate::k8s::{self, Kube};
+use crate::k8s::Kube;
 
 /// What this replica serves; shared by the controller, the backend, the records mirror and the
 /// shard follower; cheap to clone.
@@ -173,9 +173,10 @@ impl<B: Backend> Follower<B> {
     /// Replaces what is known of the records of `gained` by what the API holds; false at
     /// shutdown.
     async fn load(&self, gained: &BTreeSet<u32>, shutdown: &Shutdown) -> bool {
-        let Some(found) =
-            k8s::retry("loading the ServiceLoadBalancers of gained shards", shutdown, || self.kube.list_records())
-                .await
+        let Some(found) = kuryr_runtime::retry("loading the ServiceLoadBalancers of gained shards", shutdown, || {
+            self.kube.list_records()
+        })
+        .await
         else {
             return false;
         };

@@ -4,18 +4,18 @@
 //!
 //! The stream is resumed after a break with the point of the last event handled; when the
 //! watcher cannot resume (another replica, a restart) it sends RESET and a snapshot, which the
-//! view treats as a re-list. Reconnects back off from 100 ms to 5 s. The watcher condition of
-//! readiness holds while the stream is live (its snapshot complete).
+//! view treats as a re-list. Reconnects back off from 100 ms to 5 s ([`follow_watcher`]). The
+//! watcher condition of readiness holds while the stream is live (its snapshot complete).
 //!
 //! At the first SNAPSHOT_COMPLETE the PodVifs found at recovery whose pod the snapshot did not
 //! name are queued for cleanup: their pods were deleted while no allocator was running.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{Filter, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::follow::follow_watcher;
 use tonic::transport::Channel;
 
 use crate::cluster::Cluster;
@@ -25,9 +25,6 @@ use crate::ipam::store::PodKey;
 use crate::metrics::Metrics;
 use crate::pods::Effect;
 use crate::ready::Readiness;
-
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// What the follower works with.
 #[derive(Debug)]
@@ -51,64 +48,26 @@ pub struct Follower<C> {
 impl<C: Cluster> Follower<C> {
     /// Follows the watcher until shutdown.
     pub async fn run(self, shutdown: Shutdown) {
-        let mut client = WatcherClient::new(self.channel.clone());
+        let req = SubscribeRequest {
+            kinds: vec![Kind::Pod as i32, Kind::Node as i32],
+            filter: Some(Filter { exclude_host_network: true, ..Default::default() }),
+            resume_from: String::new(),
+            subscriber: self.subscriber.clone(),
+        };
         let mut recovered = Some(self.recovered.clone());
-        let mut resume = String::new();
-        let mut delay = RETRY_MIN;
-        let mut logged_down = false;
-        loop {
-            let req = SubscribeRequest {
-                kinds: vec![Kind::Pod as i32, Kind::Node as i32],
-                filter: Some(Filter { exclude_host_network: true, ..Default::default() }),
-                resume_from: resume.clone(),
-                subscriber: self.subscriber.clone(),
-            };
-            let opened = tokio::select! {
-                r = client.subscribe(req) => r,
-                () = shutdown.clone().wait() => return,
-            };
-            let why = match opened {
-                Ok(resp) => {
-                    let mut stream = resp.into_inner();
-                    loop {
-                        let msg = tokio::select! {
-                            m = stream.message() => m,
-                            () = shutdown.clone().wait() => return,
-                        };
-                        match msg {
-                            Ok(Some(ev)) => {
-                                if !ev.resume_point.is_empty() {
-                                    resume.clone_from(&ev.resume_point);
-                                }
-                                let effects = view_lock(self.controller.view()).apply(&ev, Instant::now());
-                                for e in effects {
-                                    if self.effect(e, &mut recovered) {
-                                        delay = RETRY_MIN;
-                                        logged_down = false;
-                                    }
-                                }
-                            }
-                            Ok(None) => break "the watcher ended the stream".to_string(),
-                            Err(s) => break format!("the stream broke: {}: {}", s.code(), s.message()),
-                        }
-                    }
-                }
-                Err(s) => format!("cannot subscribe: {}: {}", s.code(), s.message()),
-            };
+        let on_event = |ev| {
+            let effects = view_lock(self.controller.view()).apply(&ev, Instant::now());
+            let mut live = false;
+            for e in effects {
+                live |= self.effect(e, &mut recovered);
+            }
+            live
+        };
+        let on_break = || {
             self.metrics.watcher_reconnects.inc();
             self.readiness.set_watcher(false);
-            if logged_down {
-                tracing::debug!(error = why, retry_in = ?delay, "watcher still unavailable");
-            } else {
-                tracing::warn!(error = why, "watcher unavailable; reconnecting with backoff");
-                logged_down = true;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = shutdown.clone().wait() => return,
-            }
-            delay = (delay * 2).min(RETRY_MAX);
-        }
+        };
+        follow_watcher(self.channel.clone(), req, &shutdown, on_event, on_break).await;
     }
 
     /// Acts on one effect; returns true when the stream became live.

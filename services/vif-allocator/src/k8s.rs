@@ -1,6 +1,6 @@
-//! The Kubernetes side: the client, the [`Cluster`] operations on pods, PodVifs and Events, the
-//! PodNetwork at start, recovery of recorded VIFs, and the watch of address blocks that keeps
-//! the node routes current.
+//! The Kubernetes side: the [`Cluster`] operations on pods, PodVifs and Events, the PodNetwork
+//! at start, recovery of recorded VIFs, and the watch of address blocks that keeps the node
+//! routes current.
 //!
 //! Writes that could hit another pod of the same name carry the pod's uid as a precondition:
 //! finalizer edits are JSON patches that `test` `/metadata/uid` (and the finalizer list as
@@ -8,9 +8,7 @@
 //! precondition.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
@@ -18,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, PartialObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt as _, watcher};
-use kuryr_runtime::Shutdown;
+use kuryr_runtime::{Shutdown, retry};
 use serde_json::json;
 
 use crate::backend::{AnyBackend, VifBackend as _};
@@ -28,59 +26,8 @@ use crate::index::{SharedIndex, lock};
 use crate::ipam::store::{IpamStore, PodKey};
 use crate::pods::FINALIZER;
 
-/// Retry delays of the start-up steps (client, network, recovery) and the block refresh.
-const RETRY_MIN: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Page size when listing PodVifs at recovery.
 const PAGE: u32 = 500;
-
-/// Builds a Kubernetes client from a kubeconfig file, or from the environment (in-cluster
-/// service account, then `$KUBECONFIG`) when none is given.
-pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    // kube's rustls needs a process-wide crypto provider; installing twice is harmless.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
-
-/// Runs `step` until it succeeds, backing off between attempts and logging each new error once;
-/// `None` at shutdown.
-pub async fn retry<T, F, Fut>(what: &str, shutdown: &Shutdown, mut step: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = anyhow::Result<T>>,
-{
-    let mut delay = RETRY_MIN;
-    let mut last_error = String::new();
-    loop {
-        let attempt = tokio::select! {
-            r = step() => r,
-            () = shutdown.clone().wait() => return None,
-        };
-        match attempt {
-            Ok(v) => return Some(v),
-            Err(e) => {
-                let error = format!("{e:#}");
-                if error != last_error {
-                    tracing::warn!(error, "{what} failed; retrying");
-                    last_error = error;
-                }
-            }
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = shutdown.clone().wait() => return None,
-        }
-        delay = (delay * 2).min(RETRY_MAX);
-    }
-}
 
 /// Makes sure the PodNetwork `name` exists: creates it from `cidrs` (and the other flags in
 /// `spec`) when it is absent and `spec` is given; never changes an existing one.

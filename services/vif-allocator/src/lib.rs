@@ -313,8 +313,10 @@ struct Prepared {
 impl Start {
     async fn run(self, shutdown: Shutdown) {
         let kubeconfig = self.config.kubeconfig.clone();
-        let Some(client) =
-            k8s::retry("building a Kubernetes client", &shutdown, || k8s::kube_client(kubeconfig.as_deref())).await
+        let Some(client) = kuryr_runtime::retry("building a Kubernetes client", &shutdown, || {
+            kuryr_runtime::kube_client(kubeconfig.as_deref())
+        })
+        .await
         else {
             return;
         };
@@ -424,12 +426,12 @@ impl Start {
     async fn prepare_embedded(&self, client: &kube::Client, shutdown: &Shutdown) -> Option<Prepared> {
         let network = self.config.network.clone();
         let store = Arc::new(IpamStore::new(client.clone()).with_metrics(self.metrics.ipam.clone()));
-        k8s::retry("looking up the PodNetwork", shutdown, || {
+        kuryr_runtime::retry("looking up the PodNetwork", shutdown, || {
             k8s::ensure_network(client, &store, &network, self.spec.as_ref())
         })
         .await?;
         self.readiness.set_network();
-        let found = k8s::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
+        let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let backend = AnyBackend::Embedded(EmbeddedBackend::new(store.clone(), &network));
         Some(Prepared { backend, network, found, store: Some(store), ready: None })
     }
@@ -444,24 +446,25 @@ impl Start {
         let args = &self.config.neutron;
         let ns_kube = NamespaceKube::new(client.clone(), Some(self.config.instance_name()));
         let (backend, Channels { ready, refill }) =
-            k8s::retry("reading the pod network from Neutron", shutdown, || {
+            kuryr_runtime::retry("reading the pod network from Neutron", shutdown, || {
                 NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone())
             })
             .await?;
         let backend = Arc::new(backend);
         if let Some(nn) = backend.namespace_networks() {
             let loaded =
-                k8s::retry("loading the namespace networks", shutdown, || async { Ok(nn.load().await?) }).await?;
+                kuryr_runtime::retry("loading the namespace networks", shutdown, || async { Ok(nn.load().await?) })
+                    .await?;
             tracing::info!(loaded, "namespace networks loaded");
         }
         self.readiness.set_network();
         let network = backend.network_id().to_string();
-        let found = k8s::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
+        let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let recorded: HashMap<String, String> = found
             .iter()
             .filter_map(|f| f.recorded.as_ref().map(|(r, _)| (f.pod.uid.clone(), r.vif_id.clone())))
             .collect();
-        let summary = k8s::retry("recovering the cluster's Neutron ports", shutdown, || async {
+        let summary = kuryr_runtime::retry("recovering the cluster's Neutron ports", shutdown, || async {
             Ok(backend.recover(&recorded).await?)
         })
         .await?;

@@ -233,7 +233,7 @@ impl Follower {
     /// Loads the PodVifs of `gained` into the index and queues the cleanup of those whose pod
     /// is gone; false at shutdown.
     async fn load(&self, gained: &BTreeSet<u32>, shutdown: &Shutdown) -> bool {
-        let Some(found) = k8s::retry("loading the PodVifs of gained shards", shutdown, || {
+        let Some(found) = kuryr_runtime::retry("loading the PodVifs of gained shards", shutdown, || {
             k8s::list_pod_vifs(&self.client, &self.network)
         })
         .await

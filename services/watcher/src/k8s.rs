@@ -15,7 +15,7 @@
 //! deltas once the watches recover, which beats refusing them.
 
 use std::fmt::Debug;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,9 +41,6 @@ const PROBE_EVERY: Duration = Duration::from_secs(5);
 const PROBE_RETRY: Duration = Duration::from_secs(1);
 /// A probe that takes longer counts as failed.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
-/// Retry delays while no client can be built (a kubeconfig not mounted yet, say).
-const CONNECT_RETRY_MIN: Duration = Duration::from_millis(200);
-const CONNECT_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// What the watch tasks share.
 #[derive(Clone, Debug)]
@@ -61,7 +58,11 @@ pub fn spawn(kubeconfig: Option<PathBuf>, index: SharedIndex, metrics: Metrics, 
     let span = tracing::info_span!("kubernetes");
     tokio::spawn(
         async move {
-            let Some(client) = connect(kubeconfig.as_deref(), &shutdown).await else { return };
+            // Retried while no client can be built (a kubeconfig not mounted yet, say).
+            let connect = || kuryr_runtime::kube_client(kubeconfig.as_deref());
+            let Some(client) = kuryr_runtime::retry("building a Kubernetes client", &shutdown, connect).await else {
+                return;
+            };
             let ctx = Ctx { index, metrics, errors: Arc::new(Notify::new()), shutdown };
             spawn_watch::<Namespace>(Api::all(client.clone()), ctx.clone());
             spawn_watch::<Node>(Api::all(client.clone()), ctx.clone());
@@ -73,45 +74,6 @@ pub fn spawn(kubeconfig: Option<PathBuf>, index: SharedIndex, metrics: Metrics, 
         }
         .instrument(span),
     );
-}
-
-/// Builds a Kubernetes client from a kubeconfig file, or from the environment (in-cluster
-/// service account, then `$KUBECONFIG`) when none is given.
-pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    // kube's rustls needs a process-wide crypto provider; installing twice is harmless.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
-
-/// Retries building a client until it works; `None` at shutdown.
-async fn connect(kubeconfig: Option<&Path>, shutdown: &Shutdown) -> Option<kube::Client> {
-    let mut delay = CONNECT_RETRY_MIN;
-    let mut last_error = String::new();
-    loop {
-        match kube_client(kubeconfig).await {
-            Ok(c) => return Some(c),
-            Err(e) => {
-                let error = format!("{e:#}");
-                if error != last_error {
-                    tracing::warn!(error, "cannot build a Kubernetes client; retrying");
-                    last_error = error;
-                }
-            }
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = shutdown.clone().wait() => return None,
-        }
-        delay = (delay * 2).min(CONNECT_RETRY_MAX);
-    }
 }
 
 fn spawn_watch<K>(api: Api<K>, ctx: Ctx)

@@ -43,8 +43,6 @@ use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 
-pub use k8s::kube_client;
-
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-watcher", version, about = "Streams Kubernetes objects to the other kuryr services.")]

@@ -9,11 +9,15 @@
 //! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: the watcher's
 //!   Subscribe stream, resumed after breaks.
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
-//! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment.
+//! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment;
+//!   `discover`: `k8s:NAMESPACE/SERVICE:PORT` targets, balanced over the Service's ready endpoints
+//!   (no cluster DNS needed).
 
 pub mod client;
 pub mod config;
 pub mod deps;
+#[cfg(feature = "kube")]
+pub mod discover;
 pub mod follow;
 pub mod health;
 #[cfg(feature = "kube")]

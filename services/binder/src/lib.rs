@@ -52,15 +52,22 @@ pub struct Config {
     #[arg(long, env = "KURYR_BINDER_METRICS_LISTEN", default_value = "0.0.0.0:9631")]
     pub metrics_listen: ListenAddr,
 
-    /// The VIF allocator to follow: HOST:PORT, http://HOST:PORT or unix:/path.
+    /// The VIF allocator to follow: HOST:PORT, http://HOST:PORT, unix:/path, or
+    /// k8s:[NAMESPACE/]SERVICE:PORT (the Service's ready endpoints, found through the Kubernetes
+    /// API: no cluster DNS needed).
     #[arg(long, env = "KURYR_ALLOCATOR", default_value = "127.0.0.1:9610")]
     pub allocator: String,
 
     /// kuryr-lbaas, whose load balancer specs this node programs into nftables (embedded
-    /// backend): HOST:PORT, http://HOST:PORT or unix:/path. Without it no Service rules are
-    /// programmed (and none are removed).
+    /// backend): the same forms as --allocator. Without it no Service rules are programmed (and
+    /// none are removed).
     #[arg(long, env = "KURYR_LBAAS")]
     pub lbaas: Option<String>,
+
+    /// The kubeconfig used to find k8s: targets; in-cluster configuration (or $KUBECONFIG) when
+    /// unset. Not read unless a target is a k8s: one.
+    #[arg(long, env = "KURYR_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// This node's name as Kubernetes knows it; defaults to the host name.
     #[arg(long, env = "KURYR_NODE_NAME")]
@@ -100,7 +107,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
-    let allocator = upstream::Allocator::new(kuryr_runtime::client::channel(&config.allocator)?);
+    let allocator = upstream::Allocator::new(
+        kuryr_runtime::discover::channel(&config.allocator, config.kubeconfig.clone())
+            .map_err(|e| anyhow::anyhow!("--allocator: {e}"))?,
+    );
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
@@ -123,7 +133,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tokio::spawn(cniconf::write_when_live(vifs.clone(), path.clone(), socket, rt.shutdown()));
     }
     if let Some(target) = &config.lbaas {
-        let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
+        let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
+            .map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         tracing::info!(lbaas = target, "Service dataplane enabled");
         tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(

@@ -13,6 +13,9 @@
 //!   RBAC, the watcher's and its credentials) and kuryr-watcher, for the allocator and lbaas suites.
 //! - [`cluster`]: a whole embedded-backend cluster: API server, watcher, allocator, an underlay
 //!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
+//! - [`realcluster`]: a cluster of real nodes (kubelet, containerd, kube-scheduler, the full
+//!   controller manager, no kube-proxy) with kuryr installed from `deploy/` as pods; [`forward`]: the
+//!   host's way into its API server.
 //! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
 //!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
 //! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
@@ -28,6 +31,7 @@ pub mod binder;
 pub mod cluster;
 pub mod control;
 pub mod cri;
+pub mod forward;
 pub mod kube;
 pub mod kubelet;
 pub mod lbserver;
@@ -36,6 +40,7 @@ pub mod netns;
 pub mod neutron;
 pub mod node;
 pub mod openstack;
+pub mod realcluster;
 pub mod services;
 pub mod shim;
 pub mod stats;

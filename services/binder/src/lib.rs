@@ -88,6 +88,13 @@ pub struct Config {
     #[arg(long, env = "KURYR_CNI_CONFLIST")]
     pub cni_conflist: Option<PathBuf>,
 
+    /// The `cniVersion` of the written conflist (--cni-conflist): 1.0.0 works with every current
+    /// runtime (containerd 1.6/1.7 refuse 1.1.0); 1.1.0 enables STATUS and GC where the runtime's
+    /// libcni supports them.
+    #[arg(long, env = "KURYR_CNI_CONFLIST_VERSION", default_value = cniconf::DEFAULT_VERSION,
+        value_parser = parse_cni_version)]
+    pub cni_conflist_version: String,
+
     /// The OVS database for the `ovs` binding (passed to ovs-vsctl --db), e.g.
     /// unix:/run/openvswitch/db.sock; ovs-vsctl's default when unset.
     #[arg(long, env = "KURYR_OVS_DB")]
@@ -130,7 +137,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         });
         let socket =
             socket.ok_or_else(|| anyhow::anyhow!("--cni-conflist needs a unix:/path in --listen for kuryr-cni"))?;
-        tokio::spawn(cniconf::write_when_live(vifs.clone(), path.clone(), socket, rt.shutdown()));
+        tokio::spawn(cniconf::write_when_live(
+            vifs.clone(),
+            path.clone(),
+            socket,
+            config.cni_conflist_version.clone(),
+            rt.shutdown(),
+        ));
     }
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
@@ -155,4 +168,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     let routes = tonic::service::Routes::new(CniServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+}
+
+/// A `cniVersion` this plugin speaks (the error lists the supported ones).
+fn parse_cni_version(s: &str) -> Result<String, String> {
+    kuryr_cni_types::CniVersion::parse(s).map(|v| v.as_str().to_string()).map_err(|e| e.msg.clone())
 }

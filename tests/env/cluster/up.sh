@@ -405,7 +405,7 @@ maxPods: 110
 syncFrequency: 10s
 EOF
     start "kubelet-$i" "$NS_PREFIX-n$i" "$S/ns/$name.mnt" "$TOOLS/kubelet" --config="$d/kubelet.yaml" \
-        --kubeconfig="$d/kubelet.kubeconfig" --hostname-override="$name" --node-ip="$(ip4 "$i")" \
+        --kubeconfig="$d/kubelet.kubeconfig" --hostname-override="$name" --node-ip="$(ip4 "$i"),$(ip6 "$i")" \
         --root-dir="$d/kubelet" --cert-dir="$d/kubelet/pki" \
         --node-labels="kuryr.openstack.org/test-cluster=$NS_PREFIX" \
         --v=1

@@ -29,6 +29,7 @@
 
 pub mod binder;
 pub mod cluster;
+pub mod conformance;
 pub mod control;
 pub mod cri;
 pub mod forward;

@@ -105,6 +105,15 @@ bench-neutron: tools openstack
 openstack:
 	bash tests/env/openstack/setup.sh
 
+.PHONY: conformance
+
+## conformance: a real-node cluster (kubelet, containerd, kube-scheduler, no kube-proxy) with kuryr installed
+## from deploy/overlays/embedded as pods, judged by the upstream e2e.test (CONFORMANCE_FOCUS, default the 45
+## `[sig-network] ... [Conformance]` tests; CONFORMANCE_SKIP); ends with ginkgo's summary line
+conformance: tools
+	$(CARGO) build --workspace --bins
+	./target/debug/kuryr-conformance
+
 .PHONY: lab lab-down
 
 ## lab: install prerequisites (as `make setup`), build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this

@@ -327,6 +327,39 @@ impl RealCluster {
         self.wait_rollout("kube-system", &["deployment/coredns"]).await
     }
 
+    /// The network namespace of a running pod, as a path the host can enter
+    /// (`/proc/<pid>/ns/net` of its first running container: pod network namespaces are mounted
+    /// inside their node's mount namespace only).
+    pub async fn pod_netns(&self, namespace: &str, name: &str) -> Result<PathBuf> {
+        let pod = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(self.client(), namespace)
+            .get(name)
+            .await
+            .with_context(|| format!("reading pod {namespace}/{name}"))?;
+        let node_name = pod.spec.as_ref().and_then(|s| s.node_name.clone()).context("the pod is not scheduled")?;
+        let node = self.nodes.iter().find(|n| n.name == node_name).with_context(|| format!("no node {node_name}"))?;
+        let ids: Vec<String> = pod
+            .status
+            .iter()
+            .flat_map(|s| s.container_statuses.iter().flatten())
+            .filter(|c| c.state.as_ref().is_some_and(|st| st.running.is_some()))
+            .filter_map(|c| c.container_id.as_deref()?.strip_prefix("containerd://").map(str::to_string))
+            .collect();
+        anyhow::ensure!(!ids.is_empty(), "pod {namespace}/{name} has no running container");
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address").arg(&node.containerd).args(["-n", "k8s.io", "tasks", "ls"]);
+        let tasks = run(cmd, None, KUBECTL_TIMEOUT).await?;
+        for line in tasks.lines().skip(1) {
+            let mut cols = line.split_whitespace();
+            if let (Some(id), Some(pid)) = (cols.next(), cols.next())
+                && ids.iter().any(|c| c == id)
+                && pid.parse::<u32>().is_ok_and(|p| p > 0)
+            {
+                return Ok(PathBuf::from(format!("/proc/{pid}/ns/net")));
+            }
+        }
+        bail!("no running task of pod {namespace}/{name} on {node_name}")
+    }
+
     /// Waits until `f` succeeds; see [`wait_until`].
     pub async fn wait<T, F, Fut>(&self, what: &str, timeout: Duration, f: F) -> Result<T>
     where

@@ -105,6 +105,17 @@ bench-neutron: tools openstack
 openstack:
 	bash tests/env/openstack/setup.sh
 
+.PHONY: bench-kubelet
+
+## bench-kubelet: pod created → Running with the real kubelet and kube-scheduler, optimised: the reference
+## bridge + host-local plugins, then kuryr installed from deploy/ on the same cluster, the same workload
+## (BENCH_KUBELET_PODS, default 300, at BENCH_KUBELET_RATE pods/s, default 20); p50/p99 and the ratio
+bench-kubelet: tools
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder --bin kubelet-bench
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/kubelet-bench
+
 .PHONY: conformance
 
 ## conformance: a real-node cluster (kubelet, containerd, kube-scheduler, no kube-proxy) with kuryr installed

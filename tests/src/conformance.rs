@@ -75,12 +75,19 @@ pub async fn images(bin_dir: &Path, out: &Path) -> Result<Images> {
     };
     let mut tars: Vec<PathBuf> =
         env.iter().filter(|(k, _)| k.ends_with("_TAR")).map(|(_, v)| PathBuf::from(v)).collect();
+    tars.push(kuryr_image(bin_dir, out).await?);
+    Ok(Images { tars, pause: get("PAUSE_IMAGE")?, coredns: get("COREDNS_IMAGE")? })
+}
+
+/// The `kuryr-rs` image (the name `deploy/` uses) assembled from the binaries in `bin_dir`
+/// (`tests/env/images/kuryr-image.sh`), as `out/kuryr-rs.tar`.
+pub async fn kuryr_image(bin_dir: &Path, out: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(out)?;
     let kuryr = out.join("kuryr-rs.tar");
     let mut cmd = Command::new("bash");
     cmd.arg(env_script("images/kuryr-image.sh")).arg(bin_dir).arg(&kuryr);
     run(cmd, None, Duration::from_secs(300)).await.context("assembling the kuryr-rs image")?;
-    tars.push(kuryr);
-    Ok(Images { tars, pause: get("PAUSE_IMAGE")?, coredns: get("COREDNS_IMAGE")? })
+    Ok(kuryr)
 }
 
 /// A cluster ready for e2e.test: nodes up, kuryr installed and serving, cluster DNS rolled out.

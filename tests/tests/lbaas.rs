@@ -87,9 +87,14 @@ impl Cluster {
     }
 
     fn lbaas(&self, watcher: &Watcher) -> Svc {
-        let args = [
+        self.lbaas_with(watcher, &["--service-finalizer", "all"])
+    }
+
+    fn lbaas_with(&self, watcher: &Watcher, extra: &[&str]) -> Svc {
+        let kubeconfig = self.kubeconfig.display().to_string();
+        let mut args = vec![
             "--kubeconfig",
-            &self.kubeconfig.display().to_string(),
+            &kubeconfig,
             "--watcher",
             &watcher.addr,
             "--instance",
@@ -101,6 +106,7 @@ impl Cluster {
             "--log",
             "info,kuryr_lbaas=debug",
         ];
+        args.extend(extra);
         spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
     }
 
@@ -618,4 +624,96 @@ async fn services_become_load_balancers_that_survive_restarts() {
         End::Failed(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
         other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
     }
+}
+
+/// The default finalizer policy (`load-balancer`): only `type: LoadBalancer` Services carry the
+/// finalizer. Deleting any other Service is immediate, as Kubernetes clients expect (the upstream
+/// conformance test "should delete a collection of services" lists them right after a
+/// DeleteCollection); their load balancer still goes, through the ServiceLoadBalancer record —
+/// also when the Service was deleted while kuryr-lbaas was down.
+#[tokio::test]
+async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_are_cleaned_up_by_their_record() {
+    let c = cluster().await;
+    let watcher = c.watcher();
+    let mut lbaas = c.lbaas_with(&watcher, &[]);
+    lbaas.wait_serving().await;
+    let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+    let mut specs = json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]});
+    for name in ["plain", "ghost"] {
+        c.create_service(name, specs.clone()).await;
+        c.put_slice(
+            &format!("{name}-a"),
+            name,
+            "IPv4",
+            ports.clone(),
+            json!([endpoint("10.244.1.5", true, true, false, "p1")]),
+        )
+        .await;
+    }
+    specs["type"] = json!("LoadBalancer");
+    c.create_service("lb", specs).await;
+    c.put_slice("lb-a", "lb", "IPv4", ports.clone(), json!([endpoint("10.244.1.6", true, true, false, "p2")])).await;
+    let mut stream = lbaas.watch("").await;
+    stream
+        .until("plain, ghost and lb applied", |s| {
+            ["plain", "ghost", "lb"].iter().all(|n| s.specs.contains_key(&format!("{NS}/{n}")))
+        })
+        .await;
+    for name in ["plain", "ghost", "lb"] {
+        wait_until(&format!("{name}'s record"), EVENT_TIMEOUT, || async {
+            anyhow::ensure!(c.records().get_opt(name).await?.is_some(), "no record yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    wait_until("lb's finalizer", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.finalizers("lb").await.iter().any(|f| f == FINALIZER), "not yet");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    // lb's finalizer is there, so plain's and ghost's would be by now under the old rule.
+    assert!(c.finalizers("plain").await.is_empty(), "a ClusterIP Service got {:?}", c.finalizers("plain").await);
+    assert!(c.finalizers("ghost").await.is_empty());
+
+    // DeleteCollection-style: the Service is gone the moment the delete returns.
+    c.services().delete("plain", &DeleteParams::default()).await.unwrap();
+    assert!(c.services().get_opt("plain").await.unwrap().is_none(), "plain lingers after its delete returned");
+    stream.until("plain's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/plain"))).await;
+    wait_until("plain's record to go", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.records().get_opt("plain").await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    // Deleted while kuryr-lbaas is down: the record outlives the Service and goes after the restart.
+    lbaas.proc.kill().await.unwrap();
+    c.services().delete("ghost", &DeleteParams::default()).await.unwrap();
+    assert!(c.services().get_opt("ghost").await.unwrap().is_none());
+    assert!(c.records().get_opt("ghost").await.unwrap().is_some(), "the record went without kuryr-lbaas");
+    let lbaas = c.lbaas_with(&watcher, &[]);
+    lbaas.wait_serving().await;
+    wait_until("ghost's record to go after the restart", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.records().get_opt("ghost").await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+    let mut stream = lbaas.watch("").await;
+    stream.until("the snapshot after the restart", |s| s.live).await;
+    assert!(!stream.specs.contains_key(&format!("{NS}/ghost")), "ghost is still streamed");
+    assert!(stream.specs.contains_key(&format!("{NS}/lb")));
+
+    // The LoadBalancer Service waits for its load balancer, then goes.
+    c.services().delete("lb", &DeleteParams::default()).await.unwrap();
+    stream.until("lb's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/lb"))).await;
+    wait_until("lb to be gone", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.services().get_opt("lb").await?.is_none(), "still there");
+        anyhow::ensure!(c.records().get_opt("lb").await?.is_none(), "its record is still there");
+        Ok(())
+    })
+    .await
+    .unwrap();
 }

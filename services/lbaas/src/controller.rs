@@ -149,6 +149,38 @@ pub struct Controller<B> {
     shards: Shards,
     /// Wakes the backend's maintenance when shards are gained.
     kick: Arc<Notify>,
+    /// Which Services carry our finalizer.
+    finalizers: FinalizerPolicy,
+}
+
+/// Which Services get kuryr's finalizer (`--service-finalizer`).
+///
+/// The finalizer makes a Service's deletion wait until its load balancer is gone. Services
+/// without it are still cleaned up: their ServiceLoadBalancer record (in kuryr's namespace,
+/// written before the backend is programmed) outlives them, and a record without its Service is
+/// removed with its load balancer as soon as lbaas sees it — at once, or after a restart or a
+/// shard handover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FinalizerPolicy {
+    /// Only `type: LoadBalancer` Services, as Kubernetes' own service controllers do: deleting
+    /// any other Service is immediate, as Kubernetes clients (and its conformance tests) expect.
+    #[default]
+    LoadBalancer,
+    /// Every Service that gets a load balancer (Kuryr's behaviour).
+    All,
+    /// None.
+    None,
+}
+
+impl FinalizerPolicy {
+    /// Whether a Service of `service_type` carries the finalizer.
+    pub fn wants(self, service_type: &str) -> bool {
+        match self {
+            FinalizerPolicy::LoadBalancer => service_type == "LoadBalancer",
+            FinalizerPolicy::All => true,
+            FinalizerPolicy::None => false,
+        }
+    }
 }
 
 impl<B: Backend> Controller<B> {
@@ -164,7 +196,15 @@ impl<B: Backend> Controller<B> {
             told: Mutex::default(),
             shards: Shards::all(),
             kick: Arc::default(),
+            finalizers: FinalizerPolicy::default(),
         }
+    }
+
+    /// Puts the finalizer on the Services `policy` names.
+    #[must_use]
+    pub fn with_finalizers(mut self, policy: FinalizerPolicy) -> Self {
+        self.finalizers = policy;
+        self
     }
 
     /// Reconciles only the Services `shards` serves (every one by default).
@@ -362,10 +402,26 @@ impl<B: Backend> Controller<B> {
             move |cause: Cause| ReconcileError { op: "apply", step, key: key.to_string(), uid, cause }
         };
         locked(&self.told).remove(key);
-        if !entry.has_finalizer
-            && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
-        {
-            return Ok(());
+        if self.finalizers.wants(&entry.service.r#type) {
+            if !entry.has_finalizer
+                && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
+            {
+                return Ok(());
+            }
+        } else if entry.has_finalizer && !entry.deleting {
+            // Put there under another policy (or type): its deletion needs no wait any more.
+            if let Some(meta) = self
+                .kube
+                .service(key)
+                .await
+                .map_err(|e| fail("reading the Service")(e.into()))?
+                .filter(|m| m.uid == entry.uid)
+            {
+                self.kube
+                    .remove_finalizer(key, &meta.uid, &meta.finalizers)
+                    .await
+                    .map_err(|e| fail("removing the finalizer")(e.into()))?;
+            }
         }
         let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
         if !self.shards.serves(key) {

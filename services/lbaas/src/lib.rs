@@ -110,6 +110,13 @@ pub struct Config {
     #[arg(long, env = "KURYR_LBAAS_BACKEND", value_enum, default_value = "node")]
     pub backend: BackendKind,
 
+    /// Which Services carry kuryr's finalizer (their deletion waits for the load balancer to
+    /// go): `load-balancer` (type LoadBalancer only, as Kubernetes' own service controllers do;
+    /// other Services are cleaned up through their ServiceLoadBalancer record), `all` (every
+    /// load-balanced Service, as Kuryr did), `none`.
+    #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
+    pub service_finalizer: controller::FinalizerPolicy,
+
     /// Services reconciled in parallel (each Service is always reconciled by one worker at a time).
     #[arg(long, env = "KURYR_LBAAS_WORKERS", default_value_t = 8,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
@@ -293,7 +300,9 @@ impl<B: Backend> Start<B> {
 
         let view = SharedView::default();
         let controller = Arc::new(
-            Controller::new(kube.clone(), backend, view, records, metrics.clone()).with_shards(shards.clone()),
+            Controller::new(kube.clone(), backend, view, records, metrics.clone())
+                .with_shards(shards.clone())
+                .with_finalizers(config.service_finalizer),
         );
         controller.spawn_workers(config.workers, shutdown.clone());
         controller.start_maintenance(shutdown.clone());

@@ -52,8 +52,15 @@ pub struct Dataplane {
 }
 
 impl Dataplane {
-    pub fn new(metrics: LbMetrics, nft: Nft) -> Self {
-        Self { state: Arc::default(), wake: Arc::new(Notify::new()), metrics, nft, logged_synced: Arc::default() }
+    /// The dataplane of the node named `node` (its members are the local ones).
+    pub fn new(metrics: LbMetrics, nft: Nft, node: &str) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(State::for_node(node))),
+            wake: Arc::new(Notify::new()),
+            metrics,
+            nft,
+            logged_synced: Arc::default(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -219,9 +226,12 @@ struct Programmer {
     programmed: BTreeMap<ServiceKey, Rendered>,
     /// The Services as last programmed, to tell which UDP flows lost their member.
     services: BTreeMap<ServiceKey, Service>,
-    /// `VIP . proto . port` → the Service whose element it is.
+    /// `VIP . proto . port` (or `proto . node port`) → the Service whose element it is.
     claimed: HashMap<String, ServiceKey>,
     forwarding: bool,
+    /// `services` is what was programmed before (false until this process's first full sync:
+    /// flows left from before that are not judged, see [`conntrack::stale_udp_flows`]).
+    seen: bool,
 }
 
 impl Programmer {
@@ -275,10 +285,11 @@ impl Programmer {
                 self.programmed = next;
                 let mut stale = Vec::new();
                 let new: BTreeMap<ServiceKey, Service> = services.into_iter().map(|s| (s.key.clone(), s)).collect();
-                for (key, old) in &self.services {
-                    stale.extend(conntrack::stale_udp_flows(Some(old), new.get(key)));
+                for key in self.services.keys().chain(new.keys()).collect::<std::collections::BTreeSet<_>>() {
+                    stale.extend(conntrack::stale_udp_flows(self.services.get(key), new.get(key), self.seen));
                 }
                 self.services = new;
+                self.seen = true;
                 clear_later(stale);
                 Ok(format!("{} Services", self.services.len()))
             }
@@ -307,7 +318,7 @@ impl Programmer {
                 }
                 let mut stale = Vec::new();
                 for (key, svc) in changes {
-                    stale.extend(conntrack::stale_udp_flows(self.services.get(&key), svc.as_ref()));
+                    stale.extend(conntrack::stale_udp_flows(self.services.get(&key), svc.as_ref(), self.seen));
                     match svc {
                         Some(svc) => self.services.insert(key, svc),
                         None => self.services.remove(&key),

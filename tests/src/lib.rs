@@ -19,6 +19,7 @@
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
 //! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
+//! - [`echo`]: servers and clients in network namespaces that say who answered whom (TCP, UDP).
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -28,6 +29,7 @@ pub mod binder;
 pub mod cluster;
 pub mod control;
 pub mod cri;
+pub mod echo;
 pub mod kube;
 pub mod kubelet;
 pub mod lbserver;

@@ -122,6 +122,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
+    // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
+    tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
     if let Some(path) = &config.cni_conflist {
         let socket = config.listen.iter().find_map(|l| match l {
             ListenAddr::Unix(p) => Some(p.clone()),
@@ -134,7 +136,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         tracing::info!(lbaas = target, "Service dataplane enabled");
-        tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),

@@ -146,7 +146,10 @@ async fn node_ports_external_addresses_and_host_ports_share_the_table() {
     let ns = Netns::new();
     let nft = ns.nft();
     // Host ports first, as at a binder start: they create the table.
-    let hp = HostPorts::new(nft.clone());
+    let sys = ns.dir.path().join("sys");
+    std::fs::create_dir_all(sys.join("net/ipv4/conf/kuryr0")).unwrap();
+    std::fs::create_dir_all(sys.join("net/ipv6/conf/all")).unwrap();
+    let hp = HostPorts::with_proc_sys(nft.clone(), sys);
     let att = |id: &str, ip: &str, host_ip: Option<&str>, protocol: Protocol| Attachment {
         container_id: id.into(),
         ifname: "eth0".into(),

@@ -26,6 +26,7 @@ pub mod mapping;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::sync::Mutex;
@@ -103,6 +104,8 @@ struct Inner {
     ifaces: BTreeSet<String>,
     /// Bridges given `route_localnet` by this process.
     localnet: BTreeSet<String>,
+    /// IP forwarding is on (traffic from outside to a host port is forwarded to the pod).
+    forwarding: bool,
     /// The table holds exactly `programmed` and `ifaces` (false at start and after a failure:
     /// the next change rebuilds the host port part of the table).
     synced: bool,
@@ -132,6 +135,8 @@ impl Inner {
 #[derive(Clone, Debug)]
 pub struct HostPorts {
     nft: Nft,
+    /// Where the node's sysctls are (`/proc/sys`; a directory of the test's elsewhere).
+    proc_sys: PathBuf,
     inner: Arc<Mutex<Inner>>,
 }
 
@@ -145,8 +150,15 @@ fn add_iface(out: &mut String, iface: &str) {
 }
 
 impl HostPorts {
+    /// Programs with `nft`, in the network namespace the binder runs in.
     pub fn new(nft: Nft) -> Self {
-        Self { nft, inner: Arc::default() }
+        Self::with_proc_sys(nft, "/proc/sys")
+    }
+
+    /// Like [`HostPorts::new`], setting sysctls (IP forwarding, `route_localnet`) under
+    /// `proc_sys` instead of `/proc/sys`.
+    pub fn with_proc_sys(nft: Nft, proc_sys: impl Into<PathBuf>) -> Self {
+        Self { nft, proc_sys: proc_sys.into(), inner: Arc::default() }
     }
 
     /// Takes the attachments on record (at start) as the whole truth and programs their host
@@ -166,7 +178,10 @@ impl HostPorts {
             .filter_map(|w| w.bridge.clone())
             .collect();
         for b in bridges {
-            route_localnet(&mut inner, &b);
+            self.route_localnet(&mut inner, &b);
+        }
+        if !inner.programmed.is_empty() {
+            self.enable_forwarding(&mut inner);
         }
         Ok(inner.programmed.len())
     }
@@ -180,10 +195,13 @@ impl HostPorts {
         want(&mut inner, att);
         self.apply(&mut inner).await?;
         let ips: Vec<IpAddr> = att.ips.clone();
+        if !att.port_mappings.is_empty() {
+            self.enable_forwarding(&mut inner);
+        }
         if reachable_on_localhost(&att.port_mappings, &ips)
             && let Some(b) = bridge_of(att)
         {
-            route_localnet(&mut inner, &b);
+            self.route_localnet(&mut inner, &b);
         }
         drop(inner);
         for m in att.port_mappings.iter().filter(|m| m.protocol == Protocol::Udp) {
@@ -259,6 +277,44 @@ impl HostPorts {
         inner.synced = true;
         Ok(())
     }
+
+    /// Lets the kernel route 127.0.0.1-sourced packets to the pods behind `bridge` (the node
+    /// reaching a host port on localhost) and their replies back, once per bridge and process; a
+    /// failure is logged (only localhost access is lost).
+    fn route_localnet(&self, inner: &mut Inner, bridge: &str) {
+        if inner.localnet.contains(bridge) {
+            return;
+        }
+        let path = self.proc_sys.join(format!("net/ipv4/conf/{bridge}/route_localnet"));
+        match std::fs::write(&path, "1") {
+            Ok(()) => {
+                inner.localnet.insert(bridge.to_string());
+            }
+            Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                "cannot enable route_localnet; host ports unreachable on 127.0.0.1"),
+        }
+    }
+
+    /// Turns IP forwarding on, once per process: packets from outside to a host port are
+    /// forwarded to the pod. A failure is logged (only traffic from outside the node is lost).
+    fn enable_forwarding(&self, inner: &mut Inner) {
+        if inner.forwarding {
+            return;
+        }
+        let mut ok = true;
+        for key in ["net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"] {
+            let path = self.proc_sys.join(key);
+            if std::fs::read_to_string(&path).is_ok_and(|v| v.trim() == "1") {
+                continue;
+            }
+            if let Err(e) = std::fs::write(&path, "1") {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "cannot enable IP forwarding; host ports unreachable from outside");
+                ok = false;
+            }
+        }
+        inner.forwarding = ok;
+    }
 }
 
 fn bridge_of(att: &Attachment) -> Option<String> {
@@ -275,22 +331,6 @@ fn want(inner: &mut Inner, att: &Attachment) {
         seq: inner.seq,
     };
     inner.wants.insert(att.key(), w);
-}
-
-/// Lets the kernel route 127.0.0.1-sourced packets to the pods behind `bridge` (the node reaching
-/// a host port on localhost), once per bridge and process; a failure is logged (only localhost
-/// access is lost).
-fn route_localnet(inner: &mut Inner, bridge: &str) {
-    if inner.localnet.contains(bridge) {
-        return;
-    }
-    let path = format!("/proc/sys/net/ipv4/conf/{bridge}/route_localnet");
-    match std::fs::write(&path, "1") {
-        Ok(()) => {
-            inner.localnet.insert(bridge.to_string());
-        }
-        Err(e) => tracing::warn!(path, error = %e, "cannot enable route_localnet; host ports unreachable on 127.0.0.1"),
-    }
 }
 
 /// Deletes the UDP conntrack entries to a host port (as the reference `portmap` plugin does).

@@ -22,7 +22,6 @@ fn att(id: &str, ips: &[&str], mappings: Vec<PortMapping>) -> Attachment {
         pod_name: id.into(),
         vif_id: String::new(),
         driver: "bridge".into(),
-        // A name without /proc/sys entry: route_localnet fails and is only logged.
         bridge: "kxtest-nobr".into(),
         ips: ips.iter().map(|a| a.parse().unwrap()).collect(),
         port_mappings: mappings,
@@ -49,6 +48,18 @@ impl FakeNft {
 
     fn nft(&self) -> Nft {
         Nft::new(self.dir.path().join("nft").display().to_string())
+    }
+
+    /// The writer under test, its sysctls in a directory of the test's.
+    fn host_ports(&self) -> HostPorts {
+        let sys = self.dir.path().join("sys");
+        std::fs::create_dir_all(sys.join("net/ipv4/conf/kxtest-nobr")).unwrap();
+        std::fs::create_dir_all(sys.join("net/ipv6/conf/all")).unwrap();
+        HostPorts::with_proc_sys(self.nft(), sys)
+    }
+
+    fn sysctl(&self, key: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join("sys").join(key)).unwrap_or_default()
     }
 
     fn fail(&self, on: bool) {
@@ -101,7 +112,7 @@ fn entries_per_family_and_host_ip() {
 #[tokio::test]
 async fn restore_rebuilds_then_changes_are_deltas_and_the_newest_claim_wins() {
     let fake = FakeNft::new();
-    let hp = HostPorts::new(fake.nft());
+    let hp = fake.host_ports();
     let a = att("a", &["10.0.0.5"], vec![mapping(None, 8080, Protocol::Tcp)]);
     assert_eq!(hp.restore(std::slice::from_ref(&a)).await.unwrap(), 1);
     let t = fake.take();
@@ -115,6 +126,10 @@ async fn restore_rebuilds_then_changes_are_deltas_and_the_newest_claim_wins() {
     ] {
         assert!(t[0].contains(want), "{want:?} not in\n{}", t[0]);
     }
+    assert_eq!(fake.sysctl("net/ipv4/ip_forward"), "1", "forwarded from outside");
+    assert_eq!(fake.sysctl("net/ipv6/conf/all/forwarding"), "1");
+    assert_eq!(fake.sysctl("net/ipv4/conf/kxtest-nobr/route_localnet"), "1", "any address includes 127.0.0.1");
+    assert_eq!(fake.sysctl("net/ipv4/conf/kxtest-other/route_localnet"), "");
     // Nothing to change: no transaction at all.
     hp.set(&a).await.unwrap();
     assert!(fake.take().is_empty());

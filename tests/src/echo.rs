@@ -106,14 +106,12 @@ pub async fn answers(netns: &Path, proto: Proto, addr: IpAddr, port: u16, n: usi
     seen
 }
 
-/// Repeats rounds of `n` requests until every answer of a round satisfies `ok` and, together,
+/// Repeats rounds of `n` requests (protocol, address and port) until every answer of a round satisfies `ok` and, together,
 /// they come from exactly the servers `names`; returns that round's answers. Fails with the last
 /// round after `timeout`.
 pub async fn wait_answers(
     netns: &Path,
-    proto: Proto,
-    addr: IpAddr,
-    port: u16,
+    (proto, addr, port): (Proto, IpAddr, u16),
     n: usize,
     names: &[&str],
     ok: impl Fn(&Answer) -> bool,

@@ -105,7 +105,7 @@ async fn host_ports_by_host_ip_and_protocol_reach_the_right_pod_and_survive_a_bi
         (Proto::Tcp, gateway, 54322, "p4"),
     ];
     for (proto, to, port, who) in from_node {
-        let got = echo::wait_answers(&node_ns, proto, to, port, 3, &[who], any, WAIT)
+        let got = echo::wait_answers(&node_ns, (proto, to, port), 3, &[who], any, WAIT)
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}\n{}", table_now(&node), node.binder_logs()));
         eprintln!("node → {proto:?} {to}:{port}: {}", got[0]);
@@ -113,29 +113,39 @@ async fn host_ports_by_host_ip_and_protocol_reach_the_right_pod_and_survive_a_bi
             assert_eq!(got[0].peer, gateway, "127.0.0.1 masqueraded to the bridge's address");
         }
     }
+    // One element per mapping and pod address family: p1, p2 and p3 one each (IPv4 host IPs), p4
+    // four (TCP and UDP, on both families).
+    let metrics = node.exec(&["curl", "-s", "http://127.0.0.1:9631/metrics"]).await.unwrap();
+    assert!(metrics.lines().any(|l| l == "kuryr_binder_hostports 7"), "{metrics}");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kuryr_binder_hostport_transactions_total{kind=\"delta\",result=\"ok\"}")),
+        "{metrics}"
+    );
     let localnet = node.exec(&["sysctl", "-n", "net.ipv4.conf.kuryr0.route_localnet"]).await.unwrap();
     assert_eq!(localnet.trim(), "1", "route_localnet on the pods' bridge");
 
     // From outside: the node's address (the client's address kept), never 127.0.0.1.
     let kept = move |a: &Answer| a.peer == c4;
     for (proto, port, who) in [(Proto::Tcp, 54321, "p2"), (Proto::Udp, 54321, "p3"), (Proto::Tcp, 54322, "p4")] {
-        let got = echo::wait_answers(&client.path(), proto, n4, port, 3, &[who], kept, WAIT)
+        let got = echo::wait_answers(&client.path(), (proto, n4, port), 3, &[who], kept, WAIT)
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}", table_now(&node)));
         eprintln!("outside → {proto:?} {n4}:{port}: {}", got[0]);
     }
     // From pods, to another pod's host port and to its own (hairpin): masqueraded through the node.
     let masq = move |a: &Answer| a.peer == gateway;
-    echo::wait_answers(&pods["p2"].netns, Proto::Tcp, n4, 54322, 3, &["p4"], masq, WAIT).await.unwrap();
-    echo::wait_answers(&pods["p4"].netns, Proto::Tcp, n4, 54322, 3, &["p4"], masq, WAIT).await.unwrap();
-    echo::wait_answers(&pods["p4"].netns, Proto::Tcp, n4, 54321, 3, &["p2"], masq, WAIT).await.unwrap();
+    echo::wait_answers(&pods["p2"].netns, (Proto::Tcp, n4, 54322), 3, &["p4"], masq, WAIT).await.unwrap();
+    echo::wait_answers(&pods["p4"].netns, (Proto::Tcp, n4, 54322), 3, &["p4"], masq, WAIT).await.unwrap();
+    echo::wait_answers(&pods["p4"].netns, (Proto::Tcp, n4, 54321), 3, &["p2"], masq, WAIT).await.unwrap();
     assert_eq!(pods["p4"].ip4, ip(&format!("10.78.{o}.13")));
 
     // StopPodSandbox (CNI DEL): p2's host port is gone; the others stay.
     cri.stop_pod_sandbox(&pods["p2"].sandbox).await.unwrap();
     echo::wait_failing(&node_ns, Proto::Tcp, n4, 54321, "refused", WAIT).await.unwrap();
-    echo::wait_answers(&node_ns, Proto::Udp, n4, 54321, 3, &["p3"], any, WAIT).await.unwrap();
-    echo::wait_answers(&node_ns, Proto::Tcp, ip("127.0.0.1"), 54321, 3, &["p1"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node_ns, (Proto::Udp, n4, 54321), 3, &["p3"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node_ns, (Proto::Tcp, ip("127.0.0.1"), 54321), 3, &["p1"], any, WAIT).await.unwrap();
 
     // The binder restarts after the table was lost: its records bring the host ports back.
     node.binder.kill().await.unwrap();
@@ -145,7 +155,7 @@ async fn host_ports_by_host_ip_and_protocol_reach_the_right_pod_and_survive_a_bi
     for (proto, to, port, who) in
         [(Proto::Tcp, ip("127.0.0.1"), 54321, "p1"), (Proto::Udp, n4, 54321, "p3"), (Proto::Tcp, n4, 54322, "p4")]
     {
-        echo::wait_answers(&node_ns, proto, to, port, 3, &[who], any, WAIT)
+        echo::wait_answers(&node_ns, (proto, to, port), 3, &[who], any, WAIT)
             .await
             .unwrap_or_else(|e| panic!("after the restart: {e:#}\n{}\n{}", table_now(&node), node.binder_logs()));
     }

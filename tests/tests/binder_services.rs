@@ -554,17 +554,17 @@ async fn node_ports_and_external_ips_follow_the_traffic_policies() {
     env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, None, &opts));
     let masqueraded = |a: &echo::Answer| a.peer == ip(GATEWAY4);
     for proto in [Proto::Tcp, Proto::Udp] {
-        let got = echo::wait_answers(&client, proto, ip(NODE_IP4), NODE_PORT, 16, &["p1", "p2"], masqueraded, WAIT)
+        let got = echo::wait_answers(&client, (proto, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], masqueraded, WAIT)
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}\n{}", env.table(), env.binder.logs()));
         eprintln!("{proto:?} outside → {NODE_IP4}:{NODE_PORT} (Cluster): {}", got[0]);
-        echo::wait_answers(&client, proto, ip(NODE_IP6), NODE_PORT, 12, &["p1", "p2"], any, WAIT).await.unwrap();
-        echo::wait_answers(&client, proto, ip("192.0.2.10"), 80, 12, &["p1", "p2"], masqueraded, WAIT).await.unwrap();
+        echo::wait_answers(&client, (proto, ip(NODE_IP6), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&client, (proto, ip("192.0.2.10"), 80), 12, &["p1", "p2"], masqueraded, WAIT).await.unwrap();
         // The node itself (output hook), on its own address, and a pod.
-        echo::wait_answers(&node, proto, ip(NODE_IP4), NODE_PORT, 12, &["p1", "p2"], any, WAIT).await.unwrap();
-        echo::wait_answers(&pod3, proto, ip(NODE_IP4), NODE_PORT, 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&node, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&pod3, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
         // The ClusterIP answers both protocols on the same port.
-        echo::wait_answers(&pod3, proto, ip(VIP4), 80, 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&pod3, (proto, ip(VIP4), 80), 12, &["p1", "p2"], any, WAIT).await.unwrap();
     }
     // Not on loopback: node ports are for the node's addresses, as kube-proxy's nftables mode.
     let err = echo::ask(&node, Proto::Tcp, ip("127.0.0.1"), NODE_PORT).await.unwrap_err();
@@ -583,29 +583,29 @@ async fn node_ports_and_external_ips_follow_the_traffic_policies() {
     let kept = |a: &echo::Answer| a.peer == ip(CLIENT_IP4);
     for (addr, port) in [(NODE_IP4, NODE_PORT), ("192.0.2.10", 80)] {
         for proto in [Proto::Tcp, Proto::Udp] {
-            let got = echo::wait_answers(&client, proto, ip(addr), port, 12, &["p1"], kept, WAIT)
+            let got = echo::wait_answers(&client, (proto, ip(addr), port), 12, &["p1"], kept, WAIT)
                 .await
                 .unwrap_or_else(|e| panic!("{e:#}\n{}", env.table()));
             eprintln!("{proto:?} outside → {addr}:{port} (Local): {}", got[0]);
         }
     }
-    echo::wait_answers(&node, Proto::Tcp, ip(NODE_IP4), NODE_PORT, 16, &["p1", "p2"], any, WAIT).await.unwrap();
-    echo::wait_answers(&pod3, Proto::Tcp, ip(NODE_IP4), NODE_PORT, 16, &["p1", "p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&pod3, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], any, WAIT).await.unwrap();
     // ... and the ClusterIP is not affected by the external policy.
-    echo::wait_answers(&pod3, Proto::Tcp, ip(VIP4), 80, 16, &["p1", "p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&pod3, (Proto::Tcp, ip(VIP4), 80), 16, &["p1", "p2"], any, WAIT).await.unwrap();
 
     // No member on this node: outside traffic is dropped (not refused: the Service has members).
     let elsewhere = echo_members(&env, &["p2"], &[]);
     env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &elsewhere, None, &local));
     echo::wait_failing(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT, "timeout", WAIT).await.unwrap();
-    echo::wait_answers(&node, Proto::Tcp, ip(NODE_IP4), NODE_PORT, 4, &["p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 4, &["p2"], any, WAIT).await.unwrap();
 
     // internalTrafficPolicy Local: the ClusterIP reaches this node's members only.
     let internal = SpecOptions { internal_local: true, ..SpecOptions::default() };
     let members3 = echo_members(&env, &["p1", "p2"], &["p2"]);
     env.lbaas.upsert(service_spec_with("default", "itp", &["10.96.0.30"], 80, &members3, None, &internal));
-    echo::wait_answers(&pod3, Proto::Tcp, ip("10.96.0.30"), 80, 12, &["p2"], any, WAIT).await.unwrap();
-    echo::wait_answers(&node, Proto::Tcp, ip("10.96.0.30"), 80, 8, &["p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&pod3, (Proto::Tcp, ip("10.96.0.30"), 80), 12, &["p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node, (Proto::Tcp, ip("10.96.0.30"), 80), 8, &["p2"], any, WAIT).await.unwrap();
 
     // No member at all: the node port and the external IP are refused at once.
     env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &[], None, &opts));

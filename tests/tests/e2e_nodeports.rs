@@ -142,12 +142,14 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     let not_from = |ip: IpAddr| move |a: &Answer| a.peer != ip;
     let any = |_: &Answer| true;
     for (proto, port) in [(Proto::Tcp, tcp_np), (Proto::Udp, udp_np)] {
-        let got = echo::wait_answers(&ns2, proto, n1, port, 16, &["b1", "b2"], not_from(n2), CONVERGE)
+        let got = echo::wait_answers(&ns2, (proto, n1, port), 16, &["b1", "b2"], not_from(n2), CONVERGE)
             .await
             .context("node-2 → node-1's node port (masqueraded)")?;
         eprintln!("  {node2} → {n1}:{port}/{proto:?}: {}", describe(&got));
-        echo::wait_answers(&c1, proto, n2, port, 16, &["b1", "b2"], any, CONVERGE).await.context("c1 → node-2")?;
-        echo::wait_answers(&ns1, proto, n1, port, 16, &["b1", "b2"], any, CONVERGE).await.context("node-1 → itself")?;
+        echo::wait_answers(&c1, (proto, n2, port), 16, &["b1", "b2"], any, CONVERGE).await.context("c1 → node-2")?;
+        echo::wait_answers(&ns1, (proto, n1, port), 16, &["b1", "b2"], any, CONVERGE)
+            .await
+            .context("node-1 → itself")?;
     }
     // A host outside the cluster on the nodes' network (an address on the underlay's bridge),
     // routing the external IP to node-1 as a router in front of a cluster would. (A node sending
@@ -166,7 +168,7 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     }
     let external: IpAddr = EXTERNAL_IP.parse()?;
     for (proto, to, port) in [(Proto::Tcp, external, PORT), (Proto::Udp, external, PORT), (Proto::Tcp, n2, tcp_np)] {
-        let got = echo::wait_answers(&outside, proto, to, port, 16, &["b1", "b2"], not_from(outside_ip), CONVERGE)
+        let got = echo::wait_answers(&outside, (proto, to, port), 16, &["b1", "b2"], not_from(outside_ip), CONVERGE)
             .await
             .with_context(|| format!("outside → {to}:{port}/{proto:?}"))?;
         eprintln!("  outside ({outside_ip}) → {to}:{port}/{proto:?}: {}", describe(&got));
@@ -188,19 +190,19 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     services.patch(SERVICE, &PatchParams::default(), &Patch::Merge(patch)).await?;
     for (from, to, client_ip, who) in [(&ns2, n1, n2, "b1"), (&ns1, n2, n1, "b2"), (&outside, n1, outside_ip, "b1")] {
         for (proto, port) in [(Proto::Tcp, tcp_np), (Proto::Udp, udp_np)] {
-            let got = echo::wait_answers(from, proto, to, port, 12, &[who], move |a| a.peer == client_ip, CONVERGE)
+            let got = echo::wait_answers(from, (proto, to, port), 12, &[who], move |a| a.peer == client_ip, CONVERGE)
                 .await
                 .with_context(|| format!("{client_ip} → {to}:{port}/{proto:?} under Local"))?;
             eprintln!("  {client_ip} → {to}:{port}/{proto:?}: {}", describe(&got));
         }
     }
     let got =
-        echo::wait_answers(&outside, Proto::Tcp, external, PORT, 8, &["b1"], move |a| a.peer == outside_ip, CONVERGE)
+        echo::wait_answers(&outside, (Proto::Tcp, external, PORT), 8, &["b1"], move |a| a.peer == outside_ip, CONVERGE)
             .await
             .context("outside → the external IP under Local")?;
     eprintln!("  outside → {external}:{PORT}/Tcp: {}", describe(&got));
     // A pod is not outside: it reaches every backend.
-    echo::wait_answers(&c1, Proto::Tcp, n1, tcp_np, 16, &["b1", "b2"], any, CONVERGE)
+    echo::wait_answers(&c1, (Proto::Tcp, n1, tcp_np), 16, &["b1", "b2"], any, CONVERGE)
         .await
         .context("c1 under Local")?;
 
@@ -212,7 +214,7 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     services.patch(SERVICE, &PatchParams::default(), &Patch::Merge(to_cluster_ip)).await?;
     ensure!(node_ports(&services).await?.is_empty(), "the API server kept node ports for a ClusterIP Service");
     echo::wait_failing(&ns2, Proto::Tcp, n1, tcp_np, "refused", CONVERGE).await.context("node port after ClusterIP")?;
-    echo::wait_answers(&c1, Proto::Tcp, vip, PORT, 16, &["b1", "b2"], any, CONVERGE).await.context("ClusterIP")?;
+    echo::wait_answers(&c1, (Proto::Tcp, vip, PORT), 16, &["b1", "b2"], any, CONVERGE).await.context("ClusterIP")?;
     let to_external_name = json!({"spec": {"type": "ExternalName", "externalName": "example.com",
         "clusterIP": null, "clusterIPs": null, "selector": null}});
     services.patch(SERVICE, &PatchParams::default(), &Patch::Merge(to_external_name)).await?;
@@ -221,7 +223,7 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     services.patch(SERVICE, &PatchParams::default(), &Patch::Merge(to_node_port)).await?;
     let np = node_ports(&services).await?;
     for (proto, port) in [(Proto::Tcp, np["TCP"]), (Proto::Udp, np["UDP"])] {
-        echo::wait_answers(&ns2, proto, n1, port, 16, &["b1", "b2"], any, CONVERGE)
+        echo::wait_answers(&ns2, (proto, n1, port), 16, &["b1", "b2"], any, CONVERGE)
             .await
             .with_context(|| format!("node port {port}/{proto:?} after ExternalName → NodePort"))?;
     }
@@ -232,10 +234,10 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
     let hp = hp.context("hp not running")?;
     servers.push(echo::serve(&hp.netns, "hp", TARGET_PORT)?);
     for proto in [Proto::Tcp, Proto::Udp] {
-        echo::wait_answers(&ns2, proto, n1, HOST_PORT, 3, &["hp"], move |a| a.peer == n2, CONVERGE)
+        echo::wait_answers(&ns2, (proto, n1, HOST_PORT), 3, &["hp"], move |a| a.peer == n2, CONVERGE)
             .await
             .with_context(|| format!("node-2 → node-1:{HOST_PORT}/{proto:?}"))?;
-        echo::wait_answers(&ns1, proto, "127.0.0.1".parse()?, HOST_PORT, 3, &["hp"], any, CONVERGE)
+        echo::wait_answers(&ns1, (proto, "127.0.0.1".parse()?, HOST_PORT), 3, &["hp"], any, CONVERGE)
             .await
             .with_context(|| format!("node-1 → 127.0.0.1:{HOST_PORT}/{proto:?}"))?;
     }

@@ -103,7 +103,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
-    let hostports = hostport::HostPorts::new(lb::nft::Nft::default());
+    let hostports = hostport::HostPorts::new(lb::nft::Nft::default())
+        .with_metrics(hostport::metrics::HostPortMetrics::register(rt.registry()));
     // Before serving, so that no DEL can race the restore of what the records hold.
     match hostports.restore(&attachments.all()).await {
         Ok(n) => tracing::info!(host_ports = n, "host ports restored from the attachment records"),

@@ -11,6 +11,7 @@
 //!
 //! Answers are one line, `NAME PEER-ADDRESS`. Failures print `refused`, `timeout`, `unreachable`
 //! or the OS error to stderr.
+#![allow(clippy::print_stdout)] // a command whose output is the point
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};

@@ -22,6 +22,7 @@
 //! The same writer keeps `pod_ifaces`, the bridges pods come in through (see [`crate::table`]).
 
 pub mod mapping;
+pub mod metrics;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -137,6 +138,7 @@ pub struct HostPorts {
     nft: Nft,
     /// Where the node's sysctls are (`/proc/sys`; a directory of the test's elsewhere).
     proc_sys: PathBuf,
+    metrics: Option<metrics::HostPortMetrics>,
     inner: Arc<Mutex<Inner>>,
 }
 
@@ -158,7 +160,22 @@ impl HostPorts {
     /// Like [`HostPorts::new`], setting sysctls (IP forwarding, `route_localnet`) under
     /// `proc_sys` instead of `/proc/sys`.
     pub fn with_proc_sys(nft: Nft, proc_sys: impl Into<PathBuf>) -> Self {
-        Self { nft, proc_sys: proc_sys.into(), inner: Arc::default() }
+        Self { nft, proc_sys: proc_sys.into(), metrics: None, inner: Arc::default() }
+    }
+
+    /// Counts transactions and programmed host ports in `metrics`.
+    pub fn with_metrics(mut self, metrics: metrics::HostPortMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    fn observe(&self, kind: &str, ok: bool, programmed: usize) {
+        if let Some(m) = &self.metrics {
+            m.transaction(kind, ok);
+            if ok {
+                m.set_programmed(programmed);
+            }
+        }
     }
 
     /// Takes the attachments on record (at start) as the whole truth and programs their host
@@ -250,11 +267,13 @@ impl HostPorts {
             }
             match self.nft.apply(&script).await {
                 Ok(()) => {
+                    self.observe("delta", true, desired.len());
                     inner.programmed = desired;
                     inner.ifaces.extend(ifaces);
                     return Ok(());
                 }
                 Err(e) => {
+                    self.observe("delta", false, 0);
                     tracing::warn!(error = %e, "host port change failed; rebuilding the host ports");
                     inner.synced = false;
                 }
@@ -271,7 +290,11 @@ impl HostPorts {
         for i in &ifaces {
             add_iface(&mut script, i);
         }
-        self.nft.apply(&script).await?;
+        if let Err(e) = self.nft.apply(&script).await {
+            self.observe("full", false, 0);
+            return Err(e);
+        }
+        self.observe("full", true, desired.len());
         inner.programmed = desired;
         inner.ifaces = ifaces;
         inner.synced = true;

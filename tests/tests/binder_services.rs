@@ -576,6 +576,24 @@ async fn node_ports_and_external_ips_follow_the_traffic_policies() {
     let seen = echo::answers(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT, 12).await;
     assert_eq!(seen.len(), 1, "one client, one member: {seen:?}\n{}", env.table());
 
+    // ... until the client has made no new connection for the timeout: the next one is spread
+    // again. Each round waits for the client's affinity entries to expire (they leave the table),
+    // then connects once; some round gets another member.
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, Some(1), &opts));
+    env.wait_table("a 1 s affinity", |t| t.contains("timeout 1s")).await;
+    let first = echo::ask(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT).await.unwrap();
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        env.wait_table("the client's affinity expired", |t| !t.contains(CLIENT_IP4)).await;
+        let next = echo::ask(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT).await.unwrap();
+        if next.name != first.name {
+            break;
+        }
+        assert!(rounds < 20, "20 connections after the affinity expired all went to {}", first.name);
+    }
+    eprintln!("affinity timeout: another member after {rounds} expiries");
+
     // externalTrafficPolicy Local: from outside, only the member on this node (p1), with the
     // client's own address; the node itself and its pods still reach every member.
     let local = SpecOptions { external_local: true, ..opts.clone() };

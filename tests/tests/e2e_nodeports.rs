@@ -13,7 +13,8 @@
 //!   client's address kept;
 //! - `sessionAffinity: ClientIP` holds through the node port;
 //! - type changes as the conformance tests make them: NodePort → ClusterIP (the node port stops
-//!   answering, the cluster IP goes on), → ExternalName (rules gone), → NodePort again;
+//!   answering, the cluster IP goes on), → ExternalName (rules gone), → NodePort again; then
+//!   LoadBalancer, whose status' ingress address (as a provider would set it) answers too;
 //! - a pod's `hostPort` (created through the API, run by the node's kubelet through CRI) answers on
 //!   its node's addresses and on 127.0.0.1 there, and is gone with the pod.
 #![allow(clippy::unwrap_used)]
@@ -38,6 +39,8 @@ const PORT: u16 = 80;
 const TARGET_PORT: u16 = 9090;
 const HOST_PORT: u16 = 31999;
 const EXTERNAL_IP: &str = "192.0.2.50";
+/// The address a load balancer provider would write into the Service's status.
+const INGRESS_IP: &str = "192.0.2.60";
 const RUNNING_TIMEOUT: Duration = Duration::from_secs(120);
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -226,6 +229,21 @@ async fn scenario(cluster: &mut Cluster, servers: &mut Vec<EchoServer>) -> Resul
         echo::wait_answers(&ns2, (proto, n1, port), 16, &["b1", "b2"], any, CONVERGE)
             .await
             .with_context(|| format!("node port {port}/{proto:?} after ExternalName → NodePort"))?;
+    }
+
+    eprintln!("4b. type LoadBalancer: its node ports, and the ingress address of its status");
+    let to_lb = json!({"spec": {"type": "LoadBalancer"}});
+    services.patch(SERVICE, &PatchParams::default(), &Patch::Merge(to_lb)).await?;
+    let ingress = json!({"status": {"loadBalancer": {"ingress": [{"ip": INGRESS_IP}]}}});
+    services.patch_status(SERVICE, &PatchParams::default(), &Patch::Merge(ingress)).await?;
+    let route = ["ip", "route", "add", &format!("{INGRESS_IP}/32"), "via", &n2.to_string()].map(String::from);
+    kuryr_tests::node::netns_exec(&outside, &route.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+    let ingress_ip: IpAddr = INGRESS_IP.parse()?;
+    let np = node_ports(&services).await?;
+    for (to, port) in [(ingress_ip, PORT), (n1, np["TCP"])] {
+        echo::wait_answers(&outside, (Proto::Tcp, to, port), 16, &["b1", "b2"], not_from(outside_ip), CONVERGE)
+            .await
+            .with_context(|| format!("outside → {to}:{port} of the LoadBalancer Service"))?;
     }
 
     eprintln!("5. hostPort {HOST_PORT} (TCP and UDP) through the API and the kubelet");

@@ -105,11 +105,14 @@ pub fn skeleton(out: &mut String) {
     let mark = format!("{MASQUERADE_MARK:#010x}");
     let node_port4 = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport";
     let node_port6 = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport";
+    // Filter hooks see every packet, not only a connection's first: the set lookup comes first,
+    // so that only packets to a node port without members pay for a FIB lookup.
     let noep = [
         "ip daddr . meta l4proto . th dport @noep4 goto no_endpoints".to_string(),
         "ip6 daddr . meta l4proto . th dport @noep6 goto no_endpoints".to_string(),
-        format!("{node_port4} @noep_nodeports4 goto no_endpoints"),
-        format!("{node_port6} @noep_nodeports6 goto no_endpoints"),
+        "meta l4proto . th dport @noep_nodeports4 ip daddr != 127.0.0.0/8 fib daddr type local goto no_endpoints"
+            .to_string(),
+        "meta l4proto . th dport @noep_nodeports6 ip6 daddr != ::1 fib daddr type local goto no_endpoints".to_string(),
     ];
     let mut rules: Vec<(&str, String)> = vec![
         ("nat_prerouting", "jump hostports".into()),

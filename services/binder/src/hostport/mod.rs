@@ -340,8 +340,27 @@ impl HostPorts {
     }
 }
 
+/// The bridge an attachment's pod comes in through, when it is one and its name is a plain
+/// interface name (it ends up in the nftables script and in a /proc/sys path).
 fn bridge_of(att: &Attachment) -> Option<String> {
-    (att.driver == "bridge" && !att.bridge.is_empty()).then(|| att.bridge.clone())
+    if att.driver != "bridge" || att.bridge.is_empty() {
+        return None;
+    }
+    if !is_ifname(&att.bridge) {
+        tracing::warn!(bridge = att.bridge, "not an interface name; left out of the pod interfaces");
+        return None;
+    }
+    Some(att.bridge.clone())
+}
+
+/// An interface name kept to what cannot change the meaning of a script or a path: at most 15
+/// bytes of ASCII letters, digits, `-`, `_` and `.` (not `.` or `..` alone).
+pub fn is_ifname(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s != "."
+        && s != ".."
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 fn want(inner: &mut Inner, att: &Attachment) {

@@ -109,6 +109,22 @@ fn entries_per_family_and_host_ip() {
     assert!(!reachable_on_localhost(&ms[..1], &["fd00:1::5".parse().unwrap()]));
 }
 
+#[test]
+fn only_plain_interface_names_reach_the_script() {
+    for ok in ["kuryr0", "br-int", "cni_0", "a.b"] {
+        assert!(is_ifname(ok), "{ok}");
+    }
+    for bad in ["", ".", "..", "../../x", "a b", "k\" }; flush ruleset", "0123456789abcdef"] {
+        assert!(!is_ifname(bad), "{bad}");
+    }
+    let mut a = att("a", &["10.0.0.5"], Vec::new());
+    a.bridge = "x\" } ; flush ruleset ; #".into();
+    assert_eq!(bridge_of(&a), None);
+    a.driver = "ovs".into();
+    a.bridge = "br-int".into();
+    assert_eq!(bridge_of(&a), None, "pods on OVS are not on a bridge of the node's");
+}
+
 #[tokio::test]
 async fn restore_rebuilds_then_changes_are_deltas_and_the_newest_claim_wins() {
     let fake = FakeNft::new();

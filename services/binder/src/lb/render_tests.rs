@@ -360,7 +360,7 @@ fn the_skeleton_dispatches_host_ports_then_services_then_node_ports() {
         "add rule inet kuryr hostports dnat ip to ip daddr . meta l4proto . th dport map @hostports4",
         "add rule inet kuryr hostports meta nfproto ipv4 fib daddr type local dnat ip to meta l4proto . th dport map @hostports_any4",
         "add rule inet kuryr filter_prerouting iifname != \"lo\" ip daddr 127.0.0.0/8 drop",
-        "add rule inet kuryr filter_output fib daddr type local ip6 daddr != ::1 meta l4proto . th dport @noep_nodeports6 goto no_endpoints",
+        "add rule inet kuryr filter_output meta l4proto . th dport @noep_nodeports6 ip6 daddr != ::1 fib daddr type local goto no_endpoints",
         "add rule inet kuryr nat_postrouting ct status dnat ip saddr 127.0.0.0/8 masquerade",
         "add set inet kuryr pod_ifaces { type ifname; }",
     ] {

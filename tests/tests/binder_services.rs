@@ -563,6 +563,11 @@ async fn node_ports_and_external_ips_follow_the_traffic_policies() {
         // The node itself (output hook), on its own address, and a pod.
         echo::wait_answers(&node, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
         echo::wait_answers(&pod3, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        // A member reaching itself through the node port (hairpin), masqueraded.
+        let p1 = env.pod("p1").ns.path();
+        echo::wait_answers(&p1, (proto, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], masqueraded, WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("hairpin through the node port: {e:#}"));
         // The ClusterIP answers both protocols on the same port.
         echo::wait_answers(&pod3, (proto, ip(VIP4), 80), 12, &["p1", "p2"], any, WAIT).await.unwrap();
     }

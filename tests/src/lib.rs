@@ -22,6 +22,7 @@
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
 //! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
+//! - [`echo`]: servers and clients in network namespaces that say who answered whom (TCP, UDP).
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -32,6 +33,7 @@ pub mod cluster;
 pub mod conformance;
 pub mod control;
 pub mod cri;
+pub mod echo;
 pub mod forward;
 pub mod kube;
 pub mod kubelet;

@@ -64,6 +64,8 @@ async fn conflist_is_written_only_once_the_binder_can_serve() {
     assert_eq!(conf["cniVersion"], "1.1.0");
     assert_eq!(conf["plugins"][0]["type"], "kuryr-cni");
     assert_eq!(conf["plugins"][0]["binderSocket"], binder_sock.display().to_string());
+    // The runtime passes pods' host ports only to plugins declaring the capability.
+    assert_eq!(conf["plugins"][0]["capabilities"], serde_json::json!({"portMappings": true}));
     let entries: Vec<_> =
         std::fs::read_dir(conflist.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(entries.len(), 1, "temporary files left: {entries:?}");

@@ -7,8 +7,9 @@
 //! with its VIPs, a listener per port and the endpoints as members (named target ports resolved
 //! per slice, conditions carried, dead endpoints left out), recorded in a ServiceLoadBalancer
 //! (PROGRAMMED at its generation) with a finalizer on the Service; an endpoint change is a delta
-//! with a higher generation; a reconnect resumes without a snapshot; NodePort gets an Event and
-//! headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
+//! with a higher generation; a reconnect resumes without a snapshot; NodePort is streamed with the
+//! node ports the API server allocated, its external IPs and traffic policies; ExternalName gets
+//! an Event and headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
 //! Service go; kill -9 and restart: the same load balancers at the same generations, Services
 //! deleted or created meanwhile handled, records without a Service removed; bad requests are
 //! INVALID_ARGUMENT.
@@ -25,7 +26,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_lbaas::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{
-    GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol,
+    GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol, TrafficPolicy,
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_proto::service_names::LOAD_BALANCERS;
@@ -499,9 +500,16 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert_eq!(members(&spec.listeners[0]), ["10.244.0.6:8080 st", "10.244.0.8:8080 rs", "fd00:10:244::5:8081 rs"]);
     assert_eq!(w.resets, 0);
 
-    // NodePort: an Event and nothing else; headless: nothing at all. A Service created after
-    // both marks when lbaas has seen them.
-    c.create_service("np", json!({"type": "NodePort", "ports": [{"port": 80}]})).await;
+    // NodePort: a load balancer with the node port the API server allocated, the external IPs
+    // and the traffic policies; ExternalName: an Event and nothing else; headless: nothing at
+    // all. A Service created after them marks when lbaas has seen them.
+    c.create_service(
+        "np",
+        json!({"type": "NodePort", "externalTrafficPolicy": "Local", "externalIPs": ["192.0.2.40"],
+               "ports": [{"port": 80, "protocol": "TCP", "name": "tcp"}, {"port": 80, "protocol": "UDP", "name": "udp"}]}),
+    )
+    .await;
+    c.create_service("en", json!({"type": "ExternalName", "externalName": "example.com"})).await;
     c.create_service("hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
     c.create_service("keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
     c.put_slice("keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
@@ -509,8 +517,26 @@ async fn services_become_load_balancers_that_survive_restarts() {
         s.specs.get(&key("keep")).is_some_and(|spec| members(&spec.listeners[0]) == ["10.244.1.9:8443 rs"])
     })
     .await;
-    let skipped = wait_until("np's Event", EVENT_TIMEOUT, || async {
-        let e = c.events_about("np").await;
+    w.until("np with its node ports", |s| {
+        s.specs
+            .get(&key("np"))
+            .is_some_and(|spec| spec.listeners.iter().all(|l| (30000..=32767).contains(&l.node_port)))
+    })
+    .await;
+    let np = w.spec("np").clone();
+    let api_np = c.services().get("np").await.unwrap();
+    let api_ports: Vec<u32> =
+        api_np.spec.unwrap().ports.unwrap().iter().map(|p| u32::try_from(p.node_port.unwrap()).unwrap()).collect();
+    assert_eq!(np.listeners.iter().map(|l| l.node_port).collect::<Vec<_>>(), api_ports, "{np:?}");
+    assert_eq!(np.listeners.iter().map(Listener::protocol).collect::<Vec<_>>(), [Protocol::Tcp, Protocol::Udp]);
+    assert_eq!((np.service_type.as_str(), np.external_ips.as_slice()), ("NodePort", &["192.0.2.40".to_string()][..]));
+    assert_eq!(np.external_traffic_policy(), TrafficPolicy::Local);
+    assert_eq!(np.internal_traffic_policy(), TrafficPolicy::Cluster, "the API server's default");
+    let record = c.records().get("np").await.unwrap();
+    assert_eq!(record.spec.listeners[0].node_port, api_ports[0]);
+    assert_eq!(record.spec.external_traffic_policy, "Local");
+    let skipped = wait_until("en's Event", EVENT_TIMEOUT, || async {
+        let e = c.events_about("en").await;
         anyhow::ensure!(!e.is_empty(), "none yet");
         Ok(e)
     })
@@ -520,9 +546,10 @@ async fn services_become_load_balancers_that_survive_restarts() {
         (skipped[0].reason.as_deref(), skipped[0].type_.as_deref(), skipped[0].reporting_controller.as_deref()),
         (Some("LoadBalancerSkipped"), Some("Normal"), Some("kuryr-lbaas"))
     );
-    assert!(skipped[0].note.as_deref().unwrap_or_default().contains("NodePort"), "{skipped:?}");
+    assert!(skipped[0].note.as_deref().unwrap_or_default().contains("ExternalName"), "{skipped:?}");
     assert!(c.events_about("hl").await.is_empty());
-    for name in ["np", "hl"] {
+    assert!(c.events_about("np").await.is_empty(), "NodePort is not skipped");
+    for name in ["en", "hl"] {
         assert!(!w.ever.contains(&key(name)), "{name} was streamed");
         assert!(c.records().get_opt(name).await.unwrap().is_none(), "{name} has a record");
         assert!(c.finalizers(name).await.is_empty(), "{name} got a finalizer");
@@ -577,6 +604,10 @@ async fn services_become_load_balancers_that_survive_restarts() {
             listeners: vec![],
             session_affinity: Default::default(),
             backend: "node".into(),
+            external_ips: vec![],
+            ingress_ips: vec![],
+            external_traffic_policy: String::new(),
+            internal_traffic_policy: String::new(),
         },
     );
     ghost.metadata.namespace = Some(NS.into());
@@ -584,7 +615,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
 
     let lbaas = c.lbaas(&watcher);
     // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot; the
-    // records are reconciled: mark and ghost go, late comes, keep stays as it was.
+    // records are reconciled: mark and ghost go, late comes, keep and np stay as they were.
     let mut w = lbaas.watch(&last).await;
     w.until("the state after the restart", |s| {
         s.live
@@ -601,7 +632,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
         anyhow::ensure!(c.services().get_opt("mark").await?.is_none(), "mark still there");
         let names: BTreeSet<String> =
             c.records().list(&ListParams::default()).await?.items.into_iter().filter_map(|r| r.metadata.name).collect();
-        anyhow::ensure!(names == BTreeSet::from(["keep".to_string(), "late".to_string()]), "records {names:?}");
+        let want = BTreeSet::from(["keep".to_string(), "late".to_string(), "np".to_string()]);
+        anyhow::ensure!(names == want, "records {names:?}");
         Ok(())
     })
     .await
@@ -614,7 +646,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
         .into_inner()
         .load_balancers;
     let names: Vec<&str> = listed.iter().map(|l| l.spec.as_ref().unwrap().name.as_str()).collect();
-    assert_eq!(names, ["keep", "late"]);
+    assert_eq!(names, ["keep", "late", "np"]);
 
     // SIGTERM ends open streams with UNAVAILABLE, promptly.
     let mut lbaas = lbaas;

@@ -31,6 +31,9 @@ pub fn render(socket: &Path, version: &str) -> String {
         "plugins": [{
             "type": "kuryr-cni",
             "binderSocket": socket,
+            // The runtime passes pods' host ports in runtimeConfig.portMappings only to plugins
+            // that declare the capability; the binder programs them (no portmap plugin).
+            "capabilities": {"portMappings": true},
         }],
     });
     let mut s = serde_json::to_string_pretty(&conf).unwrap_or_default();
@@ -102,6 +105,8 @@ mod tests {
         assert_eq!(v["name"], NETWORK_NAME);
         assert_eq!(v["plugins"][0]["type"], "kuryr-cni");
         assert_eq!(v["plugins"][0]["binderSocket"], "/run/kuryr/binder.sock");
+        assert_eq!(v["plugins"][0]["capabilities"]["portMappings"], true);
+        assert_eq!(v["plugins"].as_array().map(Vec::len), Some(1), "no portmap plugin chained");
     }
 
     #[test]

@@ -4,18 +4,21 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live. With `--lbaas` it also programs the node's Service dataplane in nftables from
-//! kuryr-lbaas's load balancer stream ([`lb`]); its health does not depend on that.
+//! stream is live. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
+//! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]), both in the node's
+//! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter.
 
 pub mod attachments;
 pub mod cni;
 pub mod cniconf;
+pub mod hostport;
 pub mod lb;
 pub mod metrics;
 pub mod netns;
 pub mod noderoutes;
 pub mod plug;
 pub mod spec;
+pub mod table;
 pub mod upstream;
 pub mod vifs;
 
@@ -114,6 +117,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
+    let hostports = hostport::HostPorts::new(lb::nft::Nft::default())
+        .with_metrics(hostport::metrics::HostPortMetrics::register(rt.registry()));
+    // Before serving, so that no DEL can race the restore of what the records hold.
+    match hostports.restore(&attachments.all()).await {
+        Ok(n) => tracing::info!(host_ports = n, "host ports restored from the attachment records"),
+        Err(e) => tracing::error!(error = %e, "cannot program host ports; retried with the next pod change"),
+    }
     let allocator = upstream::Allocator::new(
         kuryr_runtime::discover::channel(&config.allocator, config.kubeconfig.clone())
             .map_err(|e| anyhow::anyhow!("--allocator: {e}"))?,
@@ -130,6 +140,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
+    // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
+    tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
     if let Some(path) = &config.cni_conflist {
         let socket = config.listen.iter().find_map(|l| match l {
             ListenAddr::Unix(p) => Some(p.clone()),
@@ -149,8 +161,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
             .map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         tracing::info!(lbaas = target, "Service dataplane enabled");
-        tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
-        lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
+        lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),
             rt.shutdown(),
@@ -160,6 +171,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node,
         vifs,
         attachments,
+        hostports,
         allocator,
         vif_wait: config.vif_wait_timeout,
         ovs_db: config.ovs_db.clone(),

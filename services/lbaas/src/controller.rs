@@ -16,8 +16,8 @@
 //!
 //! Failures are retried by the queue with capped exponential backoff, and each is logged,
 //! counted in `kuryr_lbaas_failures_total{op,reason}` and told to the Service's users as a
-//! Warning Event. NodePort and ExternalName Services are told once (a Normal Event) why they get
-//! no load balancer.
+//! Warning Event. ExternalName Services are told once (a Normal Event) why they get no load
+//! balancer.
 //!
 //! **Shards** ([`crate::shards`]): only Services whose shard this replica serves are queued and
 //! reconciled; one whose shard moved away is skipped (`result="elsewhere"`), and a reconcile

@@ -3,12 +3,11 @@
 //! **Watches** Services and EndpointSlices through the watcher's Subscribe stream ([`follow`])
 //! into a view ([`view`]); nothing else.
 //!
-//! **Owns** per Service (ClusterIP and LoadBalancer types with cluster IPs): the finalizer
+//! **Owns** per Service (ClusterIP, NodePort and LoadBalancer types with cluster IPs): the finalizer
 //! `kuryr.openstack.org/lbaas` and a ServiceLoadBalancer record ([`crd`]) whose spec is the
 //! desired load balancer ([`spec`]) and whose status is what the backend observed. A keyed queue
-//! reconciles Services one key at a time, many keys at once ([`controller`]). NodePort and
-//! ExternalName Services get an Event saying why they have no load balancer; headless ones are
-//! ignored.
+//! reconciles Services one key at a time, many keys at once ([`controller`]). ExternalName
+//! Services get an Event saying why they have no load balancer; headless ones are ignored.
 //!
 //! **Programs** through a [`backend::Backend`]. The node backend (the embedded default)
 //! publishes each spec to `WatchLoadBalancers` ([`grpc`]), which every node's binder programs

@@ -151,6 +151,8 @@ pub struct Controller<B> {
     kick: Arc<Notify>,
     /// Which Services carry our finalizer.
     finalizers: FinalizerPolicy,
+    /// The load balancer class this lbaas provides (`None`: Services that name none).
+    lb_class: Option<String>,
 }
 
 /// Which Services get kuryr's finalizer (`--service-finalizer`).
@@ -197,7 +199,16 @@ impl<B: Backend> Controller<B> {
             shards: Shards::all(),
             kick: Arc::default(),
             finalizers: FinalizerPolicy::default(),
+            lb_class: None,
         }
+    }
+
+    /// Provides the load balancers of `type: LoadBalancer` Services of `class` (`None`: of those
+    /// that name no class); the others get their cluster IP and node ports only.
+    #[must_use]
+    pub fn with_load_balancer_class(mut self, class: Option<String>) -> Self {
+        self.lb_class = class;
+        self
     }
 
     /// Puts the finalizer on the Services `policy` names.
@@ -368,7 +379,8 @@ impl<B: Backend> Controller<B> {
         };
         let (namespace, name) = split(key);
         let slices: Vec<&EndpointSlice> = slices.iter().map(AsRef::as_ref).collect();
-        let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &entry.service };
+        let service = crate::spec::effective(&entry.service, self.lb_class.as_deref());
+        let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &service };
         match desired(&svc, &slices) {
             Desired::Lb(spec) => {
                 self.apply(key, &entry, spec).await?;
@@ -402,7 +414,7 @@ impl<B: Backend> Controller<B> {
             move |cause: Cause| ReconcileError { op: "apply", step, key: key.to_string(), uid, cause }
         };
         locked(&self.told).remove(key);
-        if self.finalizers.wants(&entry.service.r#type) {
+        if self.finalizers.wants(&spec.service_type) {
             if !entry.has_finalizer
                 && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
             {

@@ -116,6 +116,12 @@ pub struct Config {
     #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
     pub service_finalizer: controller::FinalizerPolicy,
 
+    /// The load balancer class (`spec.loadBalancerClass`) whose `type: LoadBalancer` Services this
+    /// lbaas provides load balancers for; unset: those that name no class. Services of another
+    /// class get their cluster IP and node ports only (their load balancer is someone else's).
+    #[arg(long, env = "KURYR_LOAD_BALANCER_CLASS")]
+    pub load_balancer_class: Option<String>,
+
     /// Services reconciled in parallel (each Service is always reconciled by one worker at a time).
     #[arg(long, env = "KURYR_LBAAS_WORKERS", default_value_t = 8,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
@@ -301,7 +307,8 @@ impl<B: Backend> Start<B> {
         let controller = Arc::new(
             Controller::new(kube.clone(), backend, view, records, metrics.clone())
                 .with_shards(shards.clone())
-                .with_finalizers(config.service_finalizer),
+                .with_finalizers(config.service_finalizer)
+                .with_load_balancer_class(config.load_balancer_class.clone()),
         );
         controller.spawn_workers(config.workers, shutdown.clone());
         controller.start_maintenance(shutdown.clone());

@@ -70,6 +70,30 @@ pub fn protocol(s: &str) -> Option<Protocol> {
     }
 }
 
+/// Whether this lbaas provides the load balancer of `svc`: a `type: LoadBalancer` Service of its
+/// load balancer class (`class`; `None`: Services that name no class), as every load balancer
+/// implementation must leave the Services of another class alone.
+pub fn owns_load_balancer(svc: &Service, class: Option<&str>) -> bool {
+    svc.r#type == "LoadBalancer"
+        && match class {
+            None => svc.load_balancer_class.is_empty(),
+            Some(c) => svc.load_balancer_class == c,
+        }
+}
+
+/// `svc` as kuryr load-balances it. A `type: LoadBalancer` Service whose load balancer another
+/// implementation provides still needs its cluster IP, node ports and the addresses that
+/// implementation put in its status answered on the nodes — as kube-proxy would — so to kuryr it
+/// is a NodePort Service: no load balancer of kuryr's, no finalizer, no status written.
+pub fn effective<'a>(svc: &'a Service, class: Option<&str>) -> std::borrow::Cow<'a, Service> {
+    if svc.r#type == "LoadBalancer" && !owns_load_balancer(svc, class) {
+        let mut other = svc.clone();
+        other.r#type = "NodePort".into();
+        return std::borrow::Cow::Owned(other);
+    }
+    std::borrow::Cow::Borrowed(svc)
+}
+
 fn is_headless(svc: &Service) -> bool {
     svc.cluster_ips.iter().all(|ip| ip.is_empty() || ip == "None")
 }
@@ -380,5 +404,27 @@ mod tests {
         let external = service("ExternalName", &[], vec![]);
         let Desired::Skipped { message } = desired(&r(&external), &[]) else { panic!() };
         assert!(message.contains("ExternalName"), "{message}");
+    }
+}
+
+#[cfg(test)]
+mod class_tests {
+    use super::*;
+
+    fn lb(class: &str) -> Service {
+        Service { r#type: "LoadBalancer".into(), load_balancer_class: class.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn load_balancers_of_another_class_are_node_port_services_to_kuryr() {
+        assert!(owns_load_balancer(&lb(""), None));
+        assert!(!owns_load_balancer(&lb("example.com/internal-vip"), None));
+        assert!(owns_load_balancer(&lb("kuryr.openstack.org/octavia"), Some("kuryr.openstack.org/octavia")));
+        assert!(!owns_load_balancer(&lb(""), Some("kuryr.openstack.org/octavia")));
+        assert_eq!(effective(&lb("example.com/internal-vip"), None).r#type, "NodePort");
+        assert_eq!(effective(&lb(""), None).r#type, "LoadBalancer");
+        let cluster_ip = Service { r#type: "ClusterIP".into(), ..Default::default() };
+        assert!(!owns_load_balancer(&cluster_ip, None));
+        assert_eq!(effective(&cluster_ip, None).r#type, "ClusterIP");
     }
 }

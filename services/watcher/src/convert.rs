@@ -111,6 +111,7 @@ impl Reduce for core::Service {
             external_traffic_policy: spec.external_traffic_policy.unwrap_or_default(),
             internal_traffic_policy: spec.internal_traffic_policy.unwrap_or_default(),
             external_ips: spec.external_ips.unwrap_or_default(),
+            load_balancer_class: spec.load_balancer_class.unwrap_or_default(),
             // Hostname-only ingress entries (some cloud load balancers) have no address to
             // answer on.
             load_balancer_ingress_ips: self
@@ -302,6 +303,7 @@ mod tests {
                 }),
                 external_traffic_policy: Some("Local".into()),
                 external_ips: Some(vec!["192.0.2.10".into()]),
+                load_balancer_class: Some("example.com/internal-vip".into()),
                 ..Default::default()
             }),
             status: Some(core::ServiceStatus {
@@ -320,6 +322,7 @@ mod tests {
         assert_eq!(s.session_affinity_timeout_seconds, 600);
         assert_eq!((s.external_traffic_policy.as_str(), s.internal_traffic_policy.as_str()), ("Local", ""));
         assert_eq!(s.external_ips, ["192.0.2.10"]);
+        assert_eq!(s.load_balancer_class, "example.com/internal-vip");
         assert_eq!(s.load_balancer_ingress_ips, ["198.51.100.7"], "hostname-only ingress entries are left out");
         assert_eq!(s.selector.get("app").map(String::as_str), Some("web"));
         assert_eq!((s.ports[0].protocol.as_str(), s.ports[0].target_port.as_str()), ("TCP", "web"));

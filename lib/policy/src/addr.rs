@@ -46,7 +46,7 @@ pub fn to_int(ip: &IpAddr) -> u128 {
 }
 
 /// An inclusive range of addresses of one family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AddrRange {
     pub family: Family,
     pub first: u128,
@@ -90,6 +90,12 @@ impl AddrRange {
 
     pub fn is_single(&self) -> bool {
         self.first == self.last
+    }
+}
+
+impl fmt::Debug for AddrRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 

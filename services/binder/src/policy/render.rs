@@ -3,6 +3,7 @@
 //! ```text
 //! chain pol_forward { type filter hook forward priority 5; policy accept;
 //!     ct state established,related accept          # replies of allowed connections
+//!     icmpv6 type { nd-neighbor-solicit, ... } accept  # IPv6 neighbour discovery
 //!     ip saddr . ip daddr @pol_self4 accept         # an isolated pod reaching itself (hairpin)
 //!     ip saddr vmap @pol_egress4                    # isolated source → jump pol/<egress group>
 //!     ip daddr vmap @pol_ingress4                   # isolated destination → jump pol/<ingress group>
@@ -229,6 +230,10 @@ fn base(out: &mut String) {
     let _ = writeln!(out, "flush chain {t} {BASE_CHAIN}");
     for rule in [
         "ct state established,related accept",
+        // Neighbour and router discovery are IPv6's ARP: judged as traffic, an isolated pod's
+        // solicitations (to multicast addresses no policy names) would cut it off its
+        // neighbours and its gateway.
+        "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert, nd-router-solicit, nd-router-advert, nd-redirect } accept",
         "ip saddr . ip daddr @pol_self4 accept",
         "ip6 saddr . ip6 daddr @pol_self6 accept",
         "ip saddr vmap @pol_egress4",

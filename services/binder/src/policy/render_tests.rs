@@ -108,6 +108,7 @@ fn replace_refills_every_set_in_one_script_and_removes_stale_policy_objects_only
     let mut script = String::new();
     replace(&mut script, &r, &chains, &sets);
     assert!(script.contains("flush map inet kuryr pol_ingress4\n"));
+    assert!(script.contains("add rule inet kuryr pol_forward icmpv6 type { nd-neighbor-solicit,"), "{script}");
     assert!(script.contains("add element inet kuryr pol_ingress4 { 10.0.1.1 : jump pol/i00000000000000a1 }"));
     assert!(script.contains("delete chain inet kuryr pol/iold\n"));
     assert!(script.contains("delete set inet kuryr pol/iold/a4\n"));

@@ -16,7 +16,9 @@
 //! With [`ClusterOptions::services`], Services work too: the real `kube-controller-manager`
 //! running its EndpointSlice controller ([`controllers`]), `kuryr-lbaas` (node backend) under its
 //! ServiceAccount following the watcher, and every node's binder given `--lbaas`, so that it
-//! programs the Service dataplane (nftables table `inet kuryr`) in the node's namespace.
+//! programs the Service dataplane (nftables table `inet kuryr`) in the node's namespace. With
+//! [`ClusterOptions::policy`], NetworkPolicy too: `kuryr-policy` under its ServiceAccount following
+//! the watcher, and every node's binder given `--policy`.
 //!
 //! [`Cluster::shutdown`] stops everything by pid in dependency order and deletes every network
 //! namespace and link it made; dropping a cluster does the same, best effort. What the cluster
@@ -64,6 +66,8 @@ pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
 pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
 /// kuryr-lbaas's ServiceAccount (`deploy/rbac/lbaas.yaml`).
 pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
+/// kuryr-policy's ServiceAccount (`deploy/rbac/policy.yaml`).
+pub const POLICY_ACCOUNT: &str = "kuryr-policy";
 /// Bound on a service turning SERVING after start.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a service gets to drain after SIGTERM.
@@ -106,6 +110,11 @@ pub struct ClusterOptions {
     /// Services: kube-controller-manager (EndpointSlices), kuryr-lbaas, and `--lbaas` for the
     /// binders.
     pub services: bool,
+    /// NetworkPolicy: kuryr-policy, and `--policy` for the binders.
+    pub policy: bool,
+    /// The PodNetwork's IPv4 block prefix (the allocator's default when unset); small blocks
+    /// make a released address come back after a few pods.
+    pub ipv4_block_prefix: Option<u8>,
     /// `--log` of the services.
     pub service_log: String,
     /// Start-up progress reports.
@@ -123,6 +132,8 @@ impl Default for ClusterOptions {
             kubelet: true,
             run_containers: false,
             services: false,
+            policy: false,
+            ipv4_block_prefix: None,
             service_log: "info".into(),
             progress: None,
         }
@@ -202,6 +213,7 @@ pub struct Cluster {
     kubelets: Vec<Kubelet>,
     nodes: Vec<ClusterNode>,
     lbaas: Option<Service>,
+    policy: Option<Service>,
     allocator: Service,
     watcher: Service,
     controller_manager: Option<ControllerManager>,
@@ -221,6 +233,7 @@ impl fmt::Debug for Cluster {
             .field("watcher", &self.watcher)
             .field("allocator", &self.allocator)
             .field("lbaas", &self.lbaas)
+            .field("policy", &self.policy)
             .field("controller_manager", &self.controller_manager)
             .field("underlay", &self.underlay)
             .field("kube", &self.kube)
@@ -284,7 +297,11 @@ impl Cluster {
 
         let t = Instant::now();
         let networks: Api<PodNetwork> = Api::all(client.clone());
-        let network = PodNetwork::new(&opts.network, PodNetworkSpec::new(opts.network_cidrs.clone()));
+        let mut spec = PodNetworkSpec::new(opts.network_cidrs.clone());
+        if let Some(prefix) = opts.ipv4_block_prefix {
+            spec.ipv4_block_prefix = prefix;
+        }
+        let network = PodNetwork::new(&opts.network, spec);
         networks.create(&PostParams::default(), &network).await.context("creating the PodNetwork")?;
         progress.step(&format!("PodNetwork {} ({})", opts.network, opts.network_cidrs.join(", ")), t);
 
@@ -316,7 +333,10 @@ impl Cluster {
             // back at once instead of waiting for them to expire.
             "--replica-id".into(),
             "kuryr-vif-allocator-0".into(),
-        ];
+        ]
+        .into_iter()
+        .chain(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]))
+        .collect::<Vec<String>>();
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
@@ -359,6 +379,32 @@ impl Cluster {
             None
         };
 
+        let policy = if opts.policy {
+            let t = Instant::now();
+            let policy_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, POLICY_ACCOUNT).await?;
+            let policy_args = [
+                "--kubeconfig".into(),
+                policy_config.display().to_string(),
+                "--watcher".into(),
+                watcher.unix_target(),
+                "--instance".into(),
+                "kuryr-policy-0".into(),
+            ];
+            let policy = start_service(
+                "kuryr-policy",
+                dir.path(),
+                &policy_args,
+                &opts.service_log,
+                service_names::POLICIES,
+                &progress,
+            )
+            .await?;
+            progress.step(&format!("kuryr-policy serving on {} and {}", policy.tcp, policy.socket.display()), t);
+            Some(policy)
+        } else {
+            None
+        };
+
         let t = Instant::now();
         let underlay = Underlay::new(opts.underlay_id)?;
         progress.record(|m| m.underlay_netns = Some(underlay.netns_name().to_string()));
@@ -366,7 +412,7 @@ impl Cluster {
 
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
-            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref() };
+            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref(), policy: policy.as_ref() };
             start_node(name, i, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
@@ -395,6 +441,7 @@ impl Cluster {
             kubelets,
             nodes,
             lbaas,
+            policy,
             allocator,
             watcher,
             controller_manager,
@@ -458,6 +505,11 @@ impl Cluster {
         self.lbaas.as_ref()
     }
 
+    /// kuryr-policy (with [`ClusterOptions::policy`]).
+    pub fn policy(&self) -> Option<&Service> {
+        self.policy.as_ref()
+    }
+
     /// kube-controller-manager (with [`ClusterOptions::services`]).
     pub fn controller_manager(&self) -> Option<&ControllerManager> {
         self.controller_manager.as_ref()
@@ -498,6 +550,9 @@ impl Cluster {
         if let Some(l) = &self.lbaas {
             out.push_str(&format!("==== kuryr-lbaas\n{}\n", l.logs()));
         }
+        if let Some(p) = &self.policy {
+            out.push_str(&format!("==== kuryr-policy\n{}\n", p.logs()));
+        }
         for n in &self.nodes {
             out.push_str(&format!("==== kuryr-binder {}\n{}\n", n.name, n.node.binder_logs()));
         }
@@ -510,7 +565,9 @@ impl Cluster {
     /// returns how long it took. Every step runs even if one fails; the errors are combined.
     pub async fn shutdown(self) -> Result<Duration> {
         let t = Instant::now();
-        let Cluster { kubelets, nodes, lbaas, allocator, watcher, controller_manager, underlay, dir, kube, .. } = self;
+        let Cluster {
+            kubelets, nodes, lbaas, policy, allocator, watcher, controller_manager, underlay, dir, kube, ..
+        } = self;
         drop(kubelets);
         let mut errors = Vec::new();
         let results = futures::future::join_all(nodes.into_iter().map(|n| async move {
@@ -519,7 +576,7 @@ impl Cluster {
         }))
         .await;
         errors.extend(results.into_iter().filter_map(Result::err));
-        for s in lbaas.into_iter().chain([allocator, watcher]) {
+        for s in lbaas.into_iter().chain(policy).chain([allocator, watcher]) {
             let mut s = s;
             if let Err(e) = s.process.terminate(STOP_TIMEOUT).await {
                 errors.push(e);
@@ -556,6 +613,8 @@ pub enum ServiceKind {
     Allocator,
     /// `kuryr-lbaas` (with [`ClusterOptions::services`]).
     Lbaas,
+    /// `kuryr-policy` (with [`ClusterOptions::policy`]).
+    Policy,
 }
 
 impl Cluster {
@@ -564,6 +623,7 @@ impl Cluster {
             ServiceKind::Watcher => Ok(&mut self.watcher),
             ServiceKind::Allocator => Ok(&mut self.allocator),
             ServiceKind::Lbaas => self.lbaas.as_mut().context("this cluster runs no kuryr-lbaas (services: false)"),
+            ServiceKind::Policy => self.policy.as_mut().context("this cluster runs no kuryr-policy (policy: false)"),
         }
     }
 
@@ -672,6 +732,7 @@ async fn start_service(
 struct Upstream<'a> {
     allocator: &'a Service,
     lbaas: Option<&'a Service>,
+    policy: Option<&'a Service>,
 }
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
@@ -681,7 +742,7 @@ async fn start_node(
     index: usize,
     client: &kube::Client,
     underlay: &Underlay,
-    Upstream { allocator, lbaas }: Upstream<'_>,
+    Upstream { allocator, lbaas, policy }: Upstream<'_>,
     opts: &ClusterOptions,
     progress: &Progress,
 ) -> Result<ClusterNode> {
@@ -703,6 +764,9 @@ async fn start_node(
     let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
+    }
+    if let Some(policy) = policy {
+        binder_args.extend(["--policy".to_string(), policy.unix_target()]);
     }
     let node = Node::with_containerd(ctd, &name, &allocator.unix_target(), &binder_args)
         .await

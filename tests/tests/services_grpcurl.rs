@@ -45,6 +45,12 @@ const SERVICES: &[Svc] = &[
         dep_flag: Some("--allocator"),
         bad_call: ("kuryr.binder.v1.Cni/Add", r#"{"shim_version":"0.0.0-not-this"}"#),
     },
+    Svc {
+        bin: "kuryr-policy",
+        api: "kuryr.policy.v1.Policies",
+        dep_flag: Some("--watcher"),
+        bad_call: ("kuryr.policy.v1.Policies/GetNodePolicy", r#"{"node_name":"Not_A_Node"}"#),
+    },
 ];
 
 struct Running {
@@ -223,7 +229,9 @@ async fn services_become_serving_once_their_dependencies_are() {
         ],
     )
     .unwrap();
-    for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder]) {
+    // kuryr-policy serves once the watcher's first snapshot is compiled.
+    let policy = start(&SERVICES[4], dir.path(), &["--watcher".into(), watcher.tcp.clone()]).unwrap();
+    for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder, &policy]) {
         wait_until(&format!("{} SERVING", svc.bin), Duration::from_secs(30), || async {
             let h = health(&r.tcp, svc.api).await?;
             anyhow::ensure!(h.contains("\"SERVING\""), "{h}");
@@ -242,6 +250,13 @@ async fn services_become_serving_once_their_dependencies_are() {
     watcher.proc.kill().await.unwrap();
     wait_until("allocator NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
         let h = health(&allocator.tcp, SERVICES[1].api).await?;
+        anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    wait_until("kuryr-policy NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
+        let h = health(&policy.tcp, SERVICES[4].api).await?;
         anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
         Ok(())
     })

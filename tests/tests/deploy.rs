@@ -109,7 +109,9 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
             let c = &o["spec"]["template"]["spec"]["containers"][0];
             let args: Vec<&str> = c["args"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
             for a in &args {
-                if let Some(t) = ["--watcher=", "--allocator=", "--lbaas=", "--policy="].iter().find_map(|f| a.strip_prefix(f)) {
+                if let Some(t) =
+                    ["--watcher=", "--allocator=", "--lbaas=", "--policy="].iter().find_map(|f| a.strip_prefix(f))
+                {
                     assert!(t.starts_with("k8s:"), "{overlay}: {name} reaches {a} through DNS");
                 }
             }

@@ -260,4 +260,50 @@ mod tests {
         }
         assert!(watch("node-1.example", "abc-3", "binder/node-1").is_ok());
     }
+
+    #[test]
+    fn events_carry_what_the_binder_needs_and_deletions_only_the_key() {
+        use std::sync::Arc;
+
+        use kuryr_policy_core::{AddrPort, GroupId};
+
+        let w = Watch { node: "n1".into(), metrics: Metrics::default() };
+        let mut allowed = Allowed::default();
+        allowed.any.insert("10.0.0.9".parse().unwrap());
+        allowed.ports.insert(AddrPort { addr: "fd00::9".parse().unwrap(), protocol: Protocol::Udp, port: 53 });
+        let group = Arc::new(Entry::Group { allowed: Arc::new(allowed), policies: Arc::new(vec!["ns/p".into()]) });
+        let key = ("n1".to_string(), Item::Group("i0123".into()));
+        assert!(w.wants(&key, &group));
+        assert!(!w.wants(&("n2".to_string(), Item::Group("i0123".into())), &group));
+        let r = w.encode("e-3".into(), Event::Applied(&key, &group)).unwrap();
+        assert_eq!(r.r#type(), pb::PolicyEventType::GroupApplied);
+        let g = r.group.unwrap();
+        assert_eq!(
+            (g.id.as_str(), g.addresses.as_slice(), g.policies.as_slice()),
+            ("i0123", &["10.0.0.9".to_string()][..], &["ns/p".to_string()][..])
+        );
+        assert_eq!(
+            (g.ports[0].address.as_str(), g.ports[0].protocol(), g.ports[0].port),
+            ("fd00::9", pb::Protocol::Udp, 53)
+        );
+        let r = w.encode("e-4".into(), Event::Deleted(&key, &group)).unwrap();
+        assert_eq!(r.group.unwrap(), pb::PeerGroup { id: "i0123".into(), ..Default::default() });
+
+        let iso =
+            Arc::new(Entry::Isolation { ingress: Some(GroupId("i0123".into())), egress: None, pod: "ns/a".into() });
+        let key = ("n1".to_string(), Item::Isolation("10.0.0.1".parse().unwrap()));
+        let r = w.encode("e-5".into(), Event::Applied(&key, &iso)).unwrap();
+        assert_eq!(r.r#type(), pb::PolicyEventType::IsolationApplied);
+        let i = r.isolation.unwrap();
+        assert_eq!(
+            (i.address.as_str(), i.ingress_group.as_str(), i.egress_group.as_str(), i.pod.as_str()),
+            ("10.0.0.1", "i0123", "", "ns/a")
+        );
+        let r = w.encode("e-6".into(), Event::Deleted(&key, &iso)).unwrap();
+        assert_eq!(r.isolation.unwrap(), pb::Isolation { address: "10.0.0.1".into(), ..Default::default() });
+        assert_eq!(
+            w.encode("e-6".into(), Event::SnapshotComplete).unwrap().r#type(),
+            pb::PolicyEventType::SnapshotComplete
+        );
+    }
 }

@@ -17,6 +17,7 @@
 //! - through a Service ClusterIP, the connection is judged by the pod it reaches (after DNAT);
 //! - the node itself (as a kubelet probe) still reaches an isolated pod;
 //! - the policies deleted: everything flows again;
+//! - a port rule naming only a protocol: every port of it;
 //! - a binder restarted: the rules stay and are reconciled, not rebuilt from nothing;
 //! - a pod deleted while isolated: its address leaves the rules, and the pod that gets the
 //!   address next is judged by its own labels.
@@ -405,6 +406,25 @@ async fn scenario(cluster: &mut Cluster, w: &mut World) -> Result<()> {
         ],
     )
     .await?;
+
+    // A port rule naming only a protocol: every port of it, from everyone.
+    let udp_only = policy(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "udp-only"},
+        "spec": {"podSelector": {"matchLabels": {"app": "server"}}, "ingress": [{"ports": [{"protocol": "UDP"}]}]}
+    }));
+    policies_a.create(&PostParams::default(), &udp_only).await?;
+    w.check(
+        "every port of one protocol",
+        &[
+            (out, srv, Udp, PORT, Allowed),
+            (cl, srv, Udp, OTHER_PORT, Allowed),
+            (cl, srv, Tcp, PORT, Denied),
+            (oth, srv, Tcp, OTHER_PORT, Denied),
+        ],
+    )
+    .await?;
+    policies_a.delete("udp-only", &DeleteParams::default()).await?;
 
     ip_reuse(cluster, w, &pods_a, &policies_a, &node1).await?;
 

@@ -94,6 +94,11 @@ fn port(p: u32) -> Option<u32> {
     (1..=65535).contains(&p).then_some(p)
 }
 
+/// A bound of a port range: 0 included, as "every port of a protocol" is 0-65535.
+fn range_port(p: u32) -> Option<u32> {
+    (p <= 65535).then_some(p)
+}
+
 /// Sets and chain of one group; what cannot be read is left out (it allows nothing) and named in
 /// `warnings`.
 fn group(id: &str, g: &PeerGroup, out: &mut Rendered, warnings: &mut Vec<String>) {
@@ -138,7 +143,7 @@ fn group(id: &str, g: &PeerGroup, out: &mut Rendered, warnings: &mut Vec<String>
     }
     for b in &g.boxes {
         let range = b.addresses.as_ref().and_then(parse_range);
-        match (range, proto(b.protocol), port(b.first_port), port(b.last_port)) {
+        match (range, proto(b.protocol), range_port(b.first_port), range_port(b.last_port)) {
             (Some((a, z)), Some(pr), Some(f), Some(l)) if f <= l => {
                 sets.get_mut(&name("r", v4(&a))).map(|s| s.insert(format!("{a}-{z} . {pr} . {f}-{l}")))
             }

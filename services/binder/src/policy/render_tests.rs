@@ -87,6 +87,22 @@ fn a_peer_joining_a_group_is_one_element_and_a_pod_moving_is_one_map_key() {
 }
 
 #[test]
+fn every_port_of_a_protocol_is_the_range_from_zero() {
+    // `ports: [{protocol: TCP}]` from every peer: the compiler's box of all addresses, TCP 0-65535.
+    let mut d = state();
+    let g = d.groups.get_mut("i00000000000000a1").unwrap();
+    g.boxes = vec![PortBox {
+        addresses: Some(AddressRange { first: "0.0.0.0".into(), last: "255.255.255.255".into() }),
+        protocol: Protocol::Tcp as i32,
+        first_port: 0,
+        last_port: 65535,
+    }];
+    let (r, warnings) = render(&d);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(elems(&r, "pol/i00000000000000a1/r4"), ["0.0.0.0-255.255.255.255 . tcp . 0-65535"]);
+}
+
+#[test]
 fn a_missing_or_unreadable_group_allows_nothing() {
     let mut d = Desired::default();
     d.isolations.insert(ip("10.0.1.1"), Isolation { ingress: None, egress: Some("e0000000000000001".into()) });

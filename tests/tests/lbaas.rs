@@ -248,11 +248,14 @@ impl LbStream {
     }
 
     async fn next(&mut self) -> Result<WatchLoadBalancersResponse, End> {
-        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            Ok(Ok(None)) => return Err(End::Ended),
-            Ok(Err(s)) => return Err(End::Failed(s)),
-            Err(_) => return Err(End::Silent),
+        let ev = loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(ev))) if ev.r#type() == LbEventType::Heartbeat => continue,
+                Ok(Ok(Some(ev))) => break ev,
+                Ok(Ok(None)) => return Err(End::Ended),
+                Ok(Err(s)) => return Err(End::Failed(s)),
+                Err(_) => return Err(End::Silent),
+            }
         };
         self.last.clone_from(&ev.resume_point);
         self.types.push(ev.r#type());
@@ -273,7 +276,7 @@ impl LbStream {
                 self.specs.remove(&key);
                 self.deleted.insert(key);
             }
-            LbEventType::Unspecified => panic!("unspecified event {ev:?}"),
+            LbEventType::Unspecified | LbEventType::Heartbeat => panic!("unexpected event {ev:?}"),
         }
         Ok(ev)
     }
@@ -473,7 +476,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert!(w.spec("web").generation > before, "{} after {before}", w.spec("web").generation);
     assert_eq!(w.types.last(), Some(&LbEventType::LbApplied));
 
-    // A reconnect resumes: only what changed meanwhile, no snapshot.
+    // A reconnect resumes: SNAPSHOT_COMPLETE (caught up as of the point), then only what changed
+    // meanwhile, no snapshot.
     let resume = w.last.clone();
     let at = w.spec("web").generation;
     drop(w);
@@ -493,6 +497,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     .await
     .unwrap();
     let mut w = lbaas.watch(&resume).await;
+    let ev = w.next().await.unwrap();
+    assert_eq!((ev.r#type(), ev.resume_point.as_str()), (LbEventType::SnapshotComplete, resume.as_str()), "{ev:?}");
     let ev = w.next().await.unwrap();
     assert_eq!(ev.r#type(), LbEventType::LbApplied, "{ev:?}");
     let spec = ev.spec.unwrap();

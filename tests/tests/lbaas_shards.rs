@@ -313,7 +313,7 @@ fn follow(addr: String, who: &str) -> Shared {
                 LbEventType::LbDeleted => {
                     st.specs.remove(&key);
                 }
-                LbEventType::Unspecified => {}
+                LbEventType::Unspecified | LbEventType::Heartbeat => continue,
             }
             let live = st.live;
             if live {

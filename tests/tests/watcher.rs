@@ -101,12 +101,16 @@ struct Sub {
 }
 
 impl Sub {
+    /// The next event but heartbeats.
     async fn next(&mut self) -> SubscribeResponse {
-        match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(r))) => r,
-            Ok(Ok(None)) => panic!("the stream ended"),
-            Ok(Err(s)) => panic!("the stream failed: {s}"),
-            Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+        loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(r))) if r.r#type() == EventType::Heartbeat => continue,
+                Ok(Ok(Some(r))) => return r,
+                Ok(Ok(None)) => panic!("the stream ended"),
+                Ok(Err(s)) => panic!("the stream failed: {s}"),
+                Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+            }
         }
     }
 
@@ -136,10 +140,13 @@ impl Sub {
         }
     }
 
-    /// Asserts that nothing arrives for a while.
+    /// Asserts that nothing but heartbeats arrives for a while.
     async fn assert_quiet(&mut self) {
-        if let Ok(ev) = tokio::time::timeout(QUIET, self.stream.message()).await {
-            panic!("expected no event, got {ev:?}");
+        let until = tokio::time::Instant::now() + QUIET;
+        while let Ok(ev) = tokio::time::timeout_at(until, self.stream.message()).await {
+            if !matches!(&ev, Ok(Some(r)) if r.r#type() == EventType::Heartbeat) {
+                panic!("expected no event, got {ev:?}");
+            }
         }
     }
 }

@@ -20,6 +20,9 @@ use crate::metrics::CniMetrics;
 use crate::plug::{self, BindingDriver, PlugError, PlugSpec};
 use crate::vifs::{self, VifCache, Wait};
 
+/// How long DEL waits for the allocator to take its unplugged report.
+const UNPLUG_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// CHECK found the attachment differing from what ADD set up (a plugin-specific code).
 pub const ATTACHMENT_DIFFERS: u32 = code::PLUGIN_SPECIFIC_MIN;
 
@@ -142,10 +145,16 @@ impl CniService {
                 plugged: false,
                 host_ifname: att.host_ifname.clone(),
             };
-            if let Err(e) = self.allocator.client().report_plugged(req).await {
-                // The allocator learns of the pod's deletion from Kubernetes anyway; the report only
-                // speeds it up, so it is not worth failing DEL over.
-                tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered");
+            // The allocator learns of the pod's deletion from Kubernetes anyway; the report only
+            // speeds it up, so it is not worth failing DEL over, nor holding it up: a stopped or
+            // partitioned allocator gets UNPLUG_REPORT_TIMEOUT.
+            let mut client = self.allocator.client();
+            match tokio::time::timeout(UNPLUG_REPORT_TIMEOUT, client.report_plugged(req)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered")
+                }
+                Err(_) => tracing::debug!(pod_uid = att.pod_uid, "unplugged report not answered in time"),
             }
         }
         if let Err(e) = self.hostports.remove(&att.container_id, &att.ifname).await {

@@ -4,7 +4,8 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
+//! stream is live, and again whenever the stream is down or silent for longer than
+//! `--stream-idle-timeout`. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
 //! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]), both in the node's
 //! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter.
 
@@ -29,7 +30,8 @@ use clap::Parser;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
 use kuryr_runtime::config::parse_duration;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
+use kuryr_runtime::follow::FollowArgs;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 
 /// The binder's version; the shim must send the same.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -103,6 +105,10 @@ pub struct Config {
     #[arg(long, env = "KURYR_OVS_DB")]
     pub ovs_db: Option<String>,
 
+    /// How the VIF and load balancer streams are read.
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -131,14 +137,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
-    tokio::spawn(vifs.clone().follow(
-        allocator.clone(),
-        node.clone(),
-        binder_id,
-        rt.health(),
-        service_names::CNI,
-        rt.shutdown(),
-    ));
+    let follower = vifs::follower(allocator.clone(), node.clone(), binder_id, config.follow.config());
+    tokio::spawn(vifs.clone().follow(follower, rt.health(), service_names::CNI, rt.shutdown()));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
     // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
     tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
@@ -164,6 +164,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),
+            config.follow.config(),
             rt.shutdown(),
         );
     }
@@ -178,8 +179,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         metrics: metrics::CniMetrics::register(rt.registry()),
         bridges_ready: Default::default(),
     };
-    let routes = tonic::service::Routes::new(CniServer::new(service));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    rt.serve(Services::new(CniServer::new(service)), &config.listen, Some(&config.metrics_listen)).await
 }
 
 /// A `cniVersion` this plugin speaks (the error lists the supported ones).

@@ -409,6 +409,12 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
         .unwrap();
     pods.delete("mine", &grace0).await.unwrap();
     let mut s3 = w.subscribe(&[Kind::Pod], filter.clone(), &last, "test/resume").await.unwrap();
+    // Caught up as of the resume point: SNAPSHOT_COMPLETE there, then only what was missed.
+    let ev = s3.next().await;
+    assert_eq!(
+        (ev.r#type(), ev.resume_point.as_str(), ev.object.is_none()),
+        (EventType::SnapshotComplete, last.as_str(), true)
+    );
     let mut seen = Vec::new();
     for _ in 0..4 {
         let ev = s3.next().await;

@@ -61,6 +61,7 @@ bench: tools
 	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
 	$(MAKE) --no-print-directory bench-neutron
+	$(MAKE) --no-print-directory bench-kubelet
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
 ## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
@@ -125,16 +126,32 @@ conformance: tools
 	$(CARGO) build --workspace --bins
 	./target/debug/kuryr-conformance
 
+.PHONY: image
+
+## image: the kuryr-rs image deploy/ installs (docker.io/library/kuryr-rs:0.1.0) as an OCI archive,
+## target/kuryr-rs.tar, assembled from the release binaries and the static shim without a container
+## engine (`ctr -n k8s.io images import target/kuryr-rs.tar` on a node, or push it with skopeo);
+## deploy/Dockerfile builds the same image where a Docker engine exists
+image:
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/image-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/image-bin/ && cp $(SHIM_BIN) target/image-bin/
+	bash tests/env/images/kuryr-image.sh target/image-bin target/kuryr-rs.tar
+
 .PHONY: lab lab-down
 
-## lab: install prerequisites (as `make setup`), build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this
-## machine (real API server, containerd nodes in network namespaces); stays up until `make lab-down`
-lab: setup
-	$(CARGO) build --release --workspace --bins
-	KURYR_BIN_DIR=$(CURDIR)/target/release ./target/release/kuryr-lab up
+## lab: install what the lab needs (system packages, the Kubernetes and test tools; not the OpenStack venvs),
+## build the binaries with the lab profile (optimised, no LTO), then run a Kubernetes cluster of real nodes
+## (kubelet + containerd in network and mount namespaces, no kube-proxy) on this machine with kuryr installed
+## from deploy/overlays/embedded and a sample workload; stays up until `make lab-down`
+lab:
+	bash tests/env/setup.sh
+	bash tests/env/tools.sh kube-apiserver kube-controller-manager kubelet kube-scheduler kubectl agnhost etcd coredns grpcurl
+	$(CARGO) build --profile lab --workspace --bins
+	KURYR_BIN_DIR=$(CURDIR)/target/lab ./target/lab/kuryr-lab up
 
 ## lab-down: stop the lab started by `make lab` and wait until it is gone (also cleans up after a
 ## lab that crashed)
 lab-down:
-	@test -x target/release/kuryr-lab || $(CARGO) build --release -p kuryr-tests --bin kuryr-lab
-	./target/release/kuryr-lab down
+	@test -x target/lab/kuryr-lab || $(CARGO) build --profile lab -p kuryr-tests --bin kuryr-lab
+	./target/lab/kuryr-lab down

@@ -29,6 +29,10 @@ async fn conflist_is_written_only_once_the_binder_can_serve() {
         &dir.path().join("state").display().to_string(),
         "--cni-conflist",
         &conflist.display().to_string(),
+        // As for a runtime whose libcni speaks 1.1.0 (the default, 1.0.0, is for containerd
+        // 1.6/1.7): STATUS, checked below with the written file, exists from 1.1.0 on.
+        "--cni-conflist-version",
+        "1.1.0",
         "--shutdown-grace",
         "2s",
     ]

@@ -44,8 +44,14 @@ inputs=$(
         "$CC" --version | head -n1
     } | sha256sum | awk '{print $1}'
 )
-if [[ -f "$OUT_DIR/e2e-inputs.sha256" && "$(cat "$OUT_DIR/e2e-inputs.sha256")" == "$inputs" &&
-    -f "$OUT_DIR/e2e-images.env" ]]; then
+# Cached when the inputs match and every tar the env file names is still there.
+cached() {
+    [[ -f "$OUT_DIR/e2e-inputs.sha256" && "$(cat "$OUT_DIR/e2e-inputs.sha256")" == "$inputs" &&
+        -f "$OUT_DIR/e2e-images.env" ]] || return 1
+    local tar
+    for tar in $(sed -n 's/^[A-Z_]*_TAR=//p' "$OUT_DIR/e2e-images.env"); do [[ -f $tar ]] || return 1; done
+}
+if cached; then
     cat "$OUT_DIR/e2e-images.env"
     exit 0
 fi

@@ -30,8 +30,11 @@ make_image() {
     local diff_id layer=$WORK/layer.tar media=application/vnd.oci.image.layer.v1.tar
     diff_id=$(sha "$WORK/layer.tar")
     if [[ $compression == gzip ]]; then
-        gzip -n -6 -c "$WORK/layer.tar" >"$WORK/layer.tar.gz"
-        layer=$WORK/layer.tar.gz media=application/vnd.oci.image.layer.v1.tar+gzip
+        # Images made from the same root file system (e2e.sh's stand-ins) share one layer: it is
+        # compressed once per WORK and reused, which gives the same bytes as compressing it again.
+        local gz="$WORK/layer-$diff_id.tar.gz"
+        [[ -f $gz ]] || gzip -n -6 -c "$WORK/layer.tar" >"$gz"
+        layer=$gz media=application/vnd.oci.image.layer.v1.tar+gzip
     fi
     local layer_digest layer_size
     layer_digest=$(put_blob "$layout" "$layer")
@@ -58,7 +61,7 @@ make_image() {
     tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
         -C "$layout" -cf "$WORK/out.tar" oci-layout index.json blobs
     mv -f "$WORK/out.tar" "$out"
-    rm -rf "$WORK/layer.tar" "$WORK/layer.tar.gz" "$layout"
+    rm -rf "$WORK/layer.tar" "$layout"
 }
 
 busybox_root() {

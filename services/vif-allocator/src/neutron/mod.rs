@@ -10,9 +10,12 @@
 //! pool empty gets a port created on its path. Released ports are recycled (`device_id`
 //! cleared, security groups reset) and handed out again once Neutron sees them unplugged.
 //!
-//! **Readiness** ([`status`]): a VIF the binder reports plugged is READY only once Neutron says
-//! the port is ACTIVE. Neutron never pushes, so one poller reads the status of every watched
-//! port in batched list calls (`?id=..&id=..`), backing off while nothing changes.
+//! **Readiness**: a VIF the binder reports plugged is READY only once Neutron says the port is
+//! ACTIVE. With a transport URL ([`events`]) that comes from Neutron's own push of the port over
+//! RabbitMQ, mapped here by port id to the waiting pod ([`NeutronBackend::on_port_event`]), with
+//! a slow batched read of ports waiting too long as the safety net ([`status`]); without one,
+//! or while the broker is unreachable, one poller reads the status of every watched port in
+//! batched list calls (`?id=..&id=..`), backing off while nothing changes.
 //!
 //! **No duplicates, no leaks.** Before the allocator serves, [`NeutronBackend::recover`] lists
 //! every port tagged for the cluster and rebuilds the pools and who holds what, so a pod whose
@@ -22,6 +25,7 @@
 //! for cleanup ([`NeutronBackend::holders`]); ports that failed to bind are deleted.
 
 pub mod config;
+pub mod events;
 pub mod metrics;
 pub mod namespaces;
 pub mod pool;
@@ -41,10 +45,12 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::Instrument as _;
 
 use self::config::NeutronArgs;
+use self::events::decode::PortEvent;
+use self::events::{EventMetrics, Link, PortEventSink, PortEvents};
 use self::metrics::{NeutronMetrics, PoolLabels, ReasonLabels};
 use self::namespaces::NamespaceNetworks;
 use self::namespaces::k8s::NamespaceKube;
-use self::pool::{Inventory, Limits, PoolKey, PoolView};
+use self::pool::{Inventory, Limits, Place, PoolKey, PoolView};
 use self::vif::{SubnetInfo, VifShape};
 use crate::backend::VifBackend;
 use crate::cluster::ClusterError;
@@ -72,6 +78,31 @@ pub struct ReadyVif {
 struct Watched {
     pod_uid: String,
     since: Instant,
+    /// The port's revision when the pod got it: a pushed port of this revision or older says
+    /// nothing about the pod's plug.
+    revision: Option<u64>,
+}
+
+/// What the event side keeps besides the watched ports.
+#[derive(Debug, Default)]
+struct EventState {
+    /// Port id → the newest revision pushed, for the ports of the inventory: older and repeated
+    /// pushes are stale.
+    revisions: HashMap<String, u64>,
+    /// Ports pushed ACTIVE for the pod holding them before their plug was reported: port id →
+    /// (revision, pod uid).
+    early: HashMap<String, (u64, String)>,
+}
+
+/// The event side of readiness.
+#[derive(Debug)]
+struct EventSide {
+    link: tokio::sync::watch::Receiver<Link>,
+    resync: Duration,
+    metrics: EventMetrics,
+    state: Mutex<EventState>,
+    /// The consumer, until [`NeutronBackend::spawn`] runs it.
+    consumer: Mutex<Option<PortEvents>>,
 }
 
 /// The receiving ends the backend's tasks and the allocator consume.
@@ -128,6 +159,8 @@ pub struct NeutronBackend {
     bulk: Semaphore,
     recovered: AtomicBool,
     metrics: NeutronMetrics,
+    /// Port status from Neutron's push, when a transport URL is configured.
+    events: Option<EventSide>,
 }
 
 fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -148,7 +181,22 @@ impl NeutronBackend {
         client: Client,
         metrics: NeutronMetrics,
         kube: NamespaceKube,
+        instance: &str,
     ) -> anyhow::Result<(NeutronBackend, Channels)> {
+        let events = match args.events.resolve()? {
+            Some(cfg) => {
+                let resync = cfg.resync;
+                let consumer = PortEvents::new(cfg, &args.cluster_id, instance, metrics.events.clone())?;
+                Some(EventSide {
+                    link: consumer.link(),
+                    resync,
+                    metrics: metrics.events.clone(),
+                    state: Mutex::default(),
+                    consumer: Mutex::new(Some(consumer)),
+                })
+            }
+            None => None,
+        };
         let neutron = client.network();
         let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
             Some(p) => p,
@@ -197,6 +245,7 @@ impl NeutronBackend {
             bulk: Semaphore::new(args.pool_bulk_concurrency),
             recovered: AtomicBool::new(false),
             metrics,
+            events,
         };
         Ok((backend, Channels { ready, refill }))
     }
@@ -584,6 +633,11 @@ impl NeutronBackend {
     /// Runs the background work — the status poller, pool refills, and handing READY VIFs to
     /// `on_ready` — until shutdown.
     pub fn spawn(self: &Arc<Self>, refill: mpsc::UnboundedReceiver<PoolKey>, shutdown: Shutdown) {
+        if let Some(consumer) = self.events.as_ref().and_then(|e| guard(&e.consumer).take()) {
+            let sink: Arc<dyn PortEventSink> = self.clone();
+            let sd = shutdown.clone();
+            tokio::spawn(async move { consumer.run(sink, sd).await }.instrument(tracing::info_span!("port-events")));
+        }
         let this = self.clone();
         let sd = shutdown.clone();
         tokio::spawn(async move { this.poll_status(sd).await }.instrument(tracing::info_span!("port-status")));
@@ -638,6 +692,136 @@ impl NeutronBackend {
     /// Chain for the channel of READY VIFs (the status poller sends, the allocator receives).
     fn send_ready(&self, pod_uid: String, vif_id: String) {
         let _ = self.ready_tx.send(ReadyVif { pod_uid, vif_id });
+    }
+
+    /// A watched port is ACTIVE (`source`: `event`, `poll` or `safety`): the pod's VIF is ready.
+    fn port_active(&self, port: &str, w: &Watched, source: &'static str) {
+        let after = w.since.elapsed();
+        self.metrics.active_latency.observe(after.as_secs_f64());
+        self.metrics.ready_source(source);
+        tracing::debug!(port, uid = %w.pod_uid, after_ms = after.as_millis() as u64, source, "port ACTIVE");
+        self.send_ready(w.pod_uid.clone(), port.to_string());
+    }
+
+    /// Whether readiness comes from events and the broker is consumed right now; the link's
+    /// epoch with it.
+    fn event_link(&self) -> Option<Link> {
+        self.events.as_ref().map(|e| *e.link.borrow())
+    }
+
+    /// Forgets event bookkeeping of ports no longer in the inventory.
+    fn prune_event_state(&self) {
+        let Some(side) = &self.events else { return };
+        let ours = guard(&self.inv).port_ids();
+        let mut st = guard(&side.state);
+        st.revisions.retain(|id, _| ours.contains(id));
+        st.early.retain(|id, _| ours.contains(id));
+    }
+}
+
+/// Whether `rev` is newer than `floor` (unknown revisions are taken as newer: a push without one
+/// is acted on, as the safety read would).
+fn newer(rev: Option<u64>, floor: Option<u64>) -> bool {
+    match (rev, floor) {
+        (Some(r), Some(f)) => r > f,
+        _ => true,
+    }
+}
+
+impl PortEventSink for NeutronBackend {
+    /// Maps a pushed port to what waits for it: the pod whose plugged port it is (READY once
+    /// ACTIVE), a released port waiting to be seen unplugged (free again), a held port not yet
+    /// reported plugged (remembered). A push older than or as old as what is known of the port
+    /// (by revision), or naming another device than the waiting pod, changes nothing; ports
+    /// that are not this allocator's are skipped.
+    fn on_port_event(&self, ev: &PortEvent) {
+        let Some(side) = &self.events else { return };
+        let m = &side.metrics;
+        if ev.device_owner.as_deref().is_some_and(|o| !o.is_empty() && o != self.device_owner) {
+            return m.port("foreign");
+        }
+        let watched = guard(&self.watched).get(&ev.id).cloned();
+        let place = if watched.is_some() { None } else { guard(&self.inv).place(&ev.id) };
+        if watched.is_none() && place.is_none() {
+            return m.port("foreign");
+        }
+        {
+            let mut st = guard(&side.state);
+            let known = st.revisions.get(&ev.id).copied();
+            let floor = match (&watched, &place) {
+                (Some(w), _) => w.revision,
+                (None, Some(Place::Recycling(_, r) | Place::Held(_, r))) => *r,
+                _ => None,
+            };
+            if !newer(ev.revision, known.max(floor)) {
+                return m.port("stale");
+            }
+            if let Some(r) = ev.revision {
+                st.revisions.insert(ev.id.clone(), r);
+            }
+        }
+        if let Some(w) = watched {
+            if ev.deleted {
+                let removed = {
+                    let mut g = guard(&self.watched);
+                    g.get(&ev.id).is_some_and(|now| now.pod_uid == w.pod_uid) && g.remove(&ev.id).is_some()
+                };
+                if removed {
+                    tracing::warn!(port = %ev.id, uid = %w.pod_uid, "a plugged port was deleted from Neutron; no longer waiting for it");
+                }
+                return m.port("gone");
+            }
+            if ev.device_id.as_deref().is_some_and(|d| d != w.pod_uid) {
+                // The port's previous or next holder: not this pod's plug.
+                return m.port("stale");
+            }
+            if !ev.is_active() {
+                return m.port("pending");
+            }
+            let still = {
+                let mut g = guard(&self.watched);
+                let same = g.get(&ev.id).is_some_and(|now| now.pod_uid == w.pod_uid);
+                if same {
+                    g.remove(&ev.id);
+                }
+                same
+            };
+            if still {
+                self.port_active(&ev.id, &w, "event");
+                return m.port("ready");
+            }
+            return m.port("stale");
+        }
+        match place {
+            Some(Place::Recycling(key, _)) => {
+                if ev.deleted {
+                    guard(&self.inv).drop_recycling(&key, &ev.id);
+                    self.gauges();
+                    m.port("gone");
+                } else if ev.is_active() {
+                    m.port("pending");
+                } else if guard(&self.inv).recycled(&key, &ev.id) {
+                    self.gauges();
+                    m.port("recycled");
+                } else {
+                    m.port("pending");
+                }
+            }
+            Some(Place::Held(uid, _)) => {
+                let mut st = guard(&side.state);
+                match ev.revision {
+                    Some(rev) if ev.is_active() && ev.device_id.as_deref().is_none_or(|d| d == uid) => {
+                        st.early.insert(ev.id.clone(), (rev, uid));
+                        m.port("early");
+                    }
+                    _ => {
+                        st.early.remove(&ev.id);
+                        m.port("pending");
+                    }
+                }
+            }
+            Some(Place::Free) | None => m.port("idle"),
+        }
     }
 }
 
@@ -770,13 +954,28 @@ impl VifBackend for NeutronBackend {
     }
 
     fn watch_ready(&self, pod_uid: &str, vif_id: &str, watch: bool) {
-        let mut w = guard(&self.watched);
-        if watch {
-            w.insert(vif_id.to_string(), Watched { pod_uid: pod_uid.to_string(), since: Instant::now() });
-            drop(w);
-            self.wake.notify_one();
-        } else {
-            w.remove(vif_id);
+        if !watch {
+            guard(&self.watched).remove(vif_id);
+            if let Some(side) = &self.events {
+                guard(&side.state).early.remove(vif_id);
+            }
+            return;
         }
+        let revision = guard(&self.inv).held(pod_uid).filter(|p| p.id == vif_id).and_then(|p| p.revision_number);
+        let w = Watched { pod_uid: pod_uid.to_string(), since: Instant::now(), revision };
+        // Pushed ACTIVE for this pod before its plug was reported: ready at once.
+        if let Some(side) = &self.events {
+            let early = guard(&side.state).early.remove(vif_id);
+            if let Some((rev, uid)) = early
+                && uid == pod_uid
+                && newer(Some(rev), revision)
+            {
+                guard(&self.watched).remove(vif_id);
+                self.port_active(vif_id, &w, "event");
+                return;
+            }
+        }
+        guard(&self.watched).insert(vif_id.to_string(), w);
+        self.wake.notify_one();
     }
 }

@@ -756,6 +756,19 @@ impl PortEventSink for NeutronBackend {
             if !newer(ev.revision, known.max(floor)) {
                 return m.port("stale");
             }
+            // A push naming another device than the pod is not about this assignment: it moves
+            // nothing, not even the revision the next pushes are ordered by.
+            let holder = match (&watched, &place) {
+                (Some(w), _) => Some(w.pod_uid.as_str()),
+                (None, Some(Place::Held(uid, _))) => Some(uid.as_str()),
+                _ => None,
+            };
+            if let (Some(h), Some(d)) = (holder, ev.device_id.as_deref())
+                && !ev.deleted
+                && d != h
+            {
+                return m.port("stale");
+            }
             if let Some(r) = ev.revision {
                 st.revisions.insert(ev.id.clone(), r);
             }
@@ -770,10 +783,6 @@ impl PortEventSink for NeutronBackend {
                     tracing::warn!(port = %ev.id, uid = %w.pod_uid, "a plugged port was deleted from Neutron; no longer waiting for it");
                 }
                 return m.port("gone");
-            }
-            if ev.device_id.as_deref().is_some_and(|d| d != w.pod_uid) {
-                // The port's previous or next holder: not this pod's plug.
-                return m.port("stale");
             }
             if !ev.is_active() {
                 return m.port("pending");
@@ -810,7 +819,7 @@ impl PortEventSink for NeutronBackend {
             Some(Place::Held(uid, _)) => {
                 let mut st = guard(&side.state);
                 match ev.revision {
-                    Some(rev) if ev.is_active() && ev.device_id.as_deref().is_none_or(|d| d == uid) => {
+                    Some(rev) if ev.is_active() => {
                         st.early.insert(ev.id.clone(), (rev, uid));
                         m.port("early");
                     }
@@ -1082,7 +1091,7 @@ mod event_tests {
         b.on_port_event(&ev("p1", "ACTIVE", 5, "uid-1"));
         b.on_port_event(&ev("p1", "ACTIVE", 4, "old-pod"));
         assert_eq!(count(&b, "stale"), 2, "revisions up to the assignment's say nothing of this plug");
-        b.on_port_event(&ev("p1", "ACTIVE", 6, "old-pod"));
+        b.on_port_event(&ev("p1", "ACTIVE", 10_000, "old-pod"));
         assert_eq!(count(&b, "stale"), 3, "another pod's port state");
         b.on_port_event(&ev("p1", "DOWN", 7, "uid-1"));
         b.on_port_event(&ev("p1", "DOWN", 7, "uid-1"));

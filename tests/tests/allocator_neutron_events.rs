@@ -22,9 +22,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use amqprs::BasicProperties;
 use amqprs::channel::BasicPublishArguments;
 use amqprs::connection::{Connection, OpenConnectionArguments};
-use amqprs::BasicProperties;
 use kube::api::{Api, PostParams};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
@@ -204,7 +204,8 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
     publish(&url, PORT_EXCHANGE, &bodies).await.unwrap();
     wait_until("the allocator to have consumed the published pushes", QUICK, || async {
         let m = Scrape::http(&r.alloc.metrics_url).await?;
-        m.moved(&before, "kuryr_allocator_neutron_events_messages_total", &[("result", "undecodable")]).at_least(1.0)?;
+        m.moved(&before, "kuryr_allocator_neutron_events_messages_total", &[("result", "undecodable")])
+            .at_least(1.0)?;
         Ok(())
     })
     .await
@@ -276,14 +277,17 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
     .unwrap_or_else(|e| panic!("{e:#}\n{}", r.alloc.proc.logs()));
     let m = r.metrics().await;
     m.moved(&before, "kuryr_allocator_neutron_events_connections_total", &[("result", "ok")]).at_least(1.0).unwrap();
+    let d = |name: &str, f: &[(&str, &str)]| m.sum(name, f) - before.sum(name, f);
     eprintln!(
-        "outage: {} polls, {} reconnect reads, ready by event {} / poll {} / safety {}",
-        m.sum("kuryr_allocator_neutron_status_polls_total", &[]) - before.sum("kuryr_allocator_neutron_status_polls_total", &[]),
-        m.sum("kuryr_allocator_neutron_status_safety_reads_total", &[("source", "reconnect")]),
-        m.sum("kuryr_allocator_neutron_ready_sources_total", &[("source", "event")]),
-        m.sum("kuryr_allocator_neutron_ready_sources_total", &[("source", "poll")]),
-        m.sum("kuryr_allocator_neutron_ready_sources_total", &[("source", "safety")]),
+        "outage: {:.0} polls, {:.0} reconnecting reads; ports ACTIVE by event {:.0}, by poll {:.0}, by reconciling read {:.0}",
+        d("kuryr_allocator_neutron_status_polls_total", &[]),
+        d("kuryr_allocator_neutron_status_safety_reads_total", &[("source", "reconnect")]),
+        d("kuryr_allocator_neutron_ready_sources_total", &[("source", "event")]),
+        d("kuryr_allocator_neutron_ready_sources_total", &[("source", "poll")]),
+        d("kuryr_allocator_neutron_ready_sources_total", &[("source", "safety")]),
     );
+    let ready = d("kuryr_allocator_neutron_ready_sources_total", &[]);
+    assert_eq!(ready, 8.0, "every pod of the burst learnt ACTIVE exactly once");
 
     // 4. The subscription survived the restart: events again.
     let before = r.metrics().await;

@@ -212,11 +212,8 @@ struct Done {
 
 impl Bench {
     fn allocator(&self, pool_min: u32, pool_batch: u32, events: bool) -> Result<Svc> {
-        let extra = if events {
-            vec!["--neutron-transport-url".into(), self.c.transport_url(false)?]
-        } else {
-            Vec::new()
-        };
+        let extra =
+            if events { vec!["--neutron-transport-url".into(), self.c.transport_url(false)?] } else { Vec::new() };
         let o = AllocatorOptions {
             cluster_id: "bench".into(),
             pool_min,

@@ -817,6 +817,17 @@ impl PortEventSink for NeutronBackend {
                 }
             }
             Some(Place::Held(uid, _)) => {
+                // Both locks, in watch_ready's order: the plug report may have come meanwhile.
+                let mut g = guard(&self.watched);
+                if let Some(w) = g.get(&ev.id).cloned() {
+                    if ev.is_active() && w.pod_uid == uid {
+                        g.remove(&ev.id);
+                        drop(g);
+                        self.port_active(&ev.id, &w, "event");
+                        return m.port("ready");
+                    }
+                    return m.port("pending");
+                }
                 let mut st = guard(&side.state);
                 match ev.revision {
                     Some(rev) if ev.is_active() => {
@@ -972,6 +983,9 @@ impl VifBackend for NeutronBackend {
         }
         let revision = guard(&self.inv).held(pod_uid).filter(|p| p.id == vif_id).and_then(|p| p.revision_number);
         let w = Watched { pod_uid: pod_uid.to_string(), since: Instant::now(), revision };
+        // The watched ports' lock held throughout (then the event state's, as on_port_event
+        // takes them): a push is either remembered as early here or sees the port watched.
+        let mut g = guard(&self.watched);
         // Pushed ACTIVE for this pod before its plug was reported: ready at once.
         if let Some(side) = &self.events {
             let early = guard(&side.state).early.remove(vif_id);
@@ -979,12 +993,14 @@ impl VifBackend for NeutronBackend {
                 && uid == pod_uid
                 && newer(Some(rev), revision)
             {
-                guard(&self.watched).remove(vif_id);
+                g.remove(vif_id);
+                drop(g);
                 self.port_active(vif_id, &w, "event");
                 return;
             }
         }
-        guard(&self.watched).insert(vif_id.to_string(), w);
+        g.insert(vif_id.to_string(), w);
+        drop(g);
         self.wake.notify_one();
     }
 }

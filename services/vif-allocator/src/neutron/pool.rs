@@ -180,7 +180,8 @@ impl Inventory {
 
     /// The ids of every port held, free or recycling.
     pub fn port_ids(&self) -> std::collections::HashSet<String> {
-        let pooled = self.pools.values().flat_map(|s| s.free.iter().map(|p| p.id.clone()).chain(s.recycling.keys().cloned()));
+        let pooled =
+            self.pools.values().flat_map(|s| s.free.iter().map(|p| p.id.clone()).chain(s.recycling.keys().cloned()));
         pooled.chain(self.in_use.values().map(|(_, p)| p.id.clone())).collect()
     }
 

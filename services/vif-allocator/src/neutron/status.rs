@@ -167,8 +167,11 @@ impl NeutronBackend {
                 *failing = false;
                 let status: HashMap<&str, &str> = ports.iter().map(|p| (p.id.as_str(), p.status.as_str())).collect();
                 if !all {
-                    let late: Vec<&str> =
-                        watched.iter().filter(|(id, _)| status.get(id.as_str()) == Some(&"ACTIVE")).map(|(id, _)| id.as_str()).collect();
+                    let late: Vec<&str> = watched
+                        .iter()
+                        .filter(|(id, _)| status.get(id.as_str()) == Some(&"ACTIVE"))
+                        .map(|(id, _)| id.as_str())
+                        .collect();
                     if !late.is_empty() {
                         tracing::warn!(ports = ?late, after = ?resync,
                             "ports found ACTIVE by the reconciling read, no event seen for them (lost, or \

@@ -88,7 +88,11 @@ impl std::fmt::Debug for BrokerHost {
 impl BrokerHost {
     /// `host:port` (`[v6]:port`).
     pub fn display(&self) -> String {
-        if self.host.contains(':') { format!("[{}]:{}", self.host, self.port) } else { format!("{}:{}", self.host, self.port) }
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
     }
 }
 
@@ -223,7 +227,8 @@ fn parse_ini_into(text: &str, path: &Path, out: &mut HashMap<(String, String), S
             continue;
         }
         if let Some(name) = trimmed.strip_prefix('[') {
-            let name = name.strip_suffix(']').ok_or_else(|| format!("{}:{}: unclosed section", path.display(), n + 1))?;
+            let name =
+                name.strip_suffix(']').ok_or_else(|| format!("{}:{}: unclosed section", path.display(), n + 1))?;
             section = Some(name.trim().to_string());
             last = None;
             continue;
@@ -386,8 +391,10 @@ mod tests {
 
     #[test]
     fn transport_urls_as_oslo_writes_them() {
-        let u = TransportUrl::parse("rabbit://openstack:s%40cret@10.0.0.5:5672,openstack:s%40cret@[fd00::6]/neutron%2Fvh?ssl=1")
-            .unwrap();
+        let u = TransportUrl::parse(
+            "rabbit://openstack:s%40cret@10.0.0.5:5672,openstack:s%40cret@[fd00::6]/neutron%2Fvh?ssl=1",
+        )
+        .unwrap();
         assert_eq!(u.hosts.len(), 2);
         assert_eq!((u.hosts[0].host.as_str(), u.hosts[0].port), ("10.0.0.5", 5672));
         assert_eq!(u.hosts[0].password, "s@cret");

@@ -157,7 +157,8 @@ pub(crate) mod tests {
         assert_eq!((evs[0].id.as_str(), evs[0].revision), ("p2", None));
         assert!(matches!(decode(b"not json"), Err(DecodeError::Envelope(_))));
         assert!(matches!(decode(br#"{"oslo.message": 3}"#), Err(DecodeError::Envelope(_))));
-        let other = json!({"oslo.version": "2.0", "oslo.message": json!({"method": "port_update", "args": {}}).to_string()});
+        let other =
+            json!({"oslo.version": "2.0", "oslo.message": json!({"method": "port_update", "args": {}}).to_string()});
         assert_eq!(decode(other.to_string().as_bytes()), Err(DecodeError::NotPush("port_update".into())));
         let no_list = json!({"method": "push", "args": {"event_type": "updated"}});
         assert!(matches!(decode(no_list.to_string().as_bytes()), Err(DecodeError::Envelope(_))));

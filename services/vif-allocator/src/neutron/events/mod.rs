@@ -159,9 +159,7 @@ pub(crate) fn tls_connector(files: &TlsFiles) -> anyhow::Result<tokio_rustls::Tl
                 .map_err(|e| anyhow::anyhow!("TLS to RabbitMQ: CA file {}: {e}", path.display()))?;
             anyhow::ensure!(!certs.is_empty(), "TLS to RabbitMQ: CA file {}: no certificate in it", path.display());
             for c in certs {
-                roots
-                    .add(c)
-                    .map_err(|e| anyhow::anyhow!("TLS to RabbitMQ: CA file {}: {e}", path.display()))?;
+                roots.add(c).map_err(|e| anyhow::anyhow!("TLS to RabbitMQ: CA file {}: {e}", path.display()))?;
             }
         }
         None => {
@@ -341,30 +339,32 @@ impl PortEvents {
         EventMetrics::count(&self.metrics.connections, "ok");
         match down_since.take() {
             Some(t) => tracing::info!(broker = %host.display(), after = ?t.elapsed(), "Neutron's port events back"),
-            None => tracing::info!(broker = %host.display(), queue = %self.queue_name, "subscribed to Neutron's port events"),
+            None => {
+                tracing::info!(broker = %host.display(), queue = %self.queue_name, "subscribed to Neutron's port events")
+            }
         }
         *delay = BACKOFF_MIN;
         self.set_link(true);
         // Subscribed once, at its first poll below: a notification is never missed between
         // two messages. The periodic check covers one sent before that first poll.
         let ended = {
-        let failure = conn.listen_network_io_failure();
-        tokio::pin!(failure);
-        let mut check = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                m = rx.recv() => match m {
-                    Some(m) => self.handle(m.content.as_deref().unwrap_or_default(), sink),
-                    None => break Ended::Lost("the consumer ended (connection or channel closed)".into()),
-                },
-                failed = &mut failure => {
-                    break Ended::Lost(if failed { "network I/O failure".into() } else { "connection closed".into() });
+            let failure = conn.listen_network_io_failure();
+            tokio::pin!(failure);
+            let mut check = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    m = rx.recv() => match m {
+                        Some(m) => self.handle(m.content.as_deref().unwrap_or_default(), sink),
+                        None => break Ended::Lost("the consumer ended (connection or channel closed)".into()),
+                    },
+                    failed = &mut failure => {
+                        break Ended::Lost(if failed { "network I/O failure".into() } else { "connection closed".into() });
+                    }
+                    _ = check.tick() => if !conn.is_open() || !channel.is_open() {
+                        break Ended::Lost("connection or channel no longer open".into());
+                    },
                 }
-                _ = check.tick() => if !conn.is_open() || !channel.is_open() {
-                    break Ended::Lost("connection or channel no longer open".into());
-                },
             }
-        }
         };
         // Best effort: the connection is usually gone already.
         drop(channel);

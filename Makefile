@@ -61,6 +61,7 @@ bench: tools
 	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
 	$(MAKE) --no-print-directory bench-neutron
+	$(MAKE) --no-print-directory bench-kubelet
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
 ## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS

@@ -12,9 +12,22 @@
 #   cnitool         github.com/containernetworking/cni v1.3.0 (module: go/cnitool)
 #   coredns         github.com/coredns/coredns v1.14.7 (module: go/coredns; the cluster DNS)
 #
-# Measured on a 2-core machine with the Go module and build caches warm from kube-apiserver:
-# kubelet ~25-40 s, kube-scheduler ~5 s, kubectl ~30-45 s, agnhost ~5 s, e2e.test ~2-3.5 min,
-# coredns ~2 min (its own dependency graph).
+# Build times, measured on a 2-core machine (Go 1.26, `nice`d, other builds running: load 4-7):
+#
+#   tool                      cold    rebuild      cold: empty Go build cache, all tools in this
+#   kube-apiserver            308 s   4 s          script's order, so each one reuses what those
+#   kube-controller-manager   103 s   4 s          before it compiled (`tools.sh kubelet` alone
+#   kubelet                    18 s   3 s          from nothing: 254 s); the module downloads
+#   kube-scheduler              4 s   2 s          (1.2 GB, ~20 s here) not counted.
+#   kubectl                    38 s   2 s          rebuild: build cache warm, binary gone or its
+#   agnhost                     4 s   2 s          stamp stale (another tools dir, say).
+#   e2e.test                  130 s   4 s          warm: every stamp matches, nothing built:
+#   etcd                       26 s   1 s          0.1-0.4 s for the whole list.
+#   grpcurl                    28 s   1 s
+#   cnitool                     1 s   1 s          Earlier cold runs of kube-apiserver alone
+#   coredns                   111 s   1 s          took 10-15 min on busier machines of this
+#   all                       772 s  25 s          kind. Builds are reproducible: two cold builds
+#                                                  gave bit-identical binaries.
 #
 # Each tool has a Go module of its own under tests/env/go/ whose go.mod and go.sum are committed:
 # the module graph is resolved once, and every build afterwards is checked against go.sum
@@ -108,7 +121,7 @@ build_tool() {
     fi
 
     local note=""
-    [[ $name == kube-apiserver ]] && note=" (cold: 10-15 minutes on 2 cores; warm: seconds)"
+    [[ $name == kube-apiserver ]] && note=" (cold: 5-15 minutes on 2 cores; warm: seconds)"
     [[ $name == kube-controller-manager ]] && note=" (after kube-apiserver, mostly from its Go build cache)"
     [[ $name == e2e.test ]] && note=" (the upstream e2e tests: 2-4 minutes)"
     log "$name $version: building $pkg$note"

@@ -113,6 +113,10 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
                     assert!(t.starts_with("k8s:"), "{overlay}: {name} reaches {a} through DNS");
                 }
             }
+            assert_eq!(
+                o["spec"]["template"]["spec"]["dnsPolicy"], "Default",
+                "{overlay}: {name} would resolve through cluster DNS, which runs on kuryr's own network"
+            );
             let env_from = c["envFrom"].as_array().unwrap();
             assert!(
                 env_from

@@ -335,6 +335,32 @@ impl NeutronCluster {
         Ok(())
     }
 
+    /// Neutron's RPC transport URL (`rabbit://openstack:<password>@127.0.0.1:<port>/`), over TLS
+    /// (the broker's TLS listener) when `tls`.
+    pub fn transport_url(&self, tls: bool) -> Result<String> {
+        let url = self.os.env_value("TRANSPORT_URL").context("no TRANSPORT_URL in the env file")?;
+        if !tls {
+            return Ok(url.to_string());
+        }
+        let plain = self.os.env_value("RABBITMQ_AMQP_PORT").context("no RABBITMQ_AMQP_PORT")?;
+        let tls_port = self.os.env_value("RABBITMQ_AMQPS_PORT").context("no RABBITMQ_AMQPS_PORT")?;
+        Ok(url.replace(&format!(":{plain}/"), &format!(":{tls_port}/")))
+    }
+
+    /// Writes the neutron.conf an operator would mount for the allocator's port events: Neutron's
+    /// `[DEFAULT] transport_url` and, with `tls`, `[oslo_messaging_rabbit] ssl` and `ssl_ca_file`
+    /// for the broker's TLS listener. Returns its path.
+    pub fn events_config(&self, tls: bool) -> Result<PathBuf> {
+        let mut text = format!("[DEFAULT]\ncore_plugin = ml2\ntransport_url = {}\n", self.transport_url(tls)?);
+        if tls {
+            let ca = self.os.env_value("RABBITMQ_CA_FILE").context("no RABBITMQ_CA_FILE")?;
+            text.push_str(&format!("[oslo_messaging_rabbit]\nssl = true\nssl_ca_file = {ca}\n"));
+        }
+        let path = self.dir.path().join(if tls { "neutron-tls.conf" } else { "neutron.conf" });
+        std::fs::write(&path, text)?;
+        Ok(path)
+    }
+
     /// The ML2 extension aliases Neutron announces (`GET /v2.0/extensions`).
     pub async fn neutron_extensions(&self) -> Result<Vec<String>> {
         let url = format!("{}/v2.0/extensions", self.neutron_url);

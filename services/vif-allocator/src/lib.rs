@@ -462,9 +462,10 @@ impl Start {
     ) -> Option<Prepared> {
         let args = &self.config.neutron;
         let ns_kube = NamespaceKube::new(client.clone(), Some(self.config.instance_name()));
+        let instance = self.config.instance_name();
         let (backend, Channels { ready, refill }) =
             kuryr_runtime::retry("reading the pod network from Neutron", shutdown, || {
-                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone())
+                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone(), &instance)
             })
             .await?;
         let backend = Arc::new(backend);

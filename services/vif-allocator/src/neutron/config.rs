@@ -93,6 +93,9 @@ pub struct NeutronArgs {
 
     #[command(flatten)]
     pub namespaces: NamespaceArgs,
+
+    #[command(flatten)]
+    pub events: super::events::config::EventArgs,
 }
 
 impl NeutronArgs {
@@ -137,6 +140,10 @@ impl NeutronArgs {
             self.status_poll_min > Duration::ZERO && self.status_poll_min <= self.status_poll_max,
             "--status-poll-min must be positive and at most --status-poll-max"
         );
+        if let Some(tls) = self.events.resolve()?.and_then(|c| c.tls) {
+            // Certificates and keys are read now: a bad one fails the start, not every connection.
+            super::events::tls_connector(&tls)?;
+        }
         if self.neutron_url.is_some() {
             anyhow::ensure!(
                 self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),

@@ -155,6 +155,10 @@ fn from_status(s: &tonic::Status, command: Command, socket: &Path, unavailable: 
         tonic::Code::FailedPrecondition => (code::INCOMPATIBLE_VERSION, s.message().to_string()),
         tonic::Code::InvalidArgument => (code::INVALID_CONFIG, s.message().to_string()),
         tonic::Code::NotFound => (code::UNKNOWN_CONTAINER, s.message().to_string()),
+        // The binder admits only root (and configured ids) on its socket: nothing to retry.
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+            (code::IO, format!("kuryr-binder refused {command}: {}", s.message()))
+        }
         _ => (code::IO, format!("kuryr-binder failed {command}: {}", s.message())),
     };
     CniError::new(code, msg).with_details(details)
@@ -193,6 +197,7 @@ mod tests {
             (InvalidArgument, Command::Check, 7, "m"),
             (NotFound, Command::Del, 3, "m"),
             (Internal, Command::Add, 5, "kuryr-binder failed ADD: m"),
+            (PermissionDenied, Command::Del, 5, "kuryr-binder refused DEL: m"),
             (Unimplemented, Command::Gc, 5, "kuryr-binder failed GC: m"),
         ];
         for (grpc, cmd, want_code, want_msg) in table {

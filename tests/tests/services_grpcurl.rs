@@ -59,10 +59,16 @@ fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<R
     let port = free_port()?;
     let mport = free_port()?;
     let socket = dir.join(format!("{}.sock", svc.bin));
-    let tcp = format!("127.0.0.1:{port}");
+    // The binder serves on its unix socket only: there its "TCP" target is the socket too.
+    let (tcp, listen) = if svc.bin == "kuryr-binder" {
+        (format!("unix://{}", socket.display()), format!("unix:{}", socket.display()))
+    } else {
+        let tcp = format!("127.0.0.1:{port}");
+        (tcp.clone(), format!("{tcp},unix:{}", socket.display()))
+    };
     let mut args = vec![
         "--listen".to_string(),
-        format!("{tcp},unix:{}", socket.display()),
+        listen,
         "--metrics-listen".to_string(),
         format!("127.0.0.1:{mport}"),
         "--shutdown-grace".to_string(),

@@ -48,8 +48,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}`: must be a non-negative duration"));
     }
+    // Far below what the clock can add to now without overflowing.
+    if secs > MAX_DURATION.as_secs_f64() {
+        return Err(format!("`{s}`: longer than a year"));
+    }
     Ok(Duration::from_secs_f64(secs))
 }
+
+/// The longest duration a flag takes.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 
 #[cfg(test)]
 mod tests {
@@ -62,5 +69,7 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("99999999999999999999999h").unwrap_err().contains("longer than a year"));
+        assert!(parse_duration("18446744073709551616").is_err());
     }
 }

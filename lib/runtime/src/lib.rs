@@ -8,9 +8,11 @@
 //! - [`metrics`]: the registry, per-call gRPC metrics with millisecond buckets.
 //! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: the watcher's
 //!   Subscribe stream, resumed after breaks.
+//! - [`auth`]: who may call what: unix peer credentials, ServiceAccount tokens, per-method rules.
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
 //! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment.
 
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod deps;

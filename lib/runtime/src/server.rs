@@ -13,6 +13,7 @@ use tonic::service::Routes;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
+use crate::auth::{AuthLayer, DenyAll, Gate};
 use crate::config::CommonArgs;
 use crate::health::Health;
 use crate::listen::{Bound, ListenAddr};
@@ -29,6 +30,8 @@ pub struct Runtime {
     health: Health,
     health_server: HealthServer<HealthService>,
     trigger: Arc<ShutdownTrigger>,
+    /// Who may call the service's own methods; nobody until [`Runtime::set_gate`].
+    gate: Arc<dyn Gate>,
 }
 
 impl Runtime {
@@ -46,6 +49,7 @@ impl Runtime {
             health: Health::new(reporter),
             health_server,
             trigger: Arc::new(trigger),
+            gate: Arc::new(DenyAll),
         })
     }
 
@@ -57,6 +61,11 @@ impl Runtime {
     /// The readiness handle.
     pub fn health(&self) -> Health {
         self.health.clone()
+    }
+
+    /// Puts every call but health and reflection through `gate` (the default refuses them all).
+    pub fn set_gate(&mut self, gate: Arc<dyn Gate>) {
+        self.gate = gate;
     }
 
     /// The shutdown signal, for background tasks and long-lived streams.
@@ -105,6 +114,7 @@ impl Runtime {
             tracing::info!(service = self.name, listen = %local, "serving gRPC");
             let server = tonic::transport::Server::builder()
                 .layer(GrpcMetricsLayer(grpc_metrics.clone()))
+                .layer(AuthLayer(self.gate.clone()))
                 .add_routes(routes.clone());
             let signal = shutdown.clone().wait();
             match b {

@@ -20,11 +20,13 @@ pub mod upstream;
 pub mod vifs;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
+use kuryr_runtime::auth::local::LocalCallers;
 use kuryr_runtime::config::parse_duration;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 
@@ -38,15 +40,22 @@ pub const SUPPORTED_CNI_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-binder", version, about = "Plugs pod VIFs on this node; serves the kuryr-cni shim.")]
 pub struct Config {
-    /// gRPC listen addresses, comma-separated or repeated: HOST:PORT or unix:/path. The shim
-    /// talks to the unix socket; the TCP address is for health checks and grpcurl.
-    #[arg(
-        long,
-        env = "KURYR_BINDER_LISTEN",
-        value_delimiter = ',',
-        default_value = "unix:/run/kuryr/binder.sock,127.0.0.1:9630"
-    )]
+    /// gRPC listen addresses: unix:/path, comma-separated or repeated. The shim talks to the
+    /// unix socket (created mode 0600); CNI calls on it are admitted only from root and
+    /// `--cni-allow-uid`/`--cni-allow-gid`, by the kernel's peer credentials. TCP addresses are
+    /// refused here.
+    #[arg(long, env = "KURYR_BINDER_LISTEN", value_delimiter = ',', default_value = "unix:/run/kuryr/binder.sock")]
     pub listen: Vec<ListenAddr>,
+
+    /// More uids whose processes may call the CNI operations on the unix socket (root always
+    /// may), comma-separated. They also need access to the socket file, which is 0600 root.
+    #[arg(long, env = "KURYR_CNI_ALLOW_UID", value_delimiter = ',')]
+    pub cni_allow_uid: Vec<u32>,
+
+    /// Primary gids whose processes may call the CNI operations on the unix socket,
+    /// comma-separated (see --cni-allow-uid).
+    #[arg(long, env = "KURYR_CNI_ALLOW_GID", value_delimiter = ',')]
+    pub cni_allow_gid: Vec<u32>,
 
     /// HTTP address for Prometheus metrics (/metrics) and probes (/livez, /readyz).
     #[arg(long, env = "KURYR_BINDER_METRICS_LISTEN", default_value = "0.0.0.0:9631")]
@@ -92,7 +101,14 @@ pub struct Config {
 
 /// Runs the binder until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    if let Some(tcp) = config.listen.iter().find(|l| matches!(l, ListenAddr::Tcp { .. })) {
+        anyhow::bail!(
+            "--listen {tcp}: the binder serves CNI on unix sockets only; anyone on the node (or in a \
+             hostNetwork pod) can reach a TCP port"
+        );
+    }
     let mut rt = Runtime::new("kuryr-binder", &config.common)?;
+    rt.set_gate(Arc::new(LocalCallers::new(config.cni_allow_uid.clone(), config.cni_allow_gid.clone())));
     let node = match config.node_name.clone() {
         Some(n) => n,
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_string(),
@@ -141,7 +157,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         ovs_db: config.ovs_db.clone(),
         metrics: metrics::CniMetrics::register(rt.registry()),
         bridges_ready: Default::default(),
+        locks: Default::default(),
     };
+    // ADDs the previous run died in are undone before (or, per attachment, instead of) any
+    // new operation on them: each takes its attachment's lock.
+    tokio::spawn({
+        let service = service.clone();
+        async move { service.recover().await }
+    });
     let routes = tonic::service::Routes::new(CniServer::new(service));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }

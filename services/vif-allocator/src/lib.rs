@@ -205,6 +205,8 @@ impl Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let spec = config.network_spec()?;
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
+    // Every caller admitted, as before; ServiceAccount tokens replace this.
+    rt.set_gate(std::sync::Arc::new(kuryr_runtime::auth::Insecure));
     let watcher = kuryr_runtime::client::channel(&config.watcher)?;
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;

@@ -116,7 +116,14 @@ async fn connect(socket: &Path) -> Result<Channel, CallError> {
         async move { s.map(TokioIo::new).ok_or_else(|| io::Error::other("the binder connection was already used")) }
     });
     // The URI is required by the API but unused: the connector above ignores it.
-    Endpoint::from_static("http://kuryr-binder").connect_with_connector(connector).await.map_err(CallError::Transport)
+    // Keepalive as on every kuryr channel: a binder that stops answering is noticed before the
+    // deadline when the deadline is long.
+    Endpoint::from_static("http://kuryr-binder")
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .connect_with_connector(connector)
+        .await
+        .map_err(CallError::Transport)
 }
 
 /// Chooses the CNI error: the binder's own [`CniError`] when the status details carry one, and

@@ -108,6 +108,11 @@ pub struct ClusterOptions {
     pub services: bool,
     /// `--log` of the services.
     pub service_log: String,
+    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take,
+    /// such as `--stream-heartbeat`).
+    pub service_args: Vec<String>,
+    /// More flags for every node's kuryr-binder.
+    pub binder_args: Vec<String>,
     /// Start-up progress reports.
     pub progress: Option<ProgressFn>,
 }
@@ -124,6 +129,8 @@ impl Default for ClusterOptions {
             run_containers: false,
             services: false,
             service_log: "info".into(),
+            service_args: Vec::new(),
+            binder_args: Vec::new(),
             progress: None,
         }
     }
@@ -293,7 +300,7 @@ impl Cluster {
         let watcher = start_service(
             "kuryr-watcher",
             dir.path(),
-            &["--kubeconfig".into(), watcher_config.display().to_string()],
+            &[&["--kubeconfig".into(), watcher_config.display().to_string()][..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::WATCHER,
             &progress,
@@ -320,7 +327,7 @@ impl Cluster {
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
-            &allocator_args,
+            &[&allocator_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::VIF_ALLOCATOR,
             &progress,
@@ -347,7 +354,7 @@ impl Cluster {
             let lbaas = start_service(
                 "kuryr-lbaas",
                 dir.path(),
-                &lbaas_args,
+                &[&lbaas_args[..], &opts.service_args].concat(),
                 &opts.service_log,
                 service_names::LOAD_BALANCERS,
                 &progress,
@@ -572,6 +579,20 @@ impl Cluster {
         self.service_mut(kind)?.process.kill().await
     }
 
+    /// Freezes a service with SIGSTOP: its sockets stay open and the kernel still accepts and
+    /// acknowledges, but nothing answers — as a silent partition looks from the other side.
+    /// [`Cluster::continue_service`] thaws it.
+    pub async fn stop_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "STOP")
+    }
+
+    /// Thaws a service frozen by [`Cluster::stop_service`] (SIGCONT).
+    pub async fn continue_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "CONT")
+    }
+
     /// Starts a service again with the command line it had (same addresses, same unix socket,
     /// left stale by a crash) and waits until it serves its API; its new pid joins the manifest.
     /// A service still running is killed first.
@@ -594,6 +615,13 @@ impl Cluster {
         }
         Ok(())
     }
+}
+
+/// Sends `SIG<name>` to `pid`.
+pub fn signal(pid: u32, name: &str) -> Result<()> {
+    let status = std::process::Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;
+    anyhow::ensure!(status.success(), "kill -{name} {pid} failed");
+    Ok(())
 }
 
 /// The namespace, the CRDs (until Established) and the RBAC manifests.
@@ -701,6 +729,7 @@ async fn start_node(
 
     let t = Instant::now();
     let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
+    binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
     }

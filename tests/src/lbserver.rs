@@ -212,8 +212,11 @@ impl LoadBalancers for ScriptedLbaas {
             for ev in first {
                 yield Ok(ev);
             }
+            let every = crate::vifserver::HEARTBEAT;
+            let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tokio::select! {
+                    _ = beat.tick() => yield Ok(marker(String::new(), LbEventType::Heartbeat)),
                     ev = rx.recv() => match ev {
                         Ok((rev, ev)) => if rev > cursor { yield Ok(ev) },
                         Err(broadcast::error::RecvError::Lagged(_)) => {

@@ -162,6 +162,9 @@ impl ScriptedAllocator {
     }
 }
 
+/// How often the scripted servers send a heartbeat on their streams.
+pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(2);
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<WatchVifsResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -195,8 +198,18 @@ impl VifAllocator for ScriptedAllocator {
                 yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::NodeRoutesApplied as i32, vif: None, node_routes: Some(r) });
             }
             yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::SnapshotComplete as i32, vif: None, node_routes: None });
+            // Heartbeats as the real allocator sends them, so a quiet script is not taken for a
+            // dead allocator by the binder's idle timeout.
+            let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
             loop {
-                match rx.recv().await {
+                let got = tokio::select! {
+                    ev = rx.recv() => ev,
+                    _ = beat.tick() => {
+                        yield Ok(WatchVifsResponse { resume_point: String::new(), r#type: VifEventType::Heartbeat as i32, vif: None, node_routes: None });
+                        continue;
+                    }
+                };
+                match got {
                     Ok(ev) => {
                         if ev.resume_point.parse::<u64>().unwrap_or(0) <= revision { continue; }
                         let for_node = ev.vif.as_ref().and_then(|v| v.pod.as_ref()).is_some_and(|p| p.node_name == node)

@@ -234,11 +234,14 @@ struct NodeStream {
 
 impl NodeStream {
     async fn next(&mut self) -> Result<WatchVifsResponse, End> {
-        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            Ok(Ok(None)) => return Err(End::Ended),
-            Ok(Err(s)) => return Err(End::Failed(s)),
-            Err(_) => return Err(End::Silent),
+        let ev = loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(ev))) if ev.r#type() == VifEventType::Heartbeat => {}
+                Ok(Ok(Some(ev))) => break ev,
+                Ok(Ok(None)) => return Err(End::Ended),
+                Ok(Err(s)) => return Err(End::Failed(s)),
+                Err(_) => return Err(End::Silent),
+            }
         };
         self.last.clone_from(&ev.resume_point);
         let name =
@@ -266,7 +269,7 @@ impl NodeStream {
             VifEventType::NodeRoutesDeleted => {
                 self.routes.remove(&ev.node_routes.as_ref().unwrap().node_name);
             }
-            VifEventType::Unspecified => panic!("unspecified event {ev:?}"),
+            VifEventType::Unspecified | VifEventType::Heartbeat => panic!("unexpected event {ev:?}"),
         }
         Ok(ev)
     }

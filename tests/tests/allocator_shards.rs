@@ -348,6 +348,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     loop {
         let ev = tokio::time::timeout(Duration::from_secs(20), stream.message()).await.unwrap().unwrap().unwrap();
         match ev.r#type() {
+            VifEventType::Heartbeat => {}
             VifEventType::VifApplied => {
                 assert_eq!(ev.vif.unwrap().pod.unwrap().node_name, *node);
                 got += 1;

@@ -350,3 +350,41 @@ async fn versions_and_deadlines_are_answered_as_cni_errors() {
     let own = env!("CARGO_PKG_VERSION");
     assert!(!status.message().contains(own), "the binder's version leaked: {}", status.message());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_method_paths_add_no_metric_series() {
+    let e = env(true, &[]).await;
+    let socket = e.binder.socket.clone();
+    let channel = tonic::transport::Endpoint::from_static("http://binder")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let s = socket.clone();
+            async move { tokio::net::UnixStream::connect(s).await.map(hyper_util::rt::TokioIo::new) }
+        }))
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut seed = u64::from(std::process::id());
+    let mut call = async |path: String| {
+        grpc.ready().await.unwrap();
+        let req = tonic::Request::new(tonic_health::pb::HealthCheckRequest::default());
+        let codec = tonic_prost::ProstCodec::<_, tonic_health::pb::HealthCheckResponse>::default();
+        let path: http::uri::PathAndQuery = path.parse().unwrap();
+        grpc.unary(req, path, codec).await.unwrap_err().code()
+    };
+    let series = || {
+        let m = e.node.exec(&["curl", "-sf", "http://127.0.0.1:9631/metrics"]).unwrap();
+        m.lines().filter(|l| l.starts_with("grpc_server_")).count()
+    };
+    assert_eq!(call("/made.Up/First".into()).await, tonic::Code::Unimplemented);
+    let before = series();
+    for i in 0..10_000u32 {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let path = format!("/pkg{:x}.Svc{i}/M{:x}", seed >> 40, seed & 0xffff);
+        assert_eq!(call(path).await, tonic::Code::Unimplemented);
+    }
+    let after = series();
+    assert_eq!(before, after, "10,000 made-up paths changed the number of gRPC metric series");
+    let m = e.node.exec(&["curl", "-sf", "http://127.0.0.1:9631/metrics"]).unwrap();
+    let line = r#"grpc_server_handled_total{service="unknown",method="unknown",code="UNIMPLEMENTED"} 10001"#;
+    assert!(m.contains(line), "made-up paths are not counted under one series: {line} not in\n{m}");
+}

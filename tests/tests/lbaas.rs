@@ -241,11 +241,14 @@ impl LbStream {
     }
 
     async fn next(&mut self) -> Result<WatchLoadBalancersResponse, End> {
-        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            Ok(Ok(None)) => return Err(End::Ended),
-            Ok(Err(s)) => return Err(End::Failed(s)),
-            Err(_) => return Err(End::Silent),
+        let ev = loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(ev))) if ev.r#type() == LbEventType::Heartbeat => {}
+                Ok(Ok(Some(ev))) => break ev,
+                Ok(Ok(None)) => return Err(End::Ended),
+                Ok(Err(s)) => return Err(End::Failed(s)),
+                Err(_) => return Err(End::Silent),
+            }
         };
         self.last.clone_from(&ev.resume_point);
         self.types.push(ev.r#type());
@@ -266,7 +269,7 @@ impl LbStream {
                 self.specs.remove(&key);
                 self.deleted.insert(key);
             }
-            LbEventType::Unspecified => panic!("unspecified event {ev:?}"),
+            LbEventType::Unspecified | LbEventType::Heartbeat => panic!("unspecified event {ev:?}"),
         }
         Ok(ev)
     }

@@ -284,6 +284,9 @@ fn follow(addr: String, who: &str) -> Shared {
         };
         loop {
             let msg = stream.message().await;
+            if matches!(&msg, Ok(Some(ev)) if ev.r#type() == LbEventType::Heartbeat) {
+                continue;
+            }
             let mut st = s.lock().unwrap();
             let ev = match msg {
                 Ok(Some(ev)) => ev,
@@ -310,7 +313,7 @@ fn follow(addr: String, who: &str) -> Shared {
                 LbEventType::LbDeleted => {
                     st.specs.remove(&key);
                 }
-                LbEventType::Unspecified => {}
+                LbEventType::Unspecified | LbEventType::Heartbeat => {}
             }
             let live = st.live;
             if live {

@@ -102,11 +102,14 @@ struct Sub {
 
 impl Sub {
     async fn next(&mut self) -> SubscribeResponse {
-        match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(r))) => r,
-            Ok(Ok(None)) => panic!("the stream ended"),
-            Ok(Err(s)) => panic!("the stream failed: {s}"),
-            Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+        loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(r))) if r.r#type() == EventType::Heartbeat => {}
+                Ok(Ok(Some(r))) => return r,
+                Ok(Ok(None)) => panic!("the stream ended"),
+                Ok(Err(s)) => panic!("the stream failed: {s}"),
+                Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+            }
         }
     }
 
@@ -138,8 +141,12 @@ impl Sub {
 
     /// Asserts that nothing arrives for a while.
     async fn assert_quiet(&mut self) {
-        if let Ok(ev) = tokio::time::timeout(QUIET, self.stream.message()).await {
-            panic!("expected no event, got {ev:?}");
+        let until = tokio::time::Instant::now() + QUIET;
+        while let Ok(ev) = tokio::time::timeout_at(until, self.stream.message()).await {
+            // Heartbeats say only that the watcher is there.
+            if !matches!(&ev, Ok(Some(r)) if r.r#type() == EventType::Heartbeat) {
+                panic!("expected no event, got {ev:?}");
+            }
         }
     }
 }
@@ -388,7 +395,8 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
     mine.assert_quiet().await;
     drop(mine);
 
-    // (d) Resume: only what was missed while away, no snapshot.
+    // (d) Resume: only what was missed while away, no snapshot (a SNAPSHOT_COMPLETE marker at the
+    // resume point says that the subscriber is caught up).
     let mut s3 = w.subscribe(&[Kind::Pod], filter.clone(), "", "test/resume").await.unwrap();
     s3.snapshot().await;
     pods.create(&pp, &pod("r1", "node-b", false)).await.unwrap();
@@ -402,6 +410,8 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
         .unwrap();
     pods.delete("mine", &grace0).await.unwrap();
     let mut s3 = w.subscribe(&[Kind::Pod], filter.clone(), &last, "test/resume").await.unwrap();
+    let caught_up = s3.next().await;
+    assert_eq!((caught_up.r#type(), caught_up.resume_point.as_str()), (EventType::SnapshotComplete, last.as_str()));
     let mut seen = Vec::new();
     for _ in 0..4 {
         let ev = s3.next().await;
@@ -461,9 +471,12 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
     // Open streams end promptly, with UNAVAILABLE, when the watcher is told to stop.
     let took = w.proc.terminate(Duration::from_secs(10)).await.unwrap();
     assert!(took < Duration::from_secs(5), "took {took:?} to stop");
-    match tokio::time::timeout(EVENT_TIMEOUT, s.stream.message()).await.unwrap() {
-        Err(status) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
-        Ok(other) => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+    loop {
+        match tokio::time::timeout(EVENT_TIMEOUT, s.stream.message()).await.unwrap() {
+            Err(status) => break assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
+            Ok(Some(r)) if r.r#type() == EventType::Heartbeat => {}
+            Ok(other) => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+        }
     }
 }
 

@@ -9,8 +9,7 @@
 use std::time::Duration;
 
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
-use kuryr_proto::watcher::v1::{SubscribeRequest, SubscribeResponse};
-use tonic::transport::Channel;
+use kuryr_proto::watcher::v1::{EventType, SubscribeRequest, SubscribeResponse};
 
 use crate::Shutdown;
 
@@ -22,18 +21,24 @@ pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// Follows the watcher over `channel` with `request` (its `resume_from` is the starting point)
 /// until shutdown.
 ///
-/// `on_event` is called with every event, after its resume point was taken; it returns whether
-/// the stream is live now (the event was SNAPSHOT_COMPLETE), which resets the backoff.
-/// `on_break` is called each time the stream breaks or cannot be opened, before the backoff.
-pub async fn follow_watcher<E, B>(
-    channel: Channel,
+/// `on_event` is called with every event but heartbeats, after its resume point was taken; it
+/// returns whether the stream is live now (the event was SNAPSHOT_COMPLETE), which resets the
+/// backoff. `on_break` is called each time the stream breaks or cannot be opened, before the
+/// backoff — also when nothing, not even a heartbeat, arrived for `idle`.
+pub async fn follow_watcher<E, B, C>(
+    channel: C,
     mut request: SubscribeRequest,
+    idle: Duration,
     shutdown: &Shutdown,
     mut on_event: E,
     mut on_break: B,
 ) where
     E: FnMut(SubscribeResponse) -> bool,
     B: FnMut(),
+    C: tonic::client::GrpcService<tonic::body::Body>,
+    C::Error: Into<tonic::codegen::StdError>,
+    C::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <C::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
 {
     let mut client = WatcherClient::new(channel);
     let mut delay = RECONNECT_MIN;
@@ -48,10 +53,11 @@ pub async fn follow_watcher<E, B>(
                 let mut stream = resp.into_inner();
                 loop {
                     let msg = tokio::select! {
-                        m = stream.message() => m,
+                        m = crate::streams::next_message(&mut stream, idle) => m,
                         () = shutdown.clone().wait() => return,
                     };
                     match msg {
+                        Ok(Some(ev)) if ev.r#type() == EventType::Heartbeat => {}
                         Ok(Some(ev)) => {
                             if !ev.resume_point.is_empty() {
                                 request.resume_from.clone_from(&ev.resume_point);
@@ -89,7 +95,6 @@ mod tests {
 
     use std::sync::{Arc, Mutex};
 
-    use kuryr_proto::watcher::v1::EventType;
     use kuryr_proto::watcher::v1::watcher_server::{Watcher, WatcherServer};
     use tokio_stream::wrappers::TcpListenerStream;
     use tonic::{Request, Response, Status};
@@ -163,9 +168,8 @@ mod tests {
             }
         };
         let channel = crate::client::channel(&addr.to_string()).unwrap();
-        tokio::time::timeout(Duration::from_secs(10), follow_watcher(channel, req, &shutdown, on_event, on_break))
-            .await
-            .unwrap();
+        let follow = follow_watcher(channel, req, Duration::from_secs(5), &shutdown, on_event, on_break);
+        tokio::time::timeout(Duration::from_secs(10), follow).await.unwrap();
         assert_eq!(seen, ["e-snapshot", "e-snapshot", "e-0", "e-1", "", "e-2"]);
         assert_eq!(breaks, 3);
         assert_eq!(*fake.resumed_from.lock().unwrap(), ["", "e-1", "e-2"]);

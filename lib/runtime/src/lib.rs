@@ -9,6 +9,7 @@
 //! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: the watcher's
 //!   Subscribe stream, resumed after breaks.
 //! - [`auth`]: who may call what: unix peer credentials, ServiceAccount tokens, per-method rules.
+//! - [`streams`]: reading another service's stream with an idle timeout (heartbeats).
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
 //! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment.
 
@@ -25,12 +26,13 @@ pub mod metrics;
 pub mod retry;
 pub mod server;
 pub mod shutdown;
+pub mod streams;
 pub mod telemetry;
 
 pub use config::CommonArgs;
 pub use health::Health;
 #[cfg(feature = "kube")]
-pub use k8s::kube_client;
+pub use k8s::{kube_client, watch_config};
 pub use listen::ListenAddr;
 pub use retry::retry;
 pub use server::Runtime;

@@ -17,7 +17,7 @@ use crate::auth::{AuthLayer, DenyAll, Gate};
 use crate::config::CommonArgs;
 use crate::health::Health;
 use crate::listen::{Bound, ListenAddr};
-use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, serve_http};
+use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, methods_of, serve_http};
 use crate::shutdown::{self, Shutdown, ShutdownTrigger};
 
 /// A service being started: its metrics registry, readiness, and shutdown signal. Register
@@ -103,7 +103,7 @@ impl Runtime {
         };
 
         let mut registry = self.registry;
-        let grpc_metrics = GrpcMetrics::register(&mut registry);
+        let grpc_metrics = GrpcMetrics::register(&mut registry, methods_of(DESCRIPTOR_SETS));
         let registry = Arc::new(registry);
         let routes = with_standard_services(routes, self.health_server)?;
         let shutdown = self.trigger.signal();
@@ -113,6 +113,11 @@ impl Runtime {
             let local = b.local_addr();
             tracing::info!(service = self.name, listen = %local, "serving gRPC");
             let server = tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+                .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+                .tcp_keepalive(Some(KEEPALIVE_INTERVAL))
+                .http2_max_header_list_size(MAX_HEADER_LIST)
+                .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
                 .layer(GrpcMetricsLayer(grpc_metrics.clone()))
                 .layer(AuthLayer(self.gate.clone()))
                 .add_routes(routes.clone());
@@ -173,17 +178,37 @@ impl Runtime {
     }
 }
 
+/// The contracts every server knows: kuryr's own, health and reflection.
+const DESCRIPTOR_SETS: &[&[u8]] = &[
+    kuryr_proto::FILE_DESCRIPTOR_SET,
+    tonic_health::pb::FILE_DESCRIPTOR_SET,
+    tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+    tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+];
+
+/// Server-side HTTP/2 PINGs: a client that stops answering is dropped with its streams.
+const KEEPALIVE_INTERVAL: Duration = crate::client::KEEPALIVE_INTERVAL;
+const KEEPALIVE_TIMEOUT: Duration = crate::client::KEEPALIVE_TIMEOUT;
+/// Headers of one request, all told. A ServiceAccount token is 1–2 KiB.
+const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// Streams open at once on one connection; a binder holds two, a service a handful.
+const MAX_CONCURRENT_STREAMS: u32 = 256;
+/// The largest health or reflection request: a service name, a symbol.
+pub const MAX_STANDARD_REQUEST: usize = 16 * 1024;
+
 /// Adds health and both reflection versions. Reflection knows every kuryr contract and the health
 /// service, so grpcurl can describe all of them on any service.
 fn with_standard_services(routes: Routes, health: HealthServer<HealthService>) -> anyhow::Result<Routes> {
     let builder = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(kuryr_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        DESCRIPTOR_SETS
+            .iter()
+            .fold(tonic_reflection::server::Builder::configure(), |b, set| b.register_encoded_file_descriptor_set(set))
     };
-    let v1 = builder().build_v1().context("building reflection v1")?;
-    let v1alpha = builder().build_v1alpha().context("building reflection v1alpha")?;
+    let v1 = builder().build_v1().context("building reflection v1")?.max_decoding_message_size(MAX_STANDARD_REQUEST);
+    let v1alpha = builder()
+        .build_v1alpha()
+        .context("building reflection v1alpha")?
+        .max_decoding_message_size(MAX_STANDARD_REQUEST);
+    let health = health.max_decoding_message_size(MAX_STANDARD_REQUEST);
     Ok(routes.add_service(health).add_service(v1).add_service(v1alpha))
 }

@@ -13,8 +13,10 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use crate::epoch::Epoch;
@@ -34,6 +36,9 @@ pub enum Event<'a, K, V> {
     Deleted(&'a K, &'a Arc<V>),
     /// The snapshot is complete; deltas follow.
     SnapshotComplete,
+    /// Nothing was sent for [`Subscriber::heartbeat`]: proof of life for the reader's idle
+    /// timeout. Its resume point is empty.
+    Heartbeat,
 }
 
 /// How a stream began (or began again), for logs and metrics.
@@ -84,6 +89,11 @@ pub trait Subscriber<K, V>: Send + Sync + 'static {
 
     /// Called once when the stream ends.
     fn ended(&self) {}
+
+    /// Send [`Event::Heartbeat`] whenever nothing else was sent for this long; never by default.
+    fn heartbeat(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// A stream opened by [`subscribe`].
@@ -127,7 +137,7 @@ where
         }
     };
     let (tx, rx) = mpsc::channel(buffer.max(1));
-    let feed = Feed { log: log.clone(), sub, epoch, tx, revisions };
+    let feed = Feed { log: log.clone(), sub, epoch, tx, revisions, last_sent: Instant::now() };
     tokio::spawn(feed.run(start, how, shutdown).instrument(span));
     Ok(Opened { rx, how, items, cursor })
 }
@@ -147,6 +157,8 @@ struct Feed<K, V, S: Subscriber<K, V>> {
     epoch: Epoch,
     tx: mpsc::Sender<S::Item>,
     revisions: watch::Receiver<u64>,
+    /// When the subscriber was last sent something (for heartbeats).
+    last_sent: Instant,
 }
 
 impl<K, V, S> Feed<K, V, S>
@@ -188,11 +200,23 @@ where
             // Marked seen before reading, so a delta recorded after this read wakes the wait.
             self.revisions.borrow_and_update();
             let batch = lock(&self.log).since(cursor, BATCH);
+            let heartbeat = self.sub.heartbeat();
+            // Due also while changes the subscriber does not want keep the loop busy.
+            if heartbeat.is_some_and(|h| self.last_sent.elapsed() >= h) {
+                self.send(self.sub.encode(String::new(), Event::Heartbeat)).await?;
+            }
             match batch {
                 Ok(deltas) if deltas.is_empty() => {
+                    let beat = async {
+                        match heartbeat {
+                            Some(h) => tokio::time::sleep_until(self.last_sent + h).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         changed = self.revisions.changed() => changed.map_err(|_| Ended::LogGone)?,
                         () = self.tx.closed() => return Err(Ended::Gone),
+                        () = beat => {}
                     }
                 }
                 Ok(deltas) => {
@@ -220,7 +244,7 @@ where
         }
     }
 
-    async fn send_snapshot(&self, reset: bool, items: Vec<(K, Arc<V>)>, cursor: u64) -> Result<(), Ended> {
+    async fn send_snapshot(&mut self, reset: bool, items: Vec<(K, Arc<V>)>, cursor: u64) -> Result<(), Ended> {
         let point = self.epoch.snapshot_point();
         if reset {
             self.send(self.sub.encode(point.clone(), Event::Reset)).await?;
@@ -231,8 +255,10 @@ where
         self.send(self.sub.encode(self.epoch.point(cursor), Event::SnapshotComplete)).await
     }
 
-    async fn send(&self, item: S::Item) -> Result<(), Ended> {
-        self.tx.send(item).await.map_err(|_| Ended::Gone)
+    async fn send(&mut self, item: S::Item) -> Result<(), Ended> {
+        self.tx.send(item).await.map_err(|_| Ended::Gone)?;
+        self.last_sent = Instant::now();
+        Ok(())
     }
 }
 
@@ -263,6 +289,7 @@ mod tests {
                 Event::Applied(k, v) => format!("{k}={v}@{point}"),
                 Event::Deleted(k, v) => format!("-{k}({v})@{point}"),
                 Event::SnapshotComplete => format!("COMPLETE@{point}"),
+                Event::Heartbeat => format!("BEAT@{point}"),
             }
         }
         fn closing(&self) -> Option<String> {

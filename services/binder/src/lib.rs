@@ -33,6 +33,9 @@ use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 /// The binder's version; the shim must send the same.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// The largest CNI request accepted.
+pub const MAX_REQUEST: usize = kuryr_cni_types::MAX_CONFIG_BYTES + 64 * 1024;
+
 /// The CNI specification versions served.
 pub const SUPPORTED_CNI_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 
@@ -126,6 +129,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         binder_id,
         rt.health(),
         service_names::CNI,
+        config.common.stream_idle_timeout,
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
@@ -145,6 +149,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
             lbaas,
             format!("binder/{node}"),
+            config.common.stream_idle_timeout,
             rt.shutdown(),
         );
     }
@@ -165,6 +170,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let service = service.clone();
         async move { service.recover().await }
     });
-    let routes = tonic::service::Routes::new(CniServer::new(service));
+    // A request carries the network configuration (at most 1 MiB, as the shim enforces) and a
+    // few short strings.
+    let cni = CniServer::new(service).max_decoding_message_size(MAX_REQUEST);
+    let routes = tonic::service::Routes::new(cni);
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }

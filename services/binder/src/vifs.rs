@@ -149,7 +149,7 @@ impl VifCache {
                         s.node_routes.remove(&r.node_name);
                     }
                 }
-                VifEventType::Unspecified => {}
+                VifEventType::Unspecified | VifEventType::Heartbeat => {}
             }
         }
         self.changed.send_modify(|n| *n += 1);
@@ -165,9 +165,12 @@ impl VifCache {
     }
 
     /// Follows the allocator's stream for `node` until shutdown, reconnecting with backoff and
-    /// resuming where it left off. Marks `service` SERVING while the stream is live. A replica
-    /// that does not serve the node names its owner, which is followed at once; an owner that
-    /// cannot be reached twice in a row is given up for `--allocator`.
+    /// resuming where it left off. Marks `service` SERVING while the stream is live; a stream on
+    /// which nothing, not even a heartbeat, arrives for `idle` is taken as dead (a stopped or
+    /// partitioned allocator). A replica that does not serve the node names its owner, which is
+    /// followed at once; an owner that cannot be reached twice in a row is given up for
+    /// `--allocator`.
+    #[allow(clippy::too_many_arguments)]
     pub async fn follow(
         self,
         allocator: Allocator,
@@ -175,6 +178,7 @@ impl VifCache {
         binder_id: String,
         health: Health,
         service: &'static str,
+        idle: Duration,
         shutdown: Shutdown,
     ) {
         health.register(service).await;
@@ -197,10 +201,11 @@ impl VifCache {
                     let mut stream = resp.into_inner();
                     loop {
                         let msg = tokio::select! {
-                            m = stream.message() => m,
+                            m = kuryr_runtime::streams::next_message(&mut stream, idle) => m,
                             () = shutdown.clone().wait() => return,
                         };
                         match msg {
+                            Ok(Some(ev)) if ev.r#type() == VifEventType::Heartbeat => {}
                             Ok(Some(ev)) => {
                                 let was_live = self.is_live();
                                 self.apply(&ev);

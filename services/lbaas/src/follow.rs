@@ -26,6 +26,8 @@ use crate::view::Effect;
 pub struct Follower<B> {
     /// The watcher.
     pub channel: Channel,
+    /// A stream silent this long (not even a heartbeat) is taken as dead (`--stream-idle-timeout`).
+    pub idle_timeout: std::time::Duration,
     /// Queues Services.
     pub controller: Arc<Controller<B>>,
     /// Made servable at the first complete snapshot.
@@ -76,7 +78,7 @@ impl<B: Backend> Follower<B> {
             self.metrics.watcher_reconnects.inc();
             self.readiness.set_watcher(false);
         };
-        follow_watcher(self.channel.clone(), req, &shutdown, on_event, on_break).await;
+        follow_watcher(self.channel.clone(), req, self.idle_timeout, &shutdown, on_event, on_break).await;
     }
 
     fn live(&self, first: bool) {

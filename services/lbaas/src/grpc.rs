@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancers;
 use kuryr_proto::lbaas::v1::{
@@ -34,12 +35,20 @@ pub struct LbService {
     recovered: Arc<AtomicBool>,
     metrics: Metrics,
     shutdown: Shutdown,
+    heartbeat: Duration,
 }
 
 impl LbService {
     /// Streams `log`, answers from `records` once `recovered` is set.
     pub fn new(log: LbLog, records: Records, recovered: Arc<AtomicBool>, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { log, records, recovered, metrics, shutdown }
+        Self { log, records, recovered, metrics, shutdown, heartbeat: Duration::from_secs(5) }
+    }
+
+    /// Streams send a HEARTBEAT whenever nothing else was sent for `every` (`--stream-heartbeat`).
+    #[must_use]
+    pub fn with_heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
     }
 
     fn check_recovered(&self) -> Result<(), Status> {
@@ -98,6 +107,7 @@ pub fn validate_list(req: &ListLoadBalancersRequest) -> Result<(), Status> {
 #[derive(Debug)]
 struct Watch {
     metrics: Metrics,
+    heartbeat: Duration,
 }
 
 impl Subscriber<String, LoadBalancerSpec> for Watch {
@@ -107,6 +117,7 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
         let (t, spec) = match event {
             Event::Reset => (LbEventType::Reset, None),
             Event::SnapshotComplete => (LbEventType::SnapshotComplete, None),
+            Event::Heartbeat => (LbEventType::Heartbeat, None),
             Event::Applied(_, spec) => (LbEventType::LbApplied, Some(LoadBalancerSpec::clone(spec))),
             Event::Deleted(_, spec) => (
                 LbEventType::LbDeleted,
@@ -132,6 +143,10 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
     fn ended(&self) {
         self.metrics.subscribers.dec();
     }
+
+    fn heartbeat(&self) -> Option<Duration> {
+        Some(self.heartbeat)
+    }
 }
 
 #[tonic::async_trait]
@@ -147,7 +162,7 @@ impl LoadBalancers for LbService {
         validate_watch(&req)?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", subscriber = %subscriber, peer = %peer);
-        let watch = Watch { metrics: self.metrics.clone() };
+        let watch = Watch { metrics: self.metrics.clone(), heartbeat: self.heartbeat };
         let opened = kuryr_stream::feed::subscribe(
             &self.log,
             &req.resume_from,
@@ -225,7 +240,7 @@ mod tests {
 
     #[test]
     fn deletions_carry_only_the_identity() {
-        let w = Watch { metrics: Metrics::default() };
+        let w = Watch { metrics: Metrics::default(), heartbeat: Duration::from_secs(5) };
         let spec = Arc::new(LoadBalancerSpec {
             namespace: "ns".into(),
             name: "web".into(),

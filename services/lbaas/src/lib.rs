@@ -84,6 +84,9 @@ pub enum BackendKind {
     Octavia,
 }
 
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-lbaas", version, about = "Turns Kubernetes Services into load balancers.")]
@@ -196,8 +199,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         // Configuration errors end the process here, before any port is bound.
         BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry(), shards.clone())?),
     };
-    let service = LbService::new(log, records, recovered, metrics, rt.shutdown());
-    let routes = tonic::service::Routes::new(LoadBalancersServer::new(service));
+    let service =
+        LbService::new(log, records, recovered, metrics, rt.shutdown()).with_heartbeat(config.common.stream_heartbeat);
+    // Requests are a few names and a resume point.
+    let routes = tonic::service::Routes::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
@@ -317,6 +322,7 @@ impl<B: Backend> Start<B> {
         }
         let follower = follow::Follower {
             channel: watcher,
+            idle_timeout: config.common.stream_idle_timeout,
             controller,
             log,
             readiness,

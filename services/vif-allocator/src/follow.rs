@@ -31,6 +31,8 @@ use crate::ready::Readiness;
 pub struct Follower<C> {
     /// The watcher.
     pub channel: Channel,
+    /// A stream silent this long (not even a heartbeat) is taken as dead (`--stream-idle-timeout`).
+    pub idle_timeout: std::time::Duration,
     /// Queues pods and adopts orphans.
     pub controller: Arc<Controller<C>>,
     /// Receives node addresses.
@@ -67,7 +69,7 @@ impl<C: Cluster> Follower<C> {
             self.metrics.watcher_reconnects.inc();
             self.readiness.set_watcher(false);
         };
-        follow_watcher(self.channel.clone(), req, &shutdown, on_event, on_break).await;
+        follow_watcher(self.channel.clone(), req, self.idle_timeout, &shutdown, on_event, on_break).await;
     }
 
     /// Acts on one effect; returns true when the stream became live.

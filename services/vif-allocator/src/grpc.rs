@@ -14,6 +14,9 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocator;
 use kuryr_proto::allocator::v1::{
@@ -40,6 +43,9 @@ const BATCH: usize = 256;
 const MAX_RESUME_FROM: usize = 128;
 const MAX_NAME: usize = 253;
 
+/// The heartbeat interval unless told otherwise.
+const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
+
 /// The controller, once the Kubernetes client exists (the server starts before that).
 pub type ControllerCell<C> = Arc<OnceLock<Arc<Controller<C>>>>;
 
@@ -51,12 +57,20 @@ pub struct AllocatorService<C> {
     metrics: Metrics,
     shutdown: Shutdown,
     shards: Shards,
+    heartbeat: Duration,
 }
 
 impl<C> AllocatorService<C> {
     /// Serves `index`; plug reports go to the controller once it is in `controller`.
     pub fn new(index: SharedIndex, controller: ControllerCell<C>, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { index, controller, metrics, shutdown, shards: Shards::all() }
+        Self { index, controller, metrics, shutdown, shards: Shards::all(), heartbeat: DEFAULT_HEARTBEAT }
+    }
+
+    /// Streams send a HEARTBEAT whenever nothing else was sent for `every` (`--stream-heartbeat`).
+    #[must_use]
+    pub fn with_heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
     }
 
     /// Serves only the nodes `shards` serves, redirecting the others (every node by default).
@@ -150,6 +164,8 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
             revisions,
             metrics: self.metrics.clone(),
             shards: self.shards.clone(),
+            heartbeat: self.heartbeat,
+            last_sent: Instant::now(),
         };
         tokio::spawn(stream.run(start, self.shutdown.clone()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -217,6 +233,10 @@ struct Stream {
     revisions: watch::Receiver<u64>,
     metrics: Metrics,
     shards: Shards,
+    heartbeat: Duration,
+    /// When the binder was last sent something: a heartbeat is due `heartbeat` after it, also
+    /// while changes of other nodes keep the stream busy without anything for this one.
+    last_sent: Instant,
 }
 
 impl Stream {
@@ -266,11 +286,16 @@ impl Stream {
             // Marked seen before reading, so a delta recorded after this read wakes the wait.
             self.revisions.borrow_and_update();
             let batch = lock(&self.index).since(cursor, BATCH);
+            if self.last_sent.elapsed() >= self.heartbeat {
+                self.send(marker(String::new(), VifEventType::Heartbeat)).await?;
+            }
             match batch {
                 Ok(deltas) if deltas.is_empty() => {
+                    let due = self.last_sent + self.heartbeat;
                     tokio::select! {
                         changed = self.revisions.changed() => changed.map_err(|_| Ended::IndexGone)?,
                         () = self.tx.closed() => return Err(Ended::ClientGone),
+                        () = tokio::time::sleep_until(due) => {}
                     }
                 }
                 Ok(deltas) => {
@@ -292,7 +317,7 @@ impl Stream {
         }
     }
 
-    async fn send_snapshot(&self, reset: bool, items: Vec<Change>, cursor: u64) -> Result<(), Ended> {
+    async fn send_snapshot(&mut self, reset: bool, items: Vec<Change>, cursor: u64) -> Result<(), Ended> {
         let point = self.epoch.snapshot_point();
         if reset {
             self.send(marker(point.clone(), VifEventType::Reset)).await?;
@@ -303,8 +328,10 @@ impl Stream {
         self.send(marker(self.epoch.point(cursor), VifEventType::SnapshotComplete)).await
     }
 
-    async fn send(&self, resp: WatchVifsResponse) -> Result<(), Ended> {
-        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)
+    async fn send(&mut self, resp: WatchVifsResponse) -> Result<(), Ended> {
+        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)?;
+        self.last_sent = Instant::now();
+        Ok(())
     }
 }
 

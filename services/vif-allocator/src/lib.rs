@@ -72,6 +72,9 @@ use crate::pool_api::{BackendCell, PoolApi};
 use crate::ready::Readiness;
 use crate::shards::Shards;
 
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-vif-allocator", version, about = "Allocates pod VIFs and streams them to binders.")]
@@ -254,9 +257,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         shard_handle: shard_handle.clone(),
     };
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
-    let service = AllocatorService::new(index, cell, metrics, rt.shutdown()).with_shards(shards);
-    let routes =
-        tonic::service::Routes::new(VifAllocatorServer::new(service)).add_service(PoolManagerServer::new(pool_api));
+    let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
+        .with_shards(shards)
+        .with_heartbeat(config.common.stream_heartbeat);
+    let routes = tonic::service::Routes::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
+        .add_service(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
@@ -409,12 +414,15 @@ impl Start {
             tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
             if b.namespace_networks().is_some() {
                 let subscriber = format!("kuryr-vif-allocator/{instance}/namespaces");
-                let ns = neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, shutdown.clone());
+                let idle = config.common.stream_idle_timeout;
+                let ns =
+                    neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, idle, shutdown.clone());
                 tokio::spawn(ns.instrument(tracing::info_span!("namespaces")));
             }
         }
         let follower = follow::Follower {
             channel: watcher,
+            idle_timeout: config.common.stream_idle_timeout,
             controller,
             index,
             recovered: found.into_iter().map(|f| (f.pod, f.node)).collect(),

@@ -199,7 +199,7 @@ impl PodView {
             }
             EventType::Applied => ev.object.as_ref().map(|o| self.applied(o, now)).unwrap_or_default(),
             EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
-            EventType::Unspecified => Vec::new(),
+            EventType::Unspecified | EventType::Heartbeat => Vec::new(),
         }
     }
 

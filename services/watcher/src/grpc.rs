@@ -10,6 +10,9 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use kuryr_proto::watcher::v1::watcher_server::Watcher;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeRequest, SubscribeResponse};
@@ -38,12 +41,14 @@ pub struct WatcherService {
     index: SharedIndex,
     metrics: Metrics,
     shutdown: Shutdown,
+    heartbeat: Duration,
 }
 
 impl WatcherService {
-    /// Serves `index`; streams end when `shutdown` fires.
-    pub fn new(index: SharedIndex, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { index, metrics, shutdown }
+    /// Serves `index`; streams end when `shutdown` fires, and carry a HEARTBEAT whenever nothing
+    /// else was sent for `heartbeat` (`--stream-heartbeat`).
+    pub fn new(index: SharedIndex, metrics: Metrics, shutdown: Shutdown, heartbeat: Duration) -> Self {
+        Self { index, metrics, shutdown, heartbeat }
     }
 }
 
@@ -74,8 +79,16 @@ impl Watcher for WatcherService {
                 exclude_host_network = selector.exclude_host_network, resume_from = %req.resume_from, "subscribed: {how}");
         });
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let stream =
-            Stream { index: self.index.clone(), selector, epoch, tx, revisions, metrics: self.metrics.clone() };
+        let stream = Stream {
+            index: self.index.clone(),
+            selector,
+            epoch,
+            tx,
+            revisions,
+            metrics: self.metrics.clone(),
+            heartbeat: self.heartbeat,
+            last_sent: Instant::now(),
+        };
         tokio::spawn(stream.run(start, self.shutdown.clone()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -159,6 +172,10 @@ struct Stream {
     tx: mpsc::Sender<Result<SubscribeResponse, Status>>,
     revisions: watch::Receiver<u64>,
     metrics: Metrics,
+    heartbeat: Duration,
+    /// When the subscriber was last sent something: a heartbeat is due `heartbeat` after it,
+    /// also while changes it does not select keep the stream busy.
+    last_sent: Instant,
 }
 
 impl Stream {
@@ -187,6 +204,15 @@ impl Stream {
         let mut cursor = match start {
             Start::Resume { cursor } => {
                 self.metrics.started("resume");
+                // The subscriber is caught up as of `cursor`, exactly as after a snapshot; without
+                // the marker a subscriber that resumed after a break (an idle timeout, a lost
+                // connection) could not tell that it is live again.
+                let done = SubscribeResponse {
+                    resume_point: self.epoch.point(cursor),
+                    r#type: EventType::SnapshotComplete as i32,
+                    object: None,
+                };
+                self.send(done).await?;
                 cursor
             }
             Start::Snapshot { reset, objects, cursor } => {
@@ -199,11 +225,21 @@ impl Stream {
             // Marked seen before reading, so a delta recorded after this read wakes the wait.
             self.revisions.borrow_and_update();
             let batch = lock(&self.index).since(cursor, BATCH);
+            if self.last_sent.elapsed() >= self.heartbeat {
+                let beat = SubscribeResponse {
+                    resume_point: String::new(),
+                    r#type: EventType::Heartbeat as i32,
+                    object: None,
+                };
+                self.send(beat).await?;
+            }
             match batch {
                 Ok(deltas) if deltas.is_empty() => {
+                    let due = self.last_sent + self.heartbeat;
                     tokio::select! {
                         changed = self.revisions.changed() => changed.map_err(|_| Ended::IndexGone)?,
                         () = self.tx.closed() => return Err(Ended::ClientGone),
+                        () = tokio::time::sleep_until(due) => {}
                     }
                 }
                 Ok(deltas) => {
@@ -225,7 +261,7 @@ impl Stream {
         }
     }
 
-    async fn send_snapshot(&self, reset: bool, objects: Vec<Arc<Object>>, cursor: u64) -> Result<(), Ended> {
+    async fn send_snapshot(&mut self, reset: bool, objects: Vec<Arc<Object>>, cursor: u64) -> Result<(), Ended> {
         let point = self.epoch.snapshot_point();
         if reset {
             self.send(SubscribeResponse { resume_point: point.clone(), r#type: EventType::Reset as i32, object: None })
@@ -256,8 +292,10 @@ impl Stream {
         }
     }
 
-    async fn send(&self, resp: SubscribeResponse) -> Result<(), Ended> {
-        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)
+    async fn send(&mut self, resp: SubscribeResponse) -> Result<(), Ended> {
+        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)?;
+        self.last_sent = Instant::now();
+        Ok(())
     }
 }
 

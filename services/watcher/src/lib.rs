@@ -43,6 +43,9 @@ use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-watcher", version, about = "Streams Kubernetes objects to the other kuryr services.")]
@@ -80,7 +83,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let index = index.shared();
     rt.health().register(service_names::WATCHER).await;
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());
-    let service = grpc::WatcherService::new(index, metrics, rt.shutdown());
-    let routes = tonic::service::Routes::new(WatcherServer::new(service));
+    let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.common.stream_heartbeat);
+    // A Subscribe request is a few kinds, names and a resume point.
+    let routes = tonic::service::Routes::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
     rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
 }

@@ -61,9 +61,11 @@ impl Dataplane {
     }
 
     /// Starts the follower and the programmer; they run until shutdown.
-    pub fn spawn(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+    /// A stream on which nothing, not even a heartbeat, arrives for `idle` is dropped and
+    /// reopened (the rules stay as they are meanwhile, reported out of sync).
+    pub fn spawn(self, channel: Channel, subscriber: String, idle: Duration, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
-        tokio::spawn(self.follow(channel, subscriber, shutdown));
+        tokio::spawn(self.follow(channel, subscriber, idle, shutdown));
     }
 
     /// Publishes and logs whether the rules are in sync, when that changed.
@@ -85,7 +87,7 @@ impl Dataplane {
     }
 
     /// Follows the stream until shutdown.
-    async fn follow(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+    async fn follow(self, channel: Channel, subscriber: String, idle: Duration, shutdown: Shutdown) {
         let mut client = LoadBalancersClient::new(channel);
         let mut delay = RETRY_MIN;
         loop {
@@ -103,10 +105,11 @@ impl Dataplane {
                     let mut stream = resp.into_inner();
                     loop {
                         let msg = tokio::select! {
-                            m = stream.message() => m,
+                            m = kuryr_runtime::streams::next_message(&mut stream, idle) => m,
                             () = shutdown.clone().wait() => return,
                         };
                         match msg {
+                            Ok(Some(ev)) if ev.r#type() == LbEventType::Heartbeat => {}
                             Ok(Some(ev)) => {
                                 let now = Instant::now();
                                 self.metrics.event(ev.r#type().as_str_name());

@@ -128,7 +128,7 @@ impl State {
                 }
                 Applied::Quiet
             }
-            LbEventType::Unspecified => Applied::Quiet,
+            LbEventType::Unspecified | LbEventType::Heartbeat => Applied::Quiet,
         }
     }
 

@@ -26,7 +26,13 @@ const WORKERS: usize = 4;
 
 /// Runs the namespace follower and its workers until shutdown. Does nothing unless the backend
 /// has per-namespace networks.
-pub async fn run(backend: Arc<NeutronBackend>, channel: Channel, subscriber: String, shutdown: Shutdown) {
+pub async fn run(
+    backend: Arc<NeutronBackend>,
+    channel: Channel,
+    subscriber: String,
+    idle: Duration,
+    shutdown: Shutdown,
+) {
     let Some(nn) = backend.namespace_networks().cloned() else { return };
     let queue = Arc::new(WorkQueue::default());
     for i in 0..WORKERS {
@@ -87,7 +93,7 @@ pub async fn run(backend: Arc<NeutronBackend>, channel: Channel, subscriber: Str
                 let mut stream = resp.into_inner();
                 loop {
                     let msg = tokio::select! {
-                        m = stream.message() => m,
+                        m = kuryr_runtime::streams::next_message(&mut stream, idle) => m,
                         () = shutdown.clone().wait() => return,
                     };
                     let ev = match msg {

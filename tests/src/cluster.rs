@@ -64,6 +64,10 @@ pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
 pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
 /// kuryr-lbaas's ServiceAccount (`deploy/rbac/lbaas.yaml`).
 pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
+/// The binders' ServiceAccount (`deploy/rbac/binder.yaml`).
+pub const BINDER_ACCOUNT: &str = "kuryr-binder";
+/// The ServiceAccount whose tokens manage the allocator's port pools (`deploy/rbac/pool-manager.yaml`).
+pub const POOL_MANAGER_ACCOUNT: &str = "kuryr-pool-manager";
 /// Bound on a service turning SERVING after start.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a service gets to drain after SIGTERM.
@@ -374,7 +378,7 @@ impl Cluster {
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
             let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref() };
-            start_node(name, i, &client, &underlay, upstream, &opts, &progress)
+            start_node(name, i, &kube, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
 
@@ -704,9 +708,11 @@ struct Upstream<'a> {
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
 /// then the shim, its conflist and the binder.
+#[allow(clippy::too_many_arguments)]
 async fn start_node(
     name: String,
     index: usize,
+    kube: &KubeEnv,
     client: &kube::Client,
     underlay: &Underlay,
     Upstream { allocator, lbaas }: Upstream<'_>,
@@ -728,7 +734,11 @@ async fn start_node(
     progress.step(&format!("{name}: Node object registered (Ready, InternalIP {})", join(&ips)), t);
 
     let t = Instant::now();
-    let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
+    // The binder authenticates to the allocator and lbaas as its ServiceAccount, with a token
+    // bound to its Node (a DaemonSet pod's projected token names its node the same way).
+    let token = kube.kuryr_token_file(SYSTEM_NAMESPACE, BINDER_ACCOUNT, Some(&name)).await?;
+    let mut binder_args =
+        vec!["--log".to_string(), opts.service_log.clone(), "--auth-token-file".into(), token.display().to_string()];
     binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);

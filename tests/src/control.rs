@@ -22,7 +22,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 
-use crate::cluster::{ALLOCATOR_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use crate::kube::KubeEnv;
 use crate::services::{ServiceProcess, wait_until};
 use crate::util::{free_port, repo_root};
@@ -77,6 +77,9 @@ pub struct ControlPlane {
     pub watcher_kubeconfig: PathBuf,
     /// The served service's ServiceAccount credentials.
     pub kubeconfig: PathBuf,
+    /// A token of the binders' ServiceAccount for the kuryr audience, bound to no node: what the
+    /// suites' binder-like clients send (WatchVifs, ReportPlugged, WatchLoadBalancers).
+    pub binder_token: String,
 }
 
 /// A kuryr-watcher process with its gRPC and metrics addresses.
@@ -140,7 +143,8 @@ impl ControlPlane {
         }
         let watcher_kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
         let kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, served.account()).await?;
-        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig })
+        let binder_token = env.kuryr_token(SYSTEM_NAMESPACE, BINDER_ACCOUNT, None).await?;
+        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig, binder_token })
     }
 
     /// Starts kuryr-watcher under its ServiceAccount, listening on `addr` (a free port when

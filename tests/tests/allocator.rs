@@ -27,6 +27,7 @@ use kuryr_proto::allocator::v1::{
     GetVifRequest, NodeRoutes, ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_proto::service_names::VIF_ALLOCATOR;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
@@ -38,7 +39,6 @@ use kuryr_vif_allocator::crd::{
 use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey};
 use serde_json::json;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 /// Bound on one expected change; a healthy allocator delivers in milliseconds.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -75,6 +75,8 @@ struct Svc {
     proc: ServiceProcess,
     addr: String,
     metrics_url: String,
+    /// What the test's calls send: a binder's token.
+    token: String,
 }
 
 /// Starts `bin` listening on a free port.
@@ -90,7 +92,7 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
 }
 
 impl Cluster {
@@ -125,7 +127,7 @@ impl Cluster {
             "info,kuryr_vif_allocator=debug",
         ];
         let args = args.iter().chain(extra).map(ToString::to_string).collect();
-        spawn("kuryr-vif-allocator", args, self.dir.path())
+        Svc { token: self.binder_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path()) }
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -166,8 +168,8 @@ impl Cluster {
 }
 
 impl Svc {
-    fn client(&self) -> VifAllocatorClient<Channel> {
-        VifAllocatorClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    fn client(&self) -> VifAllocatorClient<PeerChannel> {
+        VifAllocatorClient::new(kuryr_tests::auth::channel(&self.addr, &self.token).unwrap())
     }
 
     async fn wait_serving(&self, service: &str) {
@@ -441,6 +443,39 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     assert_eq!((warned.reason.as_deref(), warned.type_.as_deref()), (Some("VifAllocationFailed"), Some("Warning")));
     assert!(warned.note.as_deref().unwrap_or_default().contains("earlier pod"), "{warned:?}");
     assert_eq!(warned.reporting_controller.as_deref(), Some("kuryr-vif-allocator"));
+
+    // Only the binders' account may watch VIFs and report them plugged, and a binder whose token
+    // is bound to a node only for that node; without a token nothing at all.
+    let watch_n1 = || WatchVifsRequest { node_name: "n1".into(), resume_from: String::new(), binder_id: "t".into() };
+    let anonymous = VifAllocatorClient::new(kuryr_runtime::client::channel(&alloc.addr).unwrap());
+    let e = anonymous.clone().watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let as_account = |sa: &'static str, node: Option<&'static str>| {
+        let (env, addr) = (&c.env, alloc.addr.clone());
+        async move {
+            let token = env.kuryr_token("kuryr-system", sa, node).await.unwrap();
+            VifAllocatorClient::new(kuryr_tests::auth::channel(&addr, &token).unwrap())
+        }
+    };
+    let e = as_account("kuryr-lbaas", None).await.watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    let mut n2_binder = as_account("kuryr-binder", Some("n2")).await;
+    let e = n2_binder.watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message().contains("(n2)"), "{e}");
+    let forged = ReportPluggedRequest {
+        pod_uid: v1.pod.as_ref().unwrap().uid.clone(),
+        vif_id: v1.vif_id.clone(),
+        node_name: "n1".into(),
+        plugged: true,
+        host_ifname: "x".into(),
+    };
+    let e = n2_binder.report_plugged(forged.clone()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "n2's binder reported for n1: {e}");
+    let e = anonymous.clone().report_plugged(forged).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    assert!(n2_binder.watch_vifs(WatchVifsRequest { node_name: "n2".into(), ..watch_n1() }).await.is_ok());
+    assert_eq!(n1.vif("p1").state(), VifState::Allocated, "a refused report changed the VIF");
 
     // ReportPlugged: checked, recorded, streamed.
     let mut client = alloc.client();

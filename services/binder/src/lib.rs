@@ -26,7 +26,9 @@ use std::time::Duration;
 use clap::Parser;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::local::LocalCallers;
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::config::parse_duration;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 
@@ -49,6 +51,23 @@ pub struct Config {
     /// refused here.
     #[arg(long, env = "KURYR_BINDER_LISTEN", value_delimiter = ',', default_value = "unix:/run/kuryr/binder.sock")]
     pub listen: Vec<ListenAddr>,
+
+    /// Also serve on this TCP address (HOST:PORT), for tools on other hosts. Off by default:
+    /// the runtime needs only the unix socket. Calls on it are authenticated as the services'
+    /// are (`--auth`): a ServiceAccount token checked with TokenReview (`--kubeconfig`), and the
+    /// CNI operations only for `--cni-tcp-accounts`; health and reflection stay open.
+    #[arg(long, env = "KURYR_BINDER_TCP_LISTEN")]
+    pub tcp_listen: Option<ListenAddr>,
+
+    /// The ServiceAccounts (`namespace:name`, comma-separated) that may call the CNI operations
+    /// over `--tcp-listen`; none by default.
+    #[arg(long, env = "KURYR_CNI_TCP_ACCOUNTS", value_delimiter = ',')]
+    pub cni_tcp_accounts: Vec<AccountRef>,
+
+    /// Kubeconfig for checking tokens of callers on `--tcp-listen` (TokenReview); in-cluster
+    /// when unset. The binder does not use the Kubernetes API otherwise.
+    #[arg(long, env = "KURYR_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// More uids whose processes may call the CNI operations on the unix socket (root always
     /// may), comma-separated. They also need access to the socket file, which is 0600 root.
@@ -107,11 +126,27 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(tcp) = config.listen.iter().find(|l| matches!(l, ListenAddr::Tcp { .. })) {
         anyhow::bail!(
             "--listen {tcp}: the binder serves CNI on unix sockets only; anyone on the node (or in a \
-             hostNetwork pod) can reach a TCP port"
+             hostNetwork pod) can reach a TCP port. --tcp-listen serves TCP with authentication"
         );
     }
+    if let Some(unix @ ListenAddr::Unix(_)) = &config.tcp_listen {
+        anyhow::bail!("--tcp-listen {unix}: takes HOST:PORT; unix sockets go in --listen");
+    }
     let mut rt = Runtime::new("kuryr-binder", &config.common)?;
-    rt.set_gate(Arc::new(LocalCallers::new(config.cni_allow_uid.clone(), config.cni_allow_gid.clone())));
+    let local = LocalCallers::new(config.cni_allow_uid.clone(), config.cni_allow_gid.clone());
+    let gate = match &config.tcp_listen {
+        Some(_) => {
+            let rules = Rules::new().allow(
+                service_names::CNI,
+                &["Add", "Del", "Check", "Status", "Gc", "Version"],
+                &config.cni_tcp_accounts,
+            );
+            local.with_remote(config.common.auth.gate(config.kubeconfig.clone(), rules, rt.registry()))
+        }
+        None => local,
+    };
+    rt.set_gate(Arc::new(gate));
+    let credentials = config.common.auth.credentials();
     let node = match config.node_name.clone() {
         Some(n) => n,
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_string(),
@@ -119,7 +154,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
-    let allocator = upstream::Allocator::new(kuryr_runtime::client::channel(&config.allocator)?);
+    let allocator = upstream::Allocator::new(kuryr_runtime::client::channel(&config.allocator)?, credentials.clone());
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
@@ -144,6 +179,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
+        let lbaas = with_credentials(lbaas, credentials.clone());
         tracing::info!(lbaas = target, "Service dataplane enabled");
         tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
@@ -174,5 +210,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // few short strings.
     let cni = CniServer::new(service).max_decoding_message_size(MAX_REQUEST);
     let routes = tonic::service::Routes::new(cni);
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    let listen: Vec<ListenAddr> = config.listen.iter().chain(&config.tcp_listen).cloned().collect();
+    rt.serve(routes, &listen, Some(&config.metrics_listen)).await
 }

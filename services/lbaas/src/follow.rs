@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use kuryr_proto::watcher::v1::{Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
-use tonic::transport::Channel;
 
 use crate::backend::{Backend, LbLog};
 use crate::controller::{Controller, locked};
@@ -25,7 +25,7 @@ use crate::view::Effect;
 #[derive(Debug)]
 pub struct Follower<B> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// A stream silent this long (not even a heartbeat) is taken as dead (`--stream-idle-timeout`).
     pub idle_timeout: std::time::Duration,
     /// Queues Services.

@@ -56,6 +56,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
 use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
@@ -129,8 +132,19 @@ pub struct Config {
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch and
+    /// read the load balancer specs.
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: every LoadBalancers method, the binders.
+pub fn rules(config: &Config) -> Rules {
+    let methods = ["WatchLoadBalancers", "GetLoadBalancer", "ListLoadBalancers"];
+    Rules::new().allow(service_names::LOAD_BALANCERS, &methods, &config.binder_accounts)
 }
 
 impl Config {
@@ -146,9 +160,9 @@ impl Config {
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
-    // Every caller admitted, as before; ServiceAccount tokens replace this.
-    rt.set_gate(std::sync::Arc::new(kuryr_runtime::auth::Insecure));
-    let watcher = kuryr_runtime::client::channel(&config.watcher)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
+    let watcher = with_credentials(kuryr_runtime::client::channel(&config.watcher)?, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
     let shard_metrics = ShardMetrics::register(rt.registry());
@@ -224,7 +238,7 @@ async fn forward(mut from: watch::Receiver<Arc<Ownership>>, to: watch::Sender<Ar
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
 struct Start<B> {
     config: Config,
-    watcher: tonic::transport::Channel,
+    watcher: PeerChannel,
     backend: B,
     log: LbLog,
     records: Records,

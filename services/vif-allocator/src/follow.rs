@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use kuryr_proto::watcher::v1::{Filter, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
-use tonic::transport::Channel;
 
 use crate::cluster::Cluster;
 use crate::controller::{Controller, view_lock};
@@ -30,7 +30,7 @@ use crate::ready::Readiness;
 #[derive(Debug)]
 pub struct Follower<C> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// A stream silent this long (not even a heartbeat) is taken as dead (`--stream-idle-timeout`).
     pub idle_timeout: std::time::Duration,
     /// Queues pods and adopts orphans.

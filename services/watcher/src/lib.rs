@@ -41,6 +41,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
 
 /// The largest request accepted: every request is a few names, ids and a resume point.
@@ -68,15 +69,30 @@ pub struct Config {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
     pub history: usize,
 
+    /// The ServiceAccounts that may Subscribe (`namespace:name`, comma-separated): it serves
+    /// every pod, Service, node and NetworkPolicy of the cluster, so only kuryr's own services.
+    #[arg(
+        long,
+        env = "KURYR_SUBSCRIBER_ACCOUNTS",
+        value_delimiter = ',',
+        default_value = "kuryr-system:kuryr-vif-allocator,kuryr-system:kuryr-lbaas"
+    )]
+    pub subscriber_accounts: Vec<AccountRef>,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: Subscribe, only the subscriber accounts.
+pub fn rules(config: &Config) -> Rules {
+    Rules::new().allow(service_names::WATCHER, &["Subscribe"], &config.subscriber_accounts)
 }
 
 /// Runs the watcher until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-watcher", &config.common)?;
-    // Every caller admitted, as before; ServiceAccount tokens replace this.
-    rt.set_gate(std::sync::Arc::new(kuryr_runtime::auth::Insecure));
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let metrics = metrics::Metrics::register(rt.registry());
     let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
     tracing::info!(epoch = %index.epoch(), history = config.history, "starting");

@@ -676,8 +676,11 @@ fn print_usage(cluster: &Cluster, files: &Files) {
         format!("  G={g}"),
         format!("  $G -plaintext {} list    # kuryr-watcher; also unix://{}", w.tcp, w.socket.display()),
         format!("  $G -plaintext unix://{} list    # kuryr-vif-allocator; also {}", a.socket.display(), a.tcp),
+        "  # the APIs need a ServiceAccount token for the kuryr audience, of the account whose role it is".into(),
+        r#"  BINDER="authorization: Bearer $(kubectl -n kuryr-system create token kuryr-binder --audience kuryr)""#
+            .into(),
         format!(
-            r#"  $G -plaintext -max-time 2 -d '{{"node_name":"node-1"}}' unix://{} kuryr.allocator.v1.VifAllocator/WatchVifs"#,
+            r#"  $G -plaintext -H "$BINDER" -max-time 2 -d '{{"node_name":"node-1"}}' unix://{} kuryr.allocator.v1.VifAllocator/WatchVifs"#,
             a.socket.display()
         ),
     ];
@@ -689,7 +692,7 @@ fn print_usage(cluster: &Cluster, files: &Files) {
             "  kubectl -n demo get svc,endpointslices,slb -o wide".into(),
             "  kubectl -n demo delete pod web-1    # its address leaves every node's rules".into(),
             format!(
-                r#"  $G -plaintext -max-time 2 -d '{{"subscriber":"me"}}' {} kuryr.lbaas.v1.LoadBalancers/WatchLoadBalancers"#,
+                r#"  $G -plaintext -H "$BINDER" -max-time 2 -d '{{"subscriber":"me"}}' {} kuryr.lbaas.v1.LoadBalancers/WatchLoadBalancers"#,
                 l.tcp
             ),
         ]);

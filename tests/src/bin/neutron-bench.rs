@@ -200,7 +200,8 @@ impl Bench {
             status_poll_min: self.status_poll.clone(),
             instance: "bench-neutron".into(),
             log: "info".into(),
-            extra: Vec::new(),
+            // The warm pool is filled with one PopulatePool of the phase's pods: no cap.
+            extra: vec!["--pool-max".into(), "0".into()],
         };
         self.c.allocator(&self.watcher, &o)
     }
@@ -209,7 +210,7 @@ impl Bench {
         eprintln!("# {name}: {} pods at {} pods/s", self.pods, self.rate);
         let populate = if warm {
             let before = alloc.metrics().await?;
-            let mut pm = PoolManagerClient::new(alloc.channel().await?);
+            let mut pm = PoolManagerClient::new(alloc.channel()?);
             let key = PoolKey { node_name: self.c.node.host.clone(), ..Default::default() };
             let count = u32::try_from(self.pods)? + WARM_POOL_MIN;
             let t = Instant::now();
@@ -267,7 +268,7 @@ impl Bench {
             1e3 * sum / n.max(1.0)
         };
 
-        let mut vifs = VifAllocatorClient::new(alloc.channel().await?);
+        let mut vifs = VifAllocatorClient::new(alloc.channel()?);
         let (mut created_to_add, mut created_to_active, mut active_to_add) = (vec![], vec![], vec![]);
         let mut unseen = 0;
         for d in &done {

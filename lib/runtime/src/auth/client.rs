@@ -89,13 +89,27 @@ pub enum Credentials {
     None,
     /// A ServiceAccount token from a file.
     Token(TokenFile),
+    /// A fixed `Bearer <token>` (tools and tests with a token in hand).
+    Bearer(MetadataValue<Ascii>),
+}
+
+impl Credentials {
+    /// A fixed token; an error for one that cannot be a header value.
+    pub fn bearer(token: &str) -> anyhow::Result<Self> {
+        let v = MetadataValue::try_from(format!("Bearer {}", token.trim()))
+            .map_err(|_| anyhow::anyhow!("the token cannot be sent as a header"))?;
+        Ok(Self::Bearer(v))
+    }
 }
 
 impl Interceptor for Credentials {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Self::Token(f) = self
-            && let Some(h) = f.header()
-        {
+        let header = match self {
+            Self::Token(f) => f.header(),
+            Self::Bearer(h) => Some(h.clone()),
+            Self::None => None,
+        };
+        if let Some(h) = header {
             req.metadata_mut().insert("authorization", h);
         }
         Ok(req)

@@ -9,11 +9,14 @@
 //!
 //! - [`local`]: callers on a unix socket, checked by their uid/gid (the binder's CNI socket).
 //! - [`rules`]: which ServiceAccounts may call which methods.
+//! - `token` (feature `kube`): ServiceAccount tokens checked with TokenReview, cached.
 //! - [`client`]: the other side: a token read from a (projected) file, sent with every call.
 
 pub mod client;
 pub mod local;
 pub mod rules;
+#[cfg(feature = "kube")]
+pub mod token;
 
 use std::fmt;
 use std::net::SocketAddr;

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, WatchLoadBalancersRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use tokio::sync::Notify;
-use tonic::transport::Channel;
 
 use self::metrics::LbMetrics;
 use self::model::{Service, ServiceKey};
@@ -63,7 +63,7 @@ impl Dataplane {
     /// Starts the follower and the programmer; they run until shutdown.
     /// A stream on which nothing, not even a heartbeat, arrives for `idle` is dropped and
     /// reopened (the rules stay as they are meanwhile, reported out of sync).
-    pub fn spawn(self, channel: Channel, subscriber: String, idle: Duration, shutdown: Shutdown) {
+    pub fn spawn(self, channel: PeerChannel, subscriber: String, idle: Duration, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
         tokio::spawn(self.follow(channel, subscriber, idle, shutdown));
     }
@@ -87,7 +87,7 @@ impl Dataplane {
     }
 
     /// Follows the stream until shutdown.
-    async fn follow(self, channel: Channel, subscriber: String, idle: Duration, shutdown: Shutdown) {
+    async fn follow(self, channel: PeerChannel, subscriber: String, idle: Duration, shutdown: Shutdown) {
         let mut client = LoadBalancersClient::new(channel);
         let mut delay = RETRY_MIN;
         loop {

@@ -12,8 +12,8 @@ use std::time::Duration;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_stream::{Outcome, WorkQueue};
-use tonic::transport::Channel;
 use tracing::Instrument as _;
 
 use super::{NamespaceOutcome, guard};
@@ -28,7 +28,7 @@ const WORKERS: usize = 4;
 /// has per-namespace networks.
 pub async fn run(
     backend: Arc<NeutronBackend>,
-    channel: Channel,
+    channel: PeerChannel,
     subscriber: String,
     idle: Duration,
     shutdown: Shutdown,

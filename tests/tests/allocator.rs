@@ -22,7 +22,9 @@ use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_proto::allocator::v1::{FreePoolRequest, PoolKey, PopulatePoolRequest};
 use kuryr_proto::allocator::v1::{
     GetVifRequest, NodeRoutes, ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
@@ -476,6 +478,29 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
     assert!(n2_binder.watch_vifs(WatchVifsRequest { node_name: "n2".into(), ..watch_n1() }).await.is_ok());
     assert_eq!(n1.vif("p1").state(), VifState::Allocated, "a refused report changed the VIF");
+    // The pool methods are the pool manager's: refused to others before anything else (the
+    // embedded backend then answers UNIMPLEMENTED: it has no pools).
+    let pm = |t: Option<String>| {
+        let ch = kuryr_runtime::client::channel(&alloc.addr).unwrap();
+        let creds = match t {
+            Some(t) => kuryr_runtime::auth::client::Credentials::bearer(&t).unwrap(),
+            None => kuryr_runtime::auth::client::Credentials::None,
+        };
+        PoolManagerClient::new(kuryr_runtime::auth::client::with_credentials(ch, creds))
+    };
+    let populate =
+        || PopulatePoolRequest { key: Some(PoolKey { node_name: "n1".into(), ..Default::default() }), count: 1 };
+    let manager = c.env.kuryr_token("kuryr-system", "kuryr-pool-manager", None).await.unwrap();
+    for (who, token, code) in [
+        ("anonymous", None, tonic::Code::Unauthenticated),
+        ("a binder", Some(alloc.token.clone()), tonic::Code::PermissionDenied),
+        ("the pool manager", Some(manager), tonic::Code::Unimplemented),
+    ] {
+        let e = pm(token.clone()).populate_pool(populate()).await.unwrap_err();
+        assert_eq!(e.code(), code, "PopulatePool as {who}: {e}");
+        let e = pm(token).free_pool(FreePoolRequest { key: None }).await.unwrap_err();
+        assert_eq!(e.code(), code, "FreePool as {who}: {e}");
+    }
 
     // ReportPlugged: checked, recorded, streamed.
     let mut client = alloc.client();

@@ -388,3 +388,64 @@ async fn random_method_paths_add_no_metric_series() {
     let line = r#"grpc_server_handled_total{service="unknown",method="unknown",code="UNIMPLEMENTED"} 10001"#;
     assert!(m.contains(line), "made-up paths are not counted under one series: {line} not in\n{m}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_when_asked_for_is_authenticated_like_the_services() {
+    use kuryr_proto::binder::v1::VersionRequest;
+    use kuryr_proto::binder::v1::cni_client::CniClient;
+    use kuryr_tests::services::ServiceProcess;
+    let kube = kuryr_tests::kube::KubeEnv::start().await.unwrap();
+    kube.apply_yaml("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: kuryr-system\n").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let alloc = ScriptedAllocator::new(true);
+    let server = alloc.serve_unix(&dir.path().join("alloc.sock")).await.unwrap();
+    let addr = format!("127.0.0.1:{}", kuryr_tests::util::free_port().unwrap());
+    let args: Vec<String> = [
+        "--listen",
+        &format!("unix:{}", dir.path().join("binder.sock").display()),
+        "--tcp-listen",
+        &addr,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--allocator",
+        &server.target,
+        "--node-name",
+        "node-tcp",
+        "--state-dir",
+        &dir.path().join("state").display().to_string(),
+        // The API server checks the callers' tokens (TokenReview) for the binder.
+        "--kubeconfig",
+        &kube.kubeconfig_path().display().to_string(),
+        "--cni-tcp-accounts",
+        "kuryr-system:cni-tool",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let binder = ServiceProcess::spawn("kuryr-binder", &args, dir.path()).unwrap();
+    // Health stays open over TCP.
+    wait_until("the binder's TCP listener", Duration::from_secs(30), || async {
+        kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&addr)?, "kuryr.binder.v1.Cni").await
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", binder.logs()));
+    let version = || VersionRequest { shim_version: env!("CARGO_PKG_VERSION").into() };
+    let call = async |token: Option<&str>| {
+        let channel = match token {
+            Some(t) => kuryr_tests::auth::channel(&addr, t).unwrap(),
+            None => kuryr_runtime::auth::client::with_credentials(
+                kuryr_runtime::client::channel(&addr).unwrap(),
+                kuryr_runtime::auth::client::Credentials::None,
+            ),
+        };
+        CniClient::new(channel).version(version()).await.map(|r| r.into_inner())
+    };
+    let e = call(None).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let other = kube.kuryr_token("kuryr-system", "other", None).await.unwrap();
+    let e = call(Some(&other)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    let allowed = kube.kuryr_token("kuryr-system", "cni-tool", None).await.unwrap();
+    let v = call(Some(&allowed)).await.unwrap_or_else(|e| panic!("{e}\n{}", binder.logs()));
+    assert_eq!(v.binder_version, env!("CARGO_PKG_VERSION"));
+}

@@ -1,7 +1,8 @@
 //! The control plane that the allocator and lbaas suites (and `octavia-bench`) put one service
 //! under test into: a real kube-apiserver ([`KubeEnv`]) with the namespace `kuryr-system` and the
 //! suite's own, the CRDs of `deploy/crds/` (the service's waited for until Established), the
-//! RBAC of `deploy/rbac/watcher.yaml` and of the service, and a kubeconfig per ServiceAccount, so
+//! RBAC of `deploy/rbac/watcher.yaml` and of the service (with `admission.yaml`'s policy), and a
+//! kubeconfig per ServiceAccount, so
 //! that both the watcher and the service run with exactly the rights they are deployed with.
 //!
 //! ```no_run
@@ -125,6 +126,8 @@ impl ControlPlane {
         env.apply_file(&repo_root().join("deploy/crds")).await?;
         env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await?;
         env.apply_file(&repo_root().join(served.rbac())).await?;
+        // What RBAC cannot narrow: the service may change only finalizers of what it patches.
+        env.apply_file(&repo_root().join("deploy/rbac/admission.yaml")).await?;
         let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
         for (_, c) in served.crds() {
             let name = c.metadata.name.context("CRD without a name")?;

@@ -61,6 +61,7 @@ bench: tools
 	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
 	$(MAKE) --no-print-directory bench-neutron
+	$(MAKE) --no-print-directory bench-kubelet
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
 ## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
@@ -105,16 +106,52 @@ bench-neutron: tools openstack
 openstack:
 	bash tests/env/openstack/setup.sh
 
+.PHONY: bench-kubelet
+
+## bench-kubelet: pod created → Running with the real kubelet and kube-scheduler, optimised: the reference
+## bridge + host-local plugins, then kuryr installed from deploy/ on the same cluster, the same workload
+## (BENCH_KUBELET_PODS, default 300, at BENCH_KUBELET_RATE pods/s, default 20); p50/p99 and the ratio
+bench-kubelet: tools
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder --bin kubelet-bench
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/kubelet-bench
+
+.PHONY: conformance
+
+## conformance: a real-node cluster (kubelet, containerd, kube-scheduler, no kube-proxy) with kuryr installed
+## from deploy/overlays/embedded as pods, judged by the upstream e2e.test (CONFORMANCE_FOCUS, default the 45
+## `[sig-network] ... [Conformance]` tests; CONFORMANCE_SKIP); ends with ginkgo's summary line
+conformance: tools
+	$(CARGO) build --workspace --bins
+	./target/debug/kuryr-conformance
+
+.PHONY: image
+
+## image: the kuryr-rs image deploy/ installs (docker.io/library/kuryr-rs:0.1.0) as an OCI archive,
+## target/kuryr-rs.tar, assembled from the release binaries and the static shim without a container
+## engine (`ctr -n k8s.io images import target/kuryr-rs.tar` on a node, or push it with skopeo);
+## deploy/Dockerfile builds the same image where a Docker engine exists
+image:
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/image-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/image-bin/ && cp $(SHIM_BIN) target/image-bin/
+	bash tests/env/images/kuryr-image.sh target/image-bin target/kuryr-rs.tar
+
 .PHONY: lab lab-down
 
-## lab: install prerequisites (as `make setup`), build optimised binaries, then run a 2-node Kuryr cluster with a sample workload on this
-## machine (real API server, containerd nodes in network namespaces); stays up until `make lab-down`
-lab: setup
-	$(CARGO) build --release --workspace --bins
-	KURYR_BIN_DIR=$(CURDIR)/target/release ./target/release/kuryr-lab up
+## lab: install what the lab needs (system packages, the Kubernetes and test tools; not the OpenStack venvs),
+## build the binaries with the lab profile (optimised, no LTO), then run a Kubernetes cluster of real nodes
+## (kubelet + containerd in network and mount namespaces, no kube-proxy) on this machine with kuryr installed
+## from deploy/overlays/embedded and a sample workload; stays up until `make lab-down`
+lab:
+	bash tests/env/setup.sh
+	bash tests/env/tools.sh kube-apiserver kube-controller-manager kubelet kube-scheduler kubectl agnhost etcd coredns grpcurl
+	$(CARGO) build --profile lab --workspace --bins
+	KURYR_BIN_DIR=$(CURDIR)/target/lab ./target/lab/kuryr-lab up
 
 ## lab-down: stop the lab started by `make lab` and wait until it is gone (also cleans up after a
 ## lab that crashed)
 lab-down:
-	@test -x target/release/kuryr-lab || $(CARGO) build --release -p kuryr-tests --bin kuryr-lab
-	./target/release/kuryr-lab down
+	@test -x target/lab/kuryr-lab || $(CARGO) build --profile lab -p kuryr-tests --bin kuryr-lab
+	./target/lab/kuryr-lab down

@@ -10,6 +10,8 @@ PACKAGES=(
   # The real OpenStack services (tests/env/openstack): their database, message bus, and the
   # helper that carries the node agent's AMQP connection into its network namespace.
   mariadb-server rabbitmq-server socat
+  # Copied into the upstream e2e tests' images (tests/env/images/e2e.sh): nc that speaks UDP, dig.
+  netcat-openbsd bind9-dnsutils
 )
 
 if [[ $(id -u) -ne 0 ]]; then

@@ -8,7 +8,8 @@
 //! A failing RunPodSandbox is retried with backoff and reported as a Warning Event
 //! `FailedCreatePodSandBox` whose message carries the CNI error, as `kubectl describe pod` shows
 //! it on a real node. Optionally the pod's containers run too (every one from the runtime's local
-//! busybox image, with the pod's command), so that `kubectl get pods` shows them ready.
+//! busybox image, with the pod's command), so that `kubectl get pods` shows them ready. Container
+//! ports with a `hostPort` become the sandbox's port mappings, as kubelet makes them.
 //!
 //! Timings kept per pod ([`PodRecord`]): from the kubelet first seeing the pod to RunPodSandbox
 //! returning — the pod's network is plugged and ready then — and the RunPodSandbox call alone.
@@ -23,6 +24,7 @@ use anyhow::{Context, Result};
 use futures::StreamExt;
 use k8s_cri::v1::{
     ContainerFilter, ContainerState, ListContainersRequest, ListPodSandboxRequest, PodSandboxFilter, PodSandboxState,
+    PortMapping, Protocol,
 };
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -337,7 +339,11 @@ impl Ctx {
         let t = Instant::now();
         let sandbox = match adopted {
             Some(sb) => sb,
-            None => self.cri.run_pod_sandbox(&id.name, &id.namespace, &id.uid).await?,
+            None => {
+                let mut config = self.cri.pod_sandbox_config(&id.name, &id.namespace, &id.uid);
+                config.port_mappings = port_mappings(pod);
+                self.cri.run_pod_sandbox_with(config).await?
+            }
         };
         let call = t.elapsed();
         let ready = Instant::now();
@@ -544,6 +550,25 @@ impl Ctx {
 
 /// The runtime's own message for a failed CRI call (for RunPodSandbox it ends with the CNI
 /// plugin's error), or the whole error chain when the failure was not a CRI status.
+/// The sandbox's port mappings, as kubelet derives them: every container port with a host port
+/// (containerd passes them to the CNI plugin as `runtimeConfig.portMappings`).
+pub fn port_mappings(pod: &Pod) -> Vec<PortMapping> {
+    let ports = pod.spec.iter().flat_map(|s| &s.containers).flat_map(|c| c.ports.iter().flatten());
+    ports
+        .filter(|p| p.host_port.is_some_and(|h| h > 0))
+        .map(|p| PortMapping {
+            protocol: match p.protocol.as_deref() {
+                Some("UDP") => Protocol::Udp,
+                Some("SCTP") => Protocol::Sctp,
+                _ => Protocol::Tcp,
+            } as i32,
+            container_port: p.container_port,
+            host_port: p.host_port.unwrap_or(0),
+            host_ip: p.host_ip.clone().unwrap_or_default(),
+        })
+        .collect()
+}
+
 fn cri_message(e: &anyhow::Error) -> String {
     e.chain()
         .find_map(|c| c.downcast_ref::<tonic::Status>())

@@ -13,7 +13,8 @@ use futures::Stream;
 use kuryr_proto::lbaas::v1::load_balancers_server::{LoadBalancers, LoadBalancersServer};
 use kuryr_proto::lbaas::v1::{
     GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, ListLoadBalancersResponse, Listener, LoadBalancer,
-    LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, WatchLoadBalancersRequest, WatchLoadBalancersResponse,
+    LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy, WatchLoadBalancersRequest,
+    WatchLoadBalancersResponse,
 };
 use tokio::sync::{broadcast, oneshot, watch};
 use tonic::{Request, Response, Status};
@@ -270,18 +271,39 @@ pub struct TestMember {
     pub ready: bool,
     pub serving: bool,
     pub pod: String,
+    /// The node it runs on (empty: unknown, never local).
+    pub node: String,
 }
 
 impl TestMember {
     /// A ready member.
     pub fn ready(address: &str, port: u32, pod: &str) -> Self {
-        Self { address: address.into(), port, ready: true, serving: true, pod: pod.into() }
+        Self { address: address.into(), port, ready: true, serving: true, pod: pod.into(), node: String::new() }
     }
 
     /// A terminating member that still serves.
     pub fn terminating(address: &str, port: u32, pod: &str) -> Self {
-        Self { address: address.into(), port, ready: false, serving: true, pod: pod.into() }
+        Self { address: address.into(), port, ready: false, serving: true, pod: pod.into(), node: String::new() }
     }
+
+    /// The member, running on `node`.
+    pub fn on(mut self, node: &str) -> Self {
+        self.node = node.into();
+        self
+    }
+}
+
+/// What a Service spec carries beyond one TCP port on cluster IPs ([`service_spec_with`]).
+#[derive(Clone, Debug, Default)]
+pub struct SpecOptions {
+    /// The node port of every listener.
+    pub node_port: Option<u32>,
+    /// Listen on UDP as well, same port (and node port).
+    pub udp: bool,
+    pub external_ips: Vec<String>,
+    pub ingress_ips: Vec<String>,
+    pub external_local: bool,
+    pub internal_local: bool,
 }
 
 /// A ClusterIP Service spec with one TCP listener on `port` over `members`.
@@ -293,32 +315,57 @@ pub fn service_spec(
     members: &[TestMember],
     affinity_timeout: Option<u32>,
 ) -> LoadBalancerSpec {
+    service_spec_with(namespace, name, vips, port, members, affinity_timeout, &SpecOptions::default())
+}
+
+/// A Service spec with a TCP listener (and a UDP one with [`SpecOptions::udp`]) on `port` over
+/// `members`; type NodePort when it has a node port.
+pub fn service_spec_with(
+    namespace: &str,
+    name: &str,
+    vips: &[&str],
+    port: u32,
+    members: &[TestMember],
+    affinity_timeout: Option<u32>,
+    opts: &SpecOptions,
+) -> LoadBalancerSpec {
+    let listener = |protocol: Protocol, pname: &str| Listener {
+        protocol: protocol as i32,
+        port,
+        name: pname.into(),
+        pool: Some(Pool {
+            members: members
+                .iter()
+                .map(|m| Member {
+                    address: m.address.clone(),
+                    port: m.port,
+                    ready: m.ready,
+                    serving: m.serving,
+                    terminating: !m.ready,
+                    node_name: m.node.clone(),
+                    target_pod: format!("{namespace}/{}", m.pod),
+                })
+                .collect(),
+        }),
+        node_port: opts.node_port.unwrap_or(0),
+    };
+    let mut listeners = vec![listener(Protocol::Tcp, "tcp")];
+    if opts.udp {
+        listeners.push(listener(Protocol::Udp, "udp"));
+    }
+    let policy = |local: bool| if local { TrafficPolicy::Local } else { TrafficPolicy::Cluster } as i32;
     LoadBalancerSpec {
         namespace: namespace.into(),
         name: name.into(),
         uid: format!("uid-{namespace}-{name}"),
         vips: vips.iter().map(|v| (*v).to_string()).collect(),
-        listeners: vec![Listener {
-            protocol: Protocol::Tcp as i32,
-            port,
-            name: "tcp".into(),
-            pool: Some(Pool {
-                members: members
-                    .iter()
-                    .map(|m| Member {
-                        address: m.address.clone(),
-                        port: m.port,
-                        ready: m.ready,
-                        serving: m.serving,
-                        terminating: !m.ready,
-                        node_name: String::new(),
-                        target_pod: format!("{namespace}/{}", m.pod),
-                    })
-                    .collect(),
-            }),
-        }],
+        listeners,
         session_affinity: affinity_timeout.map(|t| SessionAffinity { client_ip: true, timeout_seconds: t }),
-        service_type: "ClusterIP".into(),
+        service_type: if opts.node_port.is_some() { "NodePort" } else { "ClusterIP" }.into(),
         generation: 0,
+        external_ips: opts.external_ips.clone(),
+        ingress_ips: opts.ingress_ips.clone(),
+        external_traffic_policy: policy(opts.external_local),
+        internal_traffic_policy: policy(opts.internal_local),
     }
 }

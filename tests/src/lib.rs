@@ -14,12 +14,16 @@
 //!   RBAC, the watcher's and its credentials) and kuryr-watcher, for the allocator and lbaas suites.
 //! - [`cluster`]: a whole embedded-backend cluster: API server, watcher, allocator, an underlay
 //!   network and N nodes, each run by a [`kubelet`] that drives pod sandboxes through CRI.
+//! - [`realcluster`]: a cluster of real nodes (kubelet, containerd, kube-scheduler, the full
+//!   controller manager, no kube-proxy) with kuryr installed from `deploy/` as pods; [`forward`]: the
+//!   host's way into its API server.
 //! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
 //!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
 //! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
 //! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
+//! - [`echo`]: servers and clients in network namespaces that say who answered whom (TCP, UDP).
 //! - [`util`]: unique names, free ports, the repository root, running the `tests/env` scripts.
 //!
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
@@ -28,8 +32,11 @@
 pub mod auth;
 pub mod binder;
 pub mod cluster;
+pub mod conformance;
 pub mod control;
 pub mod cri;
+pub mod echo;
+pub mod forward;
 pub mod kube;
 pub mod kubelet;
 pub mod lbserver;
@@ -38,6 +45,7 @@ pub mod netns;
 pub mod neutron;
 pub mod node;
 pub mod openstack;
+pub mod realcluster;
 pub mod services;
 pub mod shim;
 pub mod stats;

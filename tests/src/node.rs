@@ -47,12 +47,14 @@ impl Node {
         Ok(node)
     }
 
-    /// The conflist CRI uses: just `kuryr-cni`, talking to this node's binder.
+    /// The conflist CRI uses: just `kuryr-cni`, talking to this node's binder, with the
+    /// `portMappings` capability (as the binder writes it), so that pods' host ports reach it.
     pub fn conflist(&self, cni_version: &str) -> serde_json::Value {
         let mut plugin = self.binder.netconf(cni_version, NETWORK);
         if let Some(o) = plugin.as_object_mut() {
             o.remove("cniVersion");
             o.remove("name");
+            o.insert("capabilities".into(), serde_json::json!({ "portMappings": true }));
         }
         serde_json::json!({ "cniVersion": cni_version, "name": NETWORK, "plugins": [plugin] })
     }

@@ -29,6 +29,10 @@ async fn conflist_is_written_only_once_the_binder_can_serve() {
         &dir.path().join("state").display().to_string(),
         "--cni-conflist",
         &conflist.display().to_string(),
+        // As for a runtime whose libcni speaks 1.1.0 (the default, 1.0.0, is for containerd
+        // 1.6/1.7): STATUS, checked below with the written file, exists from 1.1.0 on.
+        "--cni-conflist-version",
+        "1.1.0",
         "--shutdown-grace",
         "2s",
     ]
@@ -64,6 +68,8 @@ async fn conflist_is_written_only_once_the_binder_can_serve() {
     assert_eq!(conf["cniVersion"], "1.1.0");
     assert_eq!(conf["plugins"][0]["type"], "kuryr-cni");
     assert_eq!(conf["plugins"][0]["binderSocket"], binder_sock.display().to_string());
+    // The runtime passes pods' host ports only to plugins declaring the capability.
+    assert_eq!(conf["plugins"][0]["capabilities"], serde_json::json!({"portMappings": true}));
     let entries: Vec<_> =
         std::fs::read_dir(conflist.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(entries.len(), 1, "temporary files left: {entries:?}");

@@ -10,7 +10,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kuryr_tests::binder::Binder;
-use kuryr_tests::lbserver::{ScriptedLbServer, ScriptedLbaas, TestMember, service_spec};
+use kuryr_tests::echo::{self, EchoServer, Proto};
+use kuryr_tests::lbserver::{
+    ScriptedLbServer, ScriptedLbaas, SpecOptions, TestMember, service_spec, service_spec_with,
+};
 use kuryr_tests::netns::Netns;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::run_shim;
@@ -24,13 +27,25 @@ const SVC_PORT: u32 = 80;
 const VIP4: &str = "10.96.0.10";
 const VIP6: &str = "fd00:96::10";
 
-/// A pod: a network namespace plugged by the binder, running `busybox nc` answering its name.
+/// A pod: a network namespace plugged by the binder, running `busybox nc` answering its name on
+/// [`PORT`], and `kuryr-test-echo` answering its name and the client's address on [`ECHO_PORT`]
+/// (TCP and UDP).
 struct Pod {
     ns: Netns,
     ip4: String,
     ip6: String,
     _server: Child,
+    _echo: EchoServer,
 }
+
+/// The pods' echo port (TCP and UDP).
+const ECHO_PORT: u16 = 9090;
+/// The node's address on its uplink, and the outside client's.
+const NODE_IP4: &str = "172.31.0.1";
+const NODE_IP6: &str = "fd00:31::1";
+const CLIENT_IP4: &str = "172.31.0.2";
+/// The node's own pod bridge address (what masquerading towards a pod makes of a client).
+const GATEWAY4: &str = "10.81.0.1";
 
 struct Env {
     dir: tempfile::TempDir,
@@ -39,6 +54,8 @@ struct Env {
     lbaas: ScriptedLbaas,
     lb_server: Option<ScriptedLbServer>,
     node: Netns,
+    /// A host outside the node, on its uplink, routing external IPs to it.
+    client: Netns,
     binder: Binder,
     pods: BTreeMap<String, Pod>,
 }
@@ -54,21 +71,31 @@ impl Env {
         let lb_server =
             if serve_lbaas { Some(lbaas.serve_unix(&dir.path().join("lb.sock")).await.unwrap()) } else { None };
         let node = Netns::new("ksv").unwrap();
+        let client = Netns::new("ksc").unwrap();
+        let peer = format!("ip link add ul0 type veth peer name ul1 netns {}", client.name);
         for cmd in [
-            "ip link add ul0 type veth peer name ul1",
+            peer.as_str(),
             "ip addr add 172.31.0.1/24 dev ul0",
             "ip -6 addr add fd00:31::1/64 dev ul0 nodad",
             "ip link set ul0 up",
-            "ip link set ul1 up",
             "ip route add default via 172.31.0.254",
             "ip -6 route add default via fd00:31::fe",
         ] {
             node.exec(&cmd.split(' ').collect::<Vec<_>>()).unwrap();
         }
+        for cmd in [
+            "ip addr add 172.31.0.2/24 dev ul1",
+            "ip -6 addr add fd00:31::2/64 dev ul1 nodad",
+            "ip link set ul1 up",
+            // External IPs are routed to the node, as a router in front of a cluster would.
+            "ip route add 192.0.2.0/24 via 172.31.0.1",
+        ] {
+            client.exec(&cmd.split(' ').collect::<Vec<_>>()).unwrap();
+        }
         let lb_target = format!("unix:{}", dir.path().join("lb.sock").display());
         let binder =
             Binder::start(NODE, &node.path(), &alloc_server.target, &["--lbaas".into(), lb_target]).await.unwrap();
-        Env { dir, _alloc_server: alloc_server, alloc, lbaas, lb_server, node, binder, pods: BTreeMap::new() }
+        Env { dir, _alloc_server: alloc_server, alloc, lbaas, lb_server, node, client, binder, pods: BTreeMap::new() }
     }
 
     fn lb_socket(&self) -> PathBuf {
@@ -139,7 +166,8 @@ impl Env {
         })
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", self.binder.logs()));
-        let pod = Pod { ns, ip4, ip6, _server: server };
+        let echo = echo::serve(&ns.path(), &name, ECHO_PORT).unwrap();
+        let pod = Pod { ns, ip4, ip6, _server: server, _echo: echo };
         // The server answers on the pod's own addresses before any Service points at it.
         let me = pod.ns.path();
         for addr in [pod.ip4.clone(), pod.ip6.clone()] {
@@ -481,4 +509,133 @@ fn sum_of(metrics: &str, kind: &str) -> f64 {
         .find(|l| l.starts_with("kuryr_binder_lb_program_seconds_sum{") && l.contains(&format!("kind=\"{kind}\"")))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// The members `names` on ECHO_PORT (both families), `here` of them on this node and the others
+/// on another one.
+fn echo_members(env: &Env, names: &[&str], here: &[&str]) -> Vec<TestMember> {
+    let mut out = Vec::new();
+    for n in names {
+        let p = env.pod(n);
+        let node = if here.contains(n) { NODE } else { "node-elsewhere" };
+        for ip in [&p.ip4, &p.ip6] {
+            out.push(TestMember::ready(ip, u32::from(ECHO_PORT), n).on(node));
+        }
+    }
+    out
+}
+
+fn ip(s: &str) -> std::net::IpAddr {
+    s.parse().unwrap()
+}
+
+const NODE_PORT: u16 = 30080;
+const WAIT: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_ports_and_external_ips_follow_the_traffic_policies() {
+    let mut env = Env::start(true).await;
+    for i in 1..=3 {
+        env.add_pod(i).await;
+    }
+    let (client, node, pod3) = (env.client.path(), env.node.path(), env.pod("p3").ns.path());
+    let any = |_: &echo::Answer| true;
+
+    // NodePort, externalTrafficPolicy Cluster, TCP and UDP on the same port, an external IP:
+    // p1 and p2 answer from everywhere; outside clients are masqueraded (the members see the
+    // node's address on their bridge), so that replies come back through the node.
+    let opts = SpecOptions {
+        node_port: Some(u32::from(NODE_PORT)),
+        udp: true,
+        external_ips: vec!["192.0.2.10".into()],
+        ..SpecOptions::default()
+    };
+    let members = echo_members(&env, &["p1", "p2"], &["p1"]);
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, None, &opts));
+    let masqueraded = |a: &echo::Answer| a.peer == ip(GATEWAY4);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let got = echo::wait_answers(&client, (proto, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], masqueraded, WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}\n{}", env.table(), env.binder.logs()));
+        eprintln!("{proto:?} outside → {NODE_IP4}:{NODE_PORT} (Cluster): {}", got[0]);
+        echo::wait_answers(&client, (proto, ip(NODE_IP6), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&client, (proto, ip("192.0.2.10"), 80), 12, &["p1", "p2"], masqueraded, WAIT).await.unwrap();
+        // The node itself (output hook), on its own address, and a pod.
+        echo::wait_answers(&node, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        echo::wait_answers(&pod3, (proto, ip(NODE_IP4), NODE_PORT), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+        // A member reaching itself through the node port (hairpin), masqueraded.
+        let p1 = env.pod("p1").ns.path();
+        echo::wait_answers(&p1, (proto, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], masqueraded, WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("hairpin through the node port: {e:#}"));
+        // The ClusterIP answers both protocols on the same port.
+        echo::wait_answers(&pod3, (proto, ip(VIP4), 80), 12, &["p1", "p2"], any, WAIT).await.unwrap();
+    }
+    // Not on loopback: node ports are for the node's addresses, as kube-proxy's nftables mode.
+    let err = echo::ask(&node, Proto::Tcp, ip("127.0.0.1"), NODE_PORT).await.unwrap_err();
+    assert_eq!(err, "refused", "127.0.0.1:{NODE_PORT} from the node");
+
+    // Session affinity holds through the node port, per client.
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, Some(60), &opts));
+    env.wait_table("affinity sets", |t| t.contains("aff/default/np/tcp/80/")).await;
+    let seen = echo::answers(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT, 12).await;
+    assert_eq!(seen.len(), 1, "one client, one member: {seen:?}\n{}", env.table());
+
+    // ... until the client has made no new connection for the timeout: the next one is spread
+    // again. Each round waits for the client's affinity entries to expire (they leave the table),
+    // then connects once; some round gets another member.
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, Some(1), &opts));
+    env.wait_table("a 1 s affinity", |t| t.contains("timeout 1s")).await;
+    let first = echo::ask(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT).await.unwrap();
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        env.wait_table("the client's affinity expired", |t| !t.contains(CLIENT_IP4)).await;
+        let next = echo::ask(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT).await.unwrap();
+        if next.name != first.name {
+            break;
+        }
+        assert!(rounds < 20, "20 connections after the affinity expired all went to {}", first.name);
+    }
+    eprintln!("affinity timeout: another member after {rounds} expiries");
+
+    // externalTrafficPolicy Local: from outside, only the member on this node (p1), with the
+    // client's own address; the node itself and its pods still reach every member.
+    let local = SpecOptions { external_local: true, ..opts.clone() };
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &members, None, &local));
+    let kept = |a: &echo::Answer| a.peer == ip(CLIENT_IP4);
+    for (addr, port) in [(NODE_IP4, NODE_PORT), ("192.0.2.10", 80)] {
+        for proto in [Proto::Tcp, Proto::Udp] {
+            let got = echo::wait_answers(&client, (proto, ip(addr), port), 12, &["p1"], kept, WAIT)
+                .await
+                .unwrap_or_else(|e| panic!("{e:#}\n{}", env.table()));
+            eprintln!("{proto:?} outside → {addr}:{port} (Local): {}", got[0]);
+        }
+    }
+    echo::wait_answers(&node, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&pod3, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 16, &["p1", "p2"], any, WAIT).await.unwrap();
+    // ... and the ClusterIP is not affected by the external policy.
+    echo::wait_answers(&pod3, (Proto::Tcp, ip(VIP4), 80), 16, &["p1", "p2"], any, WAIT).await.unwrap();
+
+    // No member on this node: outside traffic is dropped (not refused: the Service has members).
+    let elsewhere = echo_members(&env, &["p2"], &[]);
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &elsewhere, None, &local));
+    echo::wait_failing(&client, Proto::Tcp, ip(NODE_IP4), NODE_PORT, "timeout", WAIT).await.unwrap();
+    echo::wait_answers(&node, (Proto::Tcp, ip(NODE_IP4), NODE_PORT), 4, &["p2"], any, WAIT).await.unwrap();
+
+    // internalTrafficPolicy Local: the ClusterIP reaches this node's members only.
+    let internal = SpecOptions { internal_local: true, ..SpecOptions::default() };
+    let members3 = echo_members(&env, &["p1", "p2"], &["p2"]);
+    env.lbaas.upsert(service_spec_with("default", "itp", &["10.96.0.30"], 80, &members3, None, &internal));
+    echo::wait_answers(&pod3, (Proto::Tcp, ip("10.96.0.30"), 80), 12, &["p2"], any, WAIT).await.unwrap();
+    echo::wait_answers(&node, (Proto::Tcp, ip("10.96.0.30"), 80), 8, &["p2"], any, WAIT).await.unwrap();
+
+    // No member at all: the node port and the external IP are refused at once.
+    env.lbaas.upsert(service_spec_with("default", "np", &[VIP4, VIP6], 80, &[], None, &opts));
+    for (addr, port) in [(NODE_IP4, NODE_PORT), ("192.0.2.10", 80)] {
+        echo::wait_failing(&client, Proto::Tcp, ip(addr), port, "refused", WAIT).await.unwrap();
+    }
+    // Type back to ClusterIP: the node port and external IP are gone (nothing listens there).
+    env.lbaas.upsert(service_spec("default", "np", &[VIP4, VIP6], 80, &echo_members(&env, &["p1"], &[]), None));
+    env.wait_table("node port gone", |t| !t.contains(&NODE_PORT.to_string()) && !t.contains("192.0.2.10")).await;
 }

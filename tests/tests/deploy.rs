@@ -95,14 +95,12 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         );
         assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-vif-allocator", "kuryr-watcher"]);
         assert_eq!(kinds(&objs, "DaemonSet"), ["kuryr-binder"]);
-        // Each service runs under its own account, and the binder mounts no token.
+        // Each service runs under its own account.
         for o in objs.iter().filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet") {
             let name = o["metadata"]["name"].as_str().unwrap();
             assert_eq!(o["spec"]["template"]["spec"]["serviceAccountName"], name, "{overlay}: {name}");
             assert_eq!(o["metadata"]["namespace"], "kuryr-system", "{overlay}: {name}");
         }
-        let binder = objs.iter().find(|o| o["kind"] == "DaemonSet").unwrap();
-        assert_eq!(binder["spec"]["template"]["spec"]["automountServiceAccountToken"], false);
         // Whoever calls another kuryr service gets a projected token for the kuryr audience
         // only, where --auth-token-file expects it.
         for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas"] {
@@ -122,6 +120,36 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
                 .iter()
                 .any(|m| m["name"] == "kuryr-token" && m["mountPath"] == "/var/run/secrets/kuryr");
             assert!(mounted, "{overlay}: {name} does not mount its kuryr token at /var/run/secrets/kuryr");
+        }
+        // Nothing needs cluster DNS or the `kubernetes` ClusterIP to start: the services find each
+        // other through their EndpointSlices (k8s: targets), and the API server's address comes
+        // from the overlay's kuryr-apiserver ConfigMap.
+        for o in objs.iter().filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet") {
+            let name = o["metadata"]["name"].as_str().unwrap();
+            let c = &o["spec"]["template"]["spec"]["containers"][0];
+            let args: Vec<&str> = c["args"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
+            for a in &args {
+                if let Some(t) = ["--watcher=", "--allocator=", "--lbaas="].iter().find_map(|f| a.strip_prefix(f)) {
+                    assert!(t.starts_with("k8s:"), "{overlay}: {name} reaches {a} through DNS");
+                }
+            }
+            assert_eq!(
+                o["spec"]["template"]["spec"]["dnsPolicy"], "Default",
+                "{overlay}: {name} would resolve through cluster DNS, which runs on kuryr's own network"
+            );
+            let env_from = c["envFrom"].as_array().unwrap();
+            assert!(
+                env_from
+                    .iter()
+                    .any(|e| e["configMapRef"]["name"].as_str().is_some_and(|n| n.starts_with("kuryr-apiserver"))),
+                "{overlay}: {name} lacks the API server's address"
+            );
+            assert!(
+                o["spec"]["template"]["spec"]["tolerations"].as_array().is_some_and(|t| t
+                    .iter()
+                    .any(|t| t["key"] == "node.kubernetes.io/not-ready" || t["operator"] == "Exists")),
+                "{overlay}: {name} does not tolerate not-ready nodes"
+            );
         }
         check_command_lines(overlay, &objs);
     }

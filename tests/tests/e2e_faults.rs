@@ -42,6 +42,8 @@ const BURST: usize = 40;
 /// pods done, others part-way (finalizer only, PodVif without a VIF, addresses taken but not yet
 /// recorded), others not yet seen.
 const KILL_AFTER: usize = 5;
+/// One pod of the burst created every this often (the burst takes 40 × 40 ms = 1.6 s).
+const BURST_PACE: Duration = Duration::from_millis(40);
 /// Pods created while a service is down.
 const LATE: usize = 4;
 /// How long a service stays down: long enough for the kubelets to try and fail.
@@ -109,7 +111,10 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
 
     let t = Instant::now();
     let created = Arc::new(AtomicUsize::new(0));
-    let creating = tokio::spawn(create_pods(pods.clone(), burst.clone(), created.clone()));
+    // Paced, so that the burst is still under way when the first VIFs are recorded however fast
+    // the allocator is (all at once, a quick allocator could record all of them between two
+    // looks).
+    let creating = tokio::spawn(create_paced(pods.clone(), burst.clone(), created.clone(), BURST_PACE));
     let with_vif = |list: &[PodVif]| list.iter().filter(|v| v.status.as_ref().is_some_and(|s| s.vif.is_some())).count();
     let before_kill = wait_until("the first VIFs of the burst", CONVERGE_TIMEOUT, || async {
         let list = vifs.list(&ListParams::default()).await?.items;
@@ -309,6 +314,22 @@ fn spread(cluster: &Cluster, prefix: &str, count: usize) -> Vec<(String, String)
 }
 
 /// Creates the pods, [`CREATE_CONCURRENCY`] at a time, counting them in `created`.
+/// Creates `which` one after another, starting one every `pace`.
+async fn create_paced(
+    pods: Api<Pod>,
+    which: Vec<(String, String)>,
+    created: Arc<AtomicUsize>,
+    pace: Duration,
+) -> Result<()> {
+    let start = tokio::time::Instant::now();
+    for (i, (name, node)) in which.into_iter().enumerate() {
+        tokio::time::sleep_until(start + pace.saturating_mul(u32::try_from(i).unwrap_or(u32::MAX))).await;
+        pods.create(&PostParams::default(), &pod(&name, &node)).await.with_context(|| format!("creating {name}"))?;
+        created.fetch_add(1, Ordering::SeqCst);
+    }
+    Ok(())
+}
+
 async fn create_pods(pods: Api<Pod>, which: Vec<(String, String)>, created: Arc<AtomicUsize>) -> Result<()> {
     let results: Vec<Result<()>> = futures::stream::iter(which)
         .map(|(name, node)| {

@@ -7,8 +7,9 @@
 //! with its VIPs, a listener per port and the endpoints as members (named target ports resolved
 //! per slice, conditions carried, dead endpoints left out), recorded in a ServiceLoadBalancer
 //! (PROGRAMMED at its generation) with a finalizer on the Service; an endpoint change is a delta
-//! with a higher generation; a reconnect resumes without a snapshot; NodePort gets an Event and
-//! headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
+//! with a higher generation; a reconnect resumes without a snapshot; NodePort is streamed with the
+//! node ports the API server allocated, its external IPs and traffic policies; ExternalName gets
+//! an Event and headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
 //! Service go; kill -9 and restart: the same load balancers at the same generations, Services
 //! deleted or created meanwhile handled, records without a Service removed; bad requests are
 //! INVALID_ARGUMENT.
@@ -25,7 +26,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_lbaas::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{
-    GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol,
+    GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol, TrafficPolicy,
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_proto::service_names::LOAD_BALANCERS;
@@ -89,9 +90,14 @@ impl Cluster {
     }
 
     fn lbaas(&self, watcher: &Watcher) -> Svc {
-        let args = [
+        self.lbaas_with(watcher, &["--service-finalizer", "all"])
+    }
+
+    fn lbaas_with(&self, watcher: &Watcher, extra: &[&str]) -> Svc {
+        let kubeconfig = self.kubeconfig.display().to_string();
+        let mut args = vec![
             "--kubeconfig",
-            &self.kubeconfig.display().to_string(),
+            &kubeconfig,
             "--watcher",
             &watcher.addr,
             "--instance",
@@ -103,6 +109,7 @@ impl Cluster {
             "--log",
             "info,kuryr_lbaas=debug",
         ];
+        args.extend(extra);
         Svc {
             token: self.binder_token.clone(),
             ..(spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path()))
@@ -520,9 +527,16 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert_eq!(members(&spec.listeners[0]), ["10.244.0.6:8080 st", "10.244.0.8:8080 rs", "fd00:10:244::5:8081 rs"]);
     assert_eq!(w.resets, 0);
 
-    // NodePort: an Event and nothing else; headless: nothing at all. A Service created after
-    // both marks when lbaas has seen them.
-    c.create_service("np", json!({"type": "NodePort", "ports": [{"port": 80}]})).await;
+    // NodePort: a load balancer with the node port the API server allocated, the external IPs
+    // and the traffic policies; ExternalName: an Event and nothing else; headless: nothing at
+    // all. A Service created after them marks when lbaas has seen them.
+    c.create_service(
+        "np",
+        json!({"type": "NodePort", "externalTrafficPolicy": "Local", "externalIPs": ["192.0.2.40"],
+               "ports": [{"port": 80, "protocol": "TCP", "name": "tcp"}, {"port": 80, "protocol": "UDP", "name": "udp"}]}),
+    )
+    .await;
+    c.create_service("en", json!({"type": "ExternalName", "externalName": "example.com"})).await;
     c.create_service("hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
     c.create_service("keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
     c.put_slice("keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
@@ -530,8 +544,26 @@ async fn services_become_load_balancers_that_survive_restarts() {
         s.specs.get(&key("keep")).is_some_and(|spec| members(&spec.listeners[0]) == ["10.244.1.9:8443 rs"])
     })
     .await;
-    let skipped = wait_until("np's Event", EVENT_TIMEOUT, || async {
-        let e = c.events_about("np").await;
+    w.until("np with its node ports", |s| {
+        s.specs
+            .get(&key("np"))
+            .is_some_and(|spec| spec.listeners.iter().all(|l| (30000..=32767).contains(&l.node_port)))
+    })
+    .await;
+    let np = w.spec("np").clone();
+    let api_np = c.services().get("np").await.unwrap();
+    let api_ports: Vec<u32> =
+        api_np.spec.unwrap().ports.unwrap().iter().map(|p| u32::try_from(p.node_port.unwrap()).unwrap()).collect();
+    assert_eq!(np.listeners.iter().map(|l| l.node_port).collect::<Vec<_>>(), api_ports, "{np:?}");
+    assert_eq!(np.listeners.iter().map(Listener::protocol).collect::<Vec<_>>(), [Protocol::Tcp, Protocol::Udp]);
+    assert_eq!((np.service_type.as_str(), np.external_ips.as_slice()), ("NodePort", &["192.0.2.40".to_string()][..]));
+    assert_eq!(np.external_traffic_policy(), TrafficPolicy::Local);
+    assert_eq!(np.internal_traffic_policy(), TrafficPolicy::Cluster, "the API server's default");
+    let record = c.records().get("np").await.unwrap();
+    assert_eq!(record.spec.listeners[0].node_port, api_ports[0]);
+    assert_eq!(record.spec.external_traffic_policy, "Local");
+    let skipped = wait_until("en's Event", EVENT_TIMEOUT, || async {
+        let e = c.events_about("en").await;
         anyhow::ensure!(!e.is_empty(), "none yet");
         Ok(e)
     })
@@ -541,9 +573,10 @@ async fn services_become_load_balancers_that_survive_restarts() {
         (skipped[0].reason.as_deref(), skipped[0].type_.as_deref(), skipped[0].reporting_controller.as_deref()),
         (Some("LoadBalancerSkipped"), Some("Normal"), Some("kuryr-lbaas"))
     );
-    assert!(skipped[0].note.as_deref().unwrap_or_default().contains("NodePort"), "{skipped:?}");
+    assert!(skipped[0].note.as_deref().unwrap_or_default().contains("ExternalName"), "{skipped:?}");
     assert!(c.events_about("hl").await.is_empty());
-    for name in ["np", "hl"] {
+    assert!(c.events_about("np").await.is_empty(), "NodePort is not skipped");
+    for name in ["en", "hl"] {
         assert!(!w.ever.contains(&key(name)), "{name} was streamed");
         assert!(c.records().get_opt(name).await.unwrap().is_none(), "{name} has a record");
         assert!(c.finalizers(name).await.is_empty(), "{name} got a finalizer");
@@ -598,6 +631,10 @@ async fn services_become_load_balancers_that_survive_restarts() {
             listeners: vec![],
             session_affinity: Default::default(),
             backend: "node".into(),
+            external_ips: vec![],
+            ingress_ips: vec![],
+            external_traffic_policy: String::new(),
+            internal_traffic_policy: String::new(),
         },
     );
     ghost.metadata.namespace = Some(NS.into());
@@ -605,7 +642,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
 
     let lbaas = c.lbaas(&watcher);
     // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot; the
-    // records are reconciled: mark and ghost go, late comes, keep stays as it was.
+    // records are reconciled: mark and ghost go, late comes, keep and np stay as they were.
     let mut w = lbaas.watch(&last).await;
     w.until("the state after the restart", |s| {
         s.live
@@ -622,7 +659,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
         anyhow::ensure!(c.services().get_opt("mark").await?.is_none(), "mark still there");
         let names: BTreeSet<String> =
             c.records().list(&ListParams::default()).await?.items.into_iter().filter_map(|r| r.metadata.name).collect();
-        anyhow::ensure!(names == BTreeSet::from(["keep".to_string(), "late".to_string()]), "records {names:?}");
+        let want = BTreeSet::from(["keep".to_string(), "late".to_string(), "np".to_string()]);
+        anyhow::ensure!(names == want, "records {names:?}");
         Ok(())
     })
     .await
@@ -635,7 +673,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
         .into_inner()
         .load_balancers;
     let names: Vec<&str> = listed.iter().map(|l| l.spec.as_ref().unwrap().name.as_str()).collect();
-    assert_eq!(names, ["keep", "late"]);
+    assert_eq!(names, ["keep", "late", "np"]);
 
     // SIGTERM ends open streams with UNAVAILABLE, promptly.
     let mut lbaas = lbaas;
@@ -645,4 +683,96 @@ async fn services_become_load_balancers_that_survive_restarts() {
         End::Failed(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
         other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
     }
+}
+
+/// The default finalizer policy (`load-balancer`): only `type: LoadBalancer` Services carry the
+/// finalizer. Deleting any other Service is immediate, as Kubernetes clients expect (the upstream
+/// conformance test "should delete a collection of services" lists them right after a
+/// DeleteCollection); their load balancer still goes, through the ServiceLoadBalancer record —
+/// also when the Service was deleted while kuryr-lbaas was down.
+#[tokio::test]
+async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_are_cleaned_up_by_their_record() {
+    let c = cluster().await;
+    let watcher = c.watcher();
+    let mut lbaas = c.lbaas_with(&watcher, &[]);
+    lbaas.wait_serving().await;
+    let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+    let mut specs = json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]});
+    for name in ["plain", "ghost"] {
+        c.create_service(name, specs.clone()).await;
+        c.put_slice(
+            &format!("{name}-a"),
+            name,
+            "IPv4",
+            ports.clone(),
+            json!([endpoint("10.244.1.5", true, true, false, "p1")]),
+        )
+        .await;
+    }
+    specs["type"] = json!("LoadBalancer");
+    c.create_service("lb", specs).await;
+    c.put_slice("lb-a", "lb", "IPv4", ports.clone(), json!([endpoint("10.244.1.6", true, true, false, "p2")])).await;
+    let mut stream = lbaas.watch("").await;
+    stream
+        .until("plain, ghost and lb applied", |s| {
+            ["plain", "ghost", "lb"].iter().all(|n| s.specs.contains_key(&format!("{NS}/{n}")))
+        })
+        .await;
+    for name in ["plain", "ghost", "lb"] {
+        wait_until(&format!("{name}'s record"), EVENT_TIMEOUT, || async {
+            anyhow::ensure!(c.records().get_opt(name).await?.is_some(), "no record yet");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
+    wait_until("lb's finalizer", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.finalizers("lb").await.iter().any(|f| f == FINALIZER), "not yet");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    // lb's finalizer is there, so plain's and ghost's would be by now under the old rule.
+    assert!(c.finalizers("plain").await.is_empty(), "a ClusterIP Service got {:?}", c.finalizers("plain").await);
+    assert!(c.finalizers("ghost").await.is_empty());
+
+    // DeleteCollection-style: the Service is gone the moment the delete returns.
+    c.services().delete("plain", &DeleteParams::default()).await.unwrap();
+    assert!(c.services().get_opt("plain").await.unwrap().is_none(), "plain lingers after its delete returned");
+    stream.until("plain's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/plain"))).await;
+    wait_until("plain's record to go", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.records().get_opt("plain").await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    // Deleted while kuryr-lbaas is down: the record outlives the Service and goes after the restart.
+    lbaas.proc.kill().await.unwrap();
+    c.services().delete("ghost", &DeleteParams::default()).await.unwrap();
+    assert!(c.services().get_opt("ghost").await.unwrap().is_none());
+    assert!(c.records().get_opt("ghost").await.unwrap().is_some(), "the record went without kuryr-lbaas");
+    let lbaas = c.lbaas_with(&watcher, &[]);
+    lbaas.wait_serving().await;
+    wait_until("ghost's record to go after the restart", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.records().get_opt("ghost").await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+    let mut stream = lbaas.watch("").await;
+    stream.until("the snapshot after the restart", |s| s.live).await;
+    assert!(!stream.specs.contains_key(&format!("{NS}/ghost")), "ghost is still streamed");
+    assert!(stream.specs.contains_key(&format!("{NS}/lb")));
+
+    // The LoadBalancer Service waits for its load balancer, then goes.
+    c.services().delete("lb", &DeleteParams::default()).await.unwrap();
+    stream.until("lb's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/lb"))).await;
+    wait_until("lb to be gone", EVENT_TIMEOUT, || async {
+        anyhow::ensure!(c.services().get_opt("lb").await?.is_none(), "still there");
+        anyhow::ensure!(c.records().get_opt("lb").await?.is_none(), "its record is still there");
+        Ok(())
+    })
+    .await
+    .unwrap();
 }

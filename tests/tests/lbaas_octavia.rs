@@ -101,6 +101,9 @@ impl Cluster {
             &watcher.addr,
             "--backend",
             "octavia",
+            // This suite follows the finalizer's life on ClusterIP Services too.
+            "--service-finalizer",
+            "all",
             "--octavia-url",
             octavia_url,
             "--os-project-id",

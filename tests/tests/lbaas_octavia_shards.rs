@@ -104,6 +104,9 @@ impl Cluster {
             "5s",
             "--octavia-active-timeout",
             "30s",
+            // This suite follows the finalizer's life on ClusterIP Services too.
+            "--service-finalizer",
+            "all",
             "--instance",
             id,
             "--replica-id",

@@ -96,6 +96,9 @@ impl Cluster {
             &self.kubeconfig.display().to_string(),
             "--watcher",
             &watcher.addr,
+            // This suite follows the finalizer's life on ClusterIP Services too.
+            "--service-finalizer",
+            "all",
             "--instance",
             id,
             "--replica-id",

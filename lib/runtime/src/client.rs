@@ -17,7 +17,9 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn endpoint(uri: &str) -> Result<Endpoint, tonic::transport::Error> {
+/// An endpoint for `uri` with the settings every kuryr channel has: connect timeout, call
+/// deadline and HTTP/2 keepalive.
+pub(crate) fn endpoint(uri: &str) -> Result<Endpoint, tonic::transport::Error> {
     Ok(Endpoint::try_from(uri.to_string())?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(CALL_TIMEOUT)

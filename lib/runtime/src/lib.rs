@@ -11,12 +11,16 @@
 //! - [`auth`]: who may call what: unix peer credentials, ServiceAccount tokens, per-method rules.
 //! - [`streams`]: reading another service's stream with an idle timeout (heartbeats).
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
-//! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment.
+//! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment;
+//!   `discover`: `k8s:NAMESPACE/SERVICE:PORT` targets, balanced over the Service's ready endpoints
+//!   (no cluster DNS needed).
 
 pub mod auth;
 pub mod client;
 pub mod config;
 pub mod deps;
+#[cfg(feature = "kube")]
+pub mod discover;
 pub mod follow;
 pub mod health;
 #[cfg(feature = "kube")]

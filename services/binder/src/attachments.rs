@@ -5,10 +5,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::{Deserialize, Serialize};
+
+use crate::hostport::mapping::PortMapping;
 
 /// Where an attachment is in its life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +43,12 @@ pub struct Attachment {
     pub driver: String,
     /// The bridge the host end is attached to.
     pub bridge: String,
+    /// The pod's addresses (without prefix length), for its host ports.
+    #[serde(default)]
+    pub ips: Vec<IpAddr>,
+    /// The host ports the runtime asked for (`runtimeConfig.portMappings`).
+    #[serde(default)]
+    pub port_mappings: Vec<PortMapping>,
     #[serde(default)]
     pub state: State,
     /// The MACs of the host and pod ends, once plugged: a repeated ADD answers with them.
@@ -232,6 +241,8 @@ mod tests {
             vif_id: "v".into(),
             driver: "bridge".into(),
             bridge: "kuryr0".into(),
+            ips: vec!["10.0.0.5".parse().unwrap()],
+            port_mappings: Vec::new(),
             state: State::Ready,
             host_mac: String::new(),
             sandbox_mac: String::new(),
@@ -295,5 +306,16 @@ mod tests {
         assert!(dir.path().join("junk.bad").exists());
         // Sanitised names stay inside the directory.
         assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| e.unwrap().path().parent() == Some(dir.path())));
+    }
+
+    #[test]
+    fn records_written_before_host_ports_existed_still_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = r#"{"container_id":"c9","ifname":"eth0","netns":"/x","host_ifname":"kv1","pod_uid":"u",
+            "pod_namespace":"ns","pod_name":"p","vif_id":"v","driver":"bridge","bridge":"kuryr0"}"#;
+        std::fs::write(dir.path().join("c9__eth0.json"), old).unwrap();
+        let a = Attachments::open(dir.path()).unwrap();
+        let got = a.get("c9", "eth0").unwrap();
+        assert!(got.ips.is_empty() && got.port_mappings.is_empty(), "{got:?}");
     }
 }

@@ -35,6 +35,8 @@ pub struct CniService {
     pub node: String,
     pub vifs: VifCache,
     pub attachments: Attachments,
+    /// Pods' host ports in the node's nftables table.
+    pub hostports: crate::hostport::HostPorts,
     pub allocator: crate::upstream::Allocator,
     /// How long ADD waits for the VIF to appear, and then to become ready.
     pub vif_wait: Duration,
@@ -200,6 +202,11 @@ impl CniService {
                 tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered");
             }
         }
+        if let Err(e) = self.hostports.remove(&att.container_id, &att.ifname).await {
+            // The record goes anyway: the next change rebuilds the host ports from the records
+            // still wanted, without this one.
+            tracing::warn!(container = att.container_id, error = %e, "removing host ports failed");
+        }
         if let Err(e) = self.attachments.remove(&att.container_id, &att.ifname) {
             tracing::error!(container = att.container_id, error = %e, "cannot remove the attachment record");
         }
@@ -254,7 +261,9 @@ impl CniService {
         let container_id = required("CNI_CONTAINERID", &r.container_id)?;
         let netns = required("CNI_NETNS", &r.netns)?;
         let ifname = required("CNI_IFNAME", &r.ifname)?;
-        parse_conf(&r.config)?;
+        let conf = parse_conf(&r.config)?;
+        let port_mappings = crate::hostport::mapping::from_runtime_config(conf.runtime_config.as_ref())
+            .map_err(|e| CniError::new(code::INVALID_CONFIG, e))?;
         let args = kuryr_cni_types::CniArgs::parse(&r.cni_args)?;
         let netns = PathBuf::from(netns);
         pod_netns(&netns)?;
@@ -288,6 +297,8 @@ impl CniService {
             vif_id: String::new(),
             driver: "bridge".into(),
             bridge: String::new(),
+            ips: Vec::new(),
+            port_mappings,
             state: State::Adding,
             host_mac: String::new(),
             sandbox_mac: String::new(),
@@ -350,6 +361,7 @@ impl CniService {
         att.bridge = match &driver {
             BindingDriver::Bridge { bridge } | BindingDriver::Ovs { bridge, .. } => bridge.clone(),
         };
+        att.ips = spec.ips.iter().map(|ip| ip.address.addr()).collect();
         // Recorded before plugging: a crash from here on leaves a record that the next start
         // (or DEL, or GC) acts on.
         self.attachments
@@ -381,6 +393,14 @@ impl CniService {
         };
         let plug_took = t_plug.elapsed();
         guard.plugged = true;
+        // The pod's host ports (and its bridge among the pods' interfaces) before ADD returns:
+        // the runtime reports the pod running right after.
+        if let Err(e) = self.hostports.set(&att).await {
+            if !att.port_mappings.is_empty() {
+                return Err(CniError::new(code::IO, format!("programming the host ports of pod {pod}: {e}")));
+            }
+            tracing::warn!(pod, error = %e, "cannot add the pod's bridge to the table's pod interfaces");
+        }
         guard.reported = true;
         self.report_plugged(&att, deadline).await?;
         let t_ready = Instant::now();

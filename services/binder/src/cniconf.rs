@@ -18,14 +18,22 @@ use crate::vifs::VifCache;
 /// The network name in the written configuration.
 pub const NETWORK_NAME: &str = "kuryr";
 
-/// The conflist pointing the runtime at `kuryr-cni` with the binder's socket.
-pub fn render(socket: &Path) -> String {
+/// The conflist's default `cniVersion`: 1.0.0, the newest that containerd 1.6/1.7 and CRI-O's
+/// libcni accept (they refuse 1.1.0 results); 1.1.0 where the runtime's libcni is 1.2 or newer
+/// enables STATUS and GC.
+pub const DEFAULT_VERSION: &str = "1.0.0";
+
+/// The conflist pointing the runtime at `kuryr-cni` with the binder's socket, in CNI `version`.
+pub fn render(socket: &Path, version: &str) -> String {
     let conf = serde_json::json!({
-        "cniVersion": "1.1.0",
+        "cniVersion": version,
         "name": NETWORK_NAME,
         "plugins": [{
             "type": "kuryr-cni",
             "binderSocket": socket,
+            // The runtime passes pods' host ports in runtimeConfig.portMappings only to plugins
+            // that declare the capability; the binder programs them (no portmap plugin).
+            "capabilities": {"portMappings": true},
         }],
     });
     let mut s = serde_json::to_string_pretty(&conf).unwrap_or_default();
@@ -56,14 +64,14 @@ pub fn write_atomic(path: &Path, contents: &str) -> std::io::Result<()> {
 
 /// Waits until `vifs` is live for the first time, then writes the conflist to `path`. A failed
 /// write is retried with backoff (and logged): a node without it never gets pods.
-pub async fn write_when_live(vifs: VifCache, path: PathBuf, socket: PathBuf, shutdown: Shutdown) {
+pub async fn write_when_live(vifs: VifCache, path: PathBuf, socket: PathBuf, version: String, shutdown: Shutdown) {
     while !vifs.is_live() {
         tokio::select! {
             () = tokio::time::sleep(Duration::from_millis(100)) => {}
             () = shutdown.clone().wait() => return,
         }
     }
-    let contents = render(&socket);
+    let contents = render(&socket, &version);
     let mut delay = Duration::from_millis(200);
     loop {
         match write_atomic(&path, &contents) {
@@ -89,12 +97,16 @@ mod tests {
 
     #[test]
     fn renders_a_conflist_for_the_socket() {
-        let s = render(Path::new("/run/kuryr/binder.sock"));
+        let s = render(Path::new("/run/kuryr/binder.sock"), DEFAULT_VERSION);
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
-        assert_eq!(v["cniVersion"], "1.1.0");
+        assert_eq!(v["cniVersion"], "1.0.0");
+        let s = render(Path::new("/run/kuryr/binder.sock"), "1.1.0");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&s).unwrap()["cniVersion"], "1.1.0");
         assert_eq!(v["name"], NETWORK_NAME);
         assert_eq!(v["plugins"][0]["type"], "kuryr-cni");
         assert_eq!(v["plugins"][0]["binderSocket"], "/run/kuryr/binder.sock");
+        assert_eq!(v["plugins"][0]["capabilities"]["portMappings"], true);
+        assert_eq!(v["plugins"].as_array().map(Vec::len), Some(1), "no portmap plugin chained");
     }
 
     #[test]

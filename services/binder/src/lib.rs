@@ -4,18 +4,21 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live. With `--lbaas` it also programs the node's Service dataplane in nftables from
-//! kuryr-lbaas's load balancer stream ([`lb`]); its health does not depend on that.
+//! stream is live. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
+//! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]), both in the node's
+//! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter.
 
 pub mod attachments;
 pub mod cni;
 pub mod cniconf;
+pub mod hostport;
 pub mod lb;
 pub mod metrics;
 pub mod netns;
 pub mod noderoutes;
 pub mod plug;
 pub mod spec;
+pub mod table;
 pub mod upstream;
 pub mod vifs;
 
@@ -64,11 +67,6 @@ pub struct Config {
     #[arg(long, env = "KURYR_CNI_TCP_ACCOUNTS", value_delimiter = ',')]
     pub cni_tcp_accounts: Vec<AccountRef>,
 
-    /// Kubeconfig for checking tokens of callers on `--tcp-listen` (TokenReview); in-cluster
-    /// when unset. The binder does not use the Kubernetes API otherwise.
-    #[arg(long, env = "KURYR_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
-
     /// More uids whose processes may call the CNI operations on the unix socket (root always
     /// may), comma-separated. They also need access to the socket file, which is 0600 root.
     #[arg(long, env = "KURYR_CNI_ALLOW_UID", value_delimiter = ',')]
@@ -83,15 +81,23 @@ pub struct Config {
     #[arg(long, env = "KURYR_BINDER_METRICS_LISTEN", default_value = "0.0.0.0:9631")]
     pub metrics_listen: ListenAddr,
 
-    /// The VIF allocator to follow: HOST:PORT, http://HOST:PORT or unix:/path.
+    /// The VIF allocator to follow: HOST:PORT, http://HOST:PORT, unix:/path, or
+    /// k8s:[NAMESPACE/]SERVICE:PORT (the Service's ready endpoints, found through the Kubernetes
+    /// API: no cluster DNS needed).
     #[arg(long, env = "KURYR_ALLOCATOR", default_value = "127.0.0.1:9610")]
     pub allocator: String,
 
     /// kuryr-lbaas, whose load balancer specs this node programs into nftables (embedded
-    /// backend): HOST:PORT, http://HOST:PORT or unix:/path. Without it no Service rules are
-    /// programmed (and none are removed).
+    /// backend): the same forms as --allocator. Without it no Service rules are programmed (and
+    /// none are removed).
     #[arg(long, env = "KURYR_LBAAS")]
     pub lbaas: Option<String>,
+
+    /// The kubeconfig used to find k8s: targets and to check the tokens of callers on
+    /// `--tcp-listen` (TokenReview); in-cluster configuration (or $KUBECONFIG) when unset. Not
+    /// read unless a target is a k8s: one or --tcp-listen is set.
+    #[arg(long, env = "KURYR_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// This node's name as Kubernetes knows it; defaults to the host name.
     #[arg(long, env = "KURYR_NODE_NAME")]
@@ -111,6 +117,13 @@ pub struct Config {
     /// `/etc/cni/net.d/10-kuryr.conflist`; not written when unset.
     #[arg(long, env = "KURYR_CNI_CONFLIST")]
     pub cni_conflist: Option<PathBuf>,
+
+    /// The `cniVersion` of the written conflist (--cni-conflist): 1.0.0 works with every current
+    /// runtime (containerd 1.6/1.7 refuse 1.1.0); 1.1.0 enables STATUS and GC where the runtime's
+    /// libcni supports them.
+    #[arg(long, env = "KURYR_CNI_CONFLIST_VERSION", default_value = cniconf::DEFAULT_VERSION,
+        value_parser = parse_cni_version)]
+    pub cni_conflist_version: String,
 
     /// The OVS database for the `ovs` binding (passed to ovs-vsctl --db), e.g.
     /// unix:/run/openvswitch/db.sock; ovs-vsctl's default when unset.
@@ -154,7 +167,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     anyhow::ensure!(!node.is_empty(), "--node-name is empty and the host name is unknown");
     let attachments = attachments::Attachments::open(&config.state_dir.join("attachments"))
         .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", config.state_dir.display()))?;
-    let allocator = upstream::Allocator::new(kuryr_runtime::client::channel(&config.allocator)?, credentials.clone());
+    let hostports = hostport::HostPorts::new(lb::nft::Nft::default())
+        .with_metrics(hostport::metrics::HostPortMetrics::register(rt.registry()));
+    // Before serving, so that no DEL can race the restore of what the records hold.
+    match hostports.restore(&attachments.all()).await {
+        Ok(n) => tracing::info!(host_ports = n, "host ports restored from the attachment records"),
+        Err(e) => tracing::error!(error = %e, "cannot program host ports; retried with the next pod change"),
+    }
+    let allocator = upstream::Allocator::new(
+        kuryr_runtime::discover::channel(&config.allocator, config.kubeconfig.clone())
+            .map_err(|e| anyhow::anyhow!("--allocator: {e}"))?,
+        credentials.clone(),
+    );
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
@@ -168,6 +192,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         rt.shutdown(),
     ));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
+    // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
+    tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
     if let Some(path) = &config.cni_conflist {
         let socket = config.listen.iter().find_map(|l| match l {
             ListenAddr::Unix(p) => Some(p.clone()),
@@ -175,14 +201,20 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         });
         let socket =
             socket.ok_or_else(|| anyhow::anyhow!("--cni-conflist needs a unix:/path in --listen for kuryr-cni"))?;
-        tokio::spawn(cniconf::write_when_live(vifs.clone(), path.clone(), socket, rt.shutdown()));
+        tokio::spawn(cniconf::write_when_live(
+            vifs.clone(),
+            path.clone(),
+            socket,
+            config.cni_conflist_version.clone(),
+            rt.shutdown(),
+        ));
     }
     if let Some(target) = &config.lbaas {
-        let lbaas = kuryr_runtime::client::channel(target).map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
+        let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
+            .map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
         let lbaas = with_credentials(lbaas, credentials.clone());
         tracing::info!(lbaas = target, "Service dataplane enabled");
-        tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
-        lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default()).spawn(
+        lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),
             config.common.stream_idle_timeout,
@@ -193,6 +225,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node,
         vifs,
         attachments,
+        hostports,
         allocator,
         vif_wait: config.vif_wait_timeout,
         ovs_db: config.ovs_db.clone(),
@@ -212,4 +245,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let routes = tonic::service::Routes::new(cni);
     let listen: Vec<ListenAddr> = config.listen.iter().chain(&config.tcp_listen).cloned().collect();
     rt.serve(routes, &listen, Some(&config.metrics_listen)).await
+}
+
+/// A `cniVersion` this plugin speaks (the error lists the supported ones).
+fn parse_cni_version(s: &str) -> Result<String, String> {
+    kuryr_cni_types::CniVersion::parse(s).map(|v| v.as_str().to_string()).map_err(|e| e.msg.clone())
 }

@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use kuryr_binder::attachments::Attachments;
 use kuryr_binder::cni::CniService;
+use kuryr_binder::hostport::HostPorts;
+use kuryr_binder::lb::nft::Nft;
 use kuryr_binder::metrics::CniMetrics;
 use kuryr_binder::upstream::Allocator;
 use kuryr_cni_types::CniError;
@@ -87,6 +89,8 @@ fn service(dir: &std::path::Path) -> CniService {
         node: "fuzz".into(),
         vifs: Default::default(),
         attachments: Attachments::open(&dir.join("attachments")).unwrap(),
+        // The real nft, in the test's own network namespace.
+        hostports: HostPorts::new(Nft::default()),
         allocator: Allocator::new(channel, Credentials::None),
         vif_wait: Duration::from_millis(20),
         ovs_db: Some("unix:/nonexistent/kuryr-fuzz/db.sock".into()),

@@ -16,7 +16,9 @@ struct Netns {
 
 impl Netns {
     fn new() -> Self {
-        let name = format!("klb{:x}", std::process::id());
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("klb{:x}-{n}", std::process::id());
         let out = Command::new("ip").args(["netns", "add", &name]).output().unwrap();
         assert!(out.status.success(), "ip netns add: {}", String::from_utf8_lossy(&out.stderr));
         Self { name, dir: tempfile::tempdir().unwrap() }
@@ -43,21 +45,19 @@ impl Drop for Netns {
 }
 
 fn svc(name: &str, vip: &str, backends: &[(&str, u16)], affinity: Option<u32>) -> Service {
-    Service {
-        key: ServiceKey { namespace: "default".into(), name: name.into() },
-        uid: format!("uid-{name}"),
-        generation: 1,
-        vips: vec![vip.parse().unwrap(), format!("fd00:96::{}", vip.rsplit('.').next().unwrap()).parse().unwrap()],
-        listeners: vec![
-            Listener {
-                proto: Proto::Tcp,
-                port: 80,
-                backends: backends.iter().map(|(a, p)| Backend { addr: a.parse().unwrap(), port: *p }).collect(),
-            },
-            Listener { proto: Proto::Udp, port: 53, backends: vec![] },
+    Service::cluster_ip(
+        ServiceKey { namespace: "default".into(), name: name.into() },
+        vec![vip.parse().unwrap(), format!("fd00:96::{}", vip.rsplit('.').next().unwrap()).parse().unwrap()],
+        vec![
+            Listener::new(
+                Proto::Tcp,
+                80,
+                backends.iter().map(|(a, p)| Backend { addr: a.parse().unwrap(), port: *p }).collect(),
+            ),
+            Listener::new(Proto::Udp, 53, vec![]),
         ],
         affinity,
-    }
+    )
 }
 
 #[tokio::test]
@@ -121,4 +121,109 @@ async fn full_syncs_and_deltas_apply_atomically_and_leave_nothing_stale() {
     let err = nft.apply("add chain inet kuryr svc/x\nadd rule inet kuryr nosuchchain accept\n").await.unwrap_err();
     assert!(err.to_string().contains("nosuchchain") || err.to_string().contains("No such file"), "{err}");
     assert_eq!(ns.ruleset(), before);
+}
+
+/// A NodePort Service with external addresses, p1 local and p2 elsewhere.
+fn node_port_svc(name: &str, vip: &str, node_port: u16, external_local: bool, internal_local: bool) -> Service {
+    let mut s = svc(name, vip, &[("10.0.0.1", 8080), ("10.0.0.2", 8080), ("fd00::2", 8080)], Some(10));
+    for l in &mut s.listeners {
+        l.node_port = Some(node_port);
+        l.local = l.backends.iter().copied().filter(|b| b.addr.to_string() == "10.0.0.1").collect();
+    }
+    let last = vip.rsplit('.').next().unwrap();
+    s.external = vec![format!("192.0.2.{last}").parse().unwrap(), format!("2001:db8::{last}").parse().unwrap()];
+    s.external_local = external_local;
+    s.internal_local = internal_local;
+    s
+}
+
+#[tokio::test]
+async fn node_ports_external_addresses_and_host_ports_share_the_table() {
+    use kuryr_binder::attachments::{Attachment, State};
+    use kuryr_binder::hostport::HostPorts;
+    use kuryr_binder::hostport::mapping::{PortMapping, Protocol};
+
+    let ns = Netns::new();
+    let nft = ns.nft();
+    // Host ports first, as at a binder start: they create the table.
+    let sys = ns.dir.path().join("sys");
+    std::fs::create_dir_all(sys.join("net/ipv4/conf/kuryr0")).unwrap();
+    std::fs::create_dir_all(sys.join("net/ipv6/conf/all")).unwrap();
+    let hp = HostPorts::with_proc_sys(nft.clone(), sys);
+    let att = |id: &str, ip: &str, host_ip: Option<&str>, protocol: Protocol| Attachment {
+        container_id: id.into(),
+        ifname: "eth0".into(),
+        netns: String::new(),
+        host_ifname: String::new(),
+        pod_uid: String::new(),
+        pod_namespace: "ns".into(),
+        pod_name: id.into(),
+        vif_id: String::new(),
+        driver: "bridge".into(),
+        bridge: "kuryr0".into(),
+        ips: vec![ip.parse().unwrap(), "fd00:1::5".parse().unwrap()],
+        port_mappings: vec![PortMapping {
+            host_port: 54321,
+            container_port: 8080,
+            protocol,
+            host_ip: host_ip.map(|h| h.parse().unwrap()),
+        }],
+        state: State::Ready,
+        host_mac: String::new(),
+        sandbox_mac: String::new(),
+    };
+    hp.restore(&[att("a", "10.0.0.5", Some("127.0.0.1"), Protocol::Tcp)]).await.unwrap();
+    hp.set(&att("b", "10.0.0.6", Some("172.31.0.1"), Protocol::Tcp)).await.unwrap();
+    hp.set(&att("c", "10.0.0.7", Some("172.31.0.1"), Protocol::Udp)).await.unwrap();
+    hp.set(&att("d", "10.0.0.8", None, Protocol::Sctp)).await.unwrap();
+
+    // Services: both traffic policies, a full sync then deltas.
+    let cluster = render(&node_port_svc("np", "10.96.0.3", 30080, false, false));
+    let local = render(&node_port_svc("npl", "10.96.0.4", 30081, true, true));
+    let mut script = String::new();
+    render::full(&mut script, &nft.existing().await.unwrap(), &[&cluster, &local]);
+    nft.apply(&script).await.unwrap_or_else(|e| panic!("{e}\n{script}"));
+    let rs = ns.ruleset();
+    for want in [
+        "127.0.0.1 . tcp . 54321 : 10.0.0.5 . 8080",
+        "172.31.0.1 . tcp . 54321 : 10.0.0.6 . 8080",
+        "172.31.0.1 . udp . 54321 : 10.0.0.7 . 8080",
+        "sctp . 54321 : 10.0.0.8 . 8080",
+        "sctp . 54321 : fd00:1::5 . 8080",
+        "\"kuryr0\"",
+        "tcp . 30080 : goto ext/default/np/tcp/80/v4",
+        "192.0.2.3 . tcp . 80 : goto ext/default/np/tcp/80/v4",
+        "2001:db8::4 . tcp . 80 : goto ext/default/npl/tcp/80/v6",
+        "10.96.0.4 . tcp . 80 : goto local/default/npl/tcp/80/v4",
+        "udp . 30081",
+        "iifname @pod_ifaces goto svc/default/npl/tcp/80/v4",
+        "fib saddr type local meta mark set meta mark | 0x00008000 goto svc/default/npl/tcp/80/v4",
+        "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeports4",
+        "dnat ip to ip daddr . meta l4proto . th dport map @hostports4",
+        "iifname != \"lo\" ip daddr 127.0.0.0/8 drop",
+    ] {
+        assert!(rs.contains(want), "{want:?} missing from\n{rs}");
+    }
+    assert!(rs.contains("chain local/default/npl/tcp/80/v6 {\n\t\tdrop"), "{rs}");
+
+    // A Service delta and a host port change leave each other's objects alone.
+    let mut changed = node_port_svc("np", "10.96.0.3", 30080, false, false);
+    changed.listeners.truncate(1);
+    changed.listeners[0].node_port = Some(30090);
+    let changed = render(&changed);
+    let mut script = String::new();
+    render::delta(&mut script, &[(&cluster, &changed)]);
+    nft.apply(&script).await.unwrap_or_else(|e| panic!("{e}\n{script}"));
+    hp.remove("b", "eth0").await.unwrap();
+    let rs = ns.ruleset();
+    assert!(rs.contains("tcp . 30090 : goto ext/default/np/tcp/80/v4") && !rs.contains("30080"), "{rs}");
+    assert!(!rs.contains("10.0.0.6 . 8080") && rs.contains("10.0.0.7 . 8080"), "{rs}");
+    // A full Service sync keeps the host ports; a host port rebuild keeps the Services.
+    let mut script = String::new();
+    render::full(&mut script, &nft.existing().await.unwrap(), &[&local]);
+    nft.apply(&script).await.unwrap_or_else(|e| panic!("{e}\n{script}"));
+    hp.restore(&[att("a", "10.0.0.5", Some("127.0.0.1"), Protocol::Tcp)]).await.unwrap();
+    let rs = ns.ruleset();
+    assert!(!rs.contains("default/np/") && rs.contains("default/npl/"), "{rs}");
+    assert!(rs.contains("10.0.0.5 . 8080") && !rs.contains("10.0.0.7 . 8080"), "{rs}");
 }

@@ -16,8 +16,8 @@
 //!
 //! Failures are retried by the queue with capped exponential backoff, and each is logged,
 //! counted in `kuryr_lbaas_failures_total{op,reason}` and told to the Service's users as a
-//! Warning Event. NodePort and ExternalName Services are told once (a Normal Event) why they get
-//! no load balancer.
+//! Warning Event. ExternalName Services are told once (a Normal Event) why they get no load
+//! balancer.
 //!
 //! **Shards** ([`crate::shards`]): only Services whose shard this replica serves are queued and
 //! reconciled; one whose shard moved away is skipped (`result="elsewhere"`), and a reconcile
@@ -149,6 +149,40 @@ pub struct Controller<B> {
     shards: Shards,
     /// Wakes the backend's maintenance when shards are gained.
     kick: Arc<Notify>,
+    /// Which Services carry our finalizer.
+    finalizers: FinalizerPolicy,
+    /// The load balancer class this lbaas provides (`None`: Services that name none).
+    lb_class: Option<String>,
+}
+
+/// Which Services get kuryr's finalizer (`--service-finalizer`).
+///
+/// The finalizer makes a Service's deletion wait until its load balancer is gone. Services
+/// without it are still cleaned up: their ServiceLoadBalancer record (in kuryr's namespace,
+/// written before the backend is programmed) outlives them, and a record without its Service is
+/// removed with its load balancer as soon as lbaas sees it — at once, or after a restart or a
+/// shard handover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FinalizerPolicy {
+    /// Only `type: LoadBalancer` Services, as Kubernetes' own service controllers do: deleting
+    /// any other Service is immediate, as Kubernetes clients (and its conformance tests) expect.
+    #[default]
+    LoadBalancer,
+    /// Every Service that gets a load balancer (Kuryr's behaviour).
+    All,
+    /// None.
+    None,
+}
+
+impl FinalizerPolicy {
+    /// Whether a Service of `service_type` carries the finalizer.
+    pub fn wants(self, service_type: &str) -> bool {
+        match self {
+            FinalizerPolicy::LoadBalancer => service_type == "LoadBalancer",
+            FinalizerPolicy::All => true,
+            FinalizerPolicy::None => false,
+        }
+    }
 }
 
 impl<B: Backend> Controller<B> {
@@ -164,7 +198,24 @@ impl<B: Backend> Controller<B> {
             told: Mutex::default(),
             shards: Shards::all(),
             kick: Arc::default(),
+            finalizers: FinalizerPolicy::default(),
+            lb_class: None,
         }
+    }
+
+    /// Provides the load balancers of `type: LoadBalancer` Services of `class` (`None`: of those
+    /// that name no class); the others get their cluster IP and node ports only.
+    #[must_use]
+    pub fn with_load_balancer_class(mut self, class: Option<String>) -> Self {
+        self.lb_class = class;
+        self
+    }
+
+    /// Puts the finalizer on the Services `policy` names.
+    #[must_use]
+    pub fn with_finalizers(mut self, policy: FinalizerPolicy) -> Self {
+        self.finalizers = policy;
+        self
     }
 
     /// Reconciles only the Services `shards` serves (every one by default).
@@ -328,7 +379,8 @@ impl<B: Backend> Controller<B> {
         };
         let (namespace, name) = split(key);
         let slices: Vec<&EndpointSlice> = slices.iter().map(AsRef::as_ref).collect();
-        let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &entry.service };
+        let service = crate::spec::effective(&entry.service, self.lb_class.as_deref());
+        let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &service };
         match desired(&svc, &slices) {
             Desired::Lb(spec) => {
                 self.apply(key, &entry, spec).await?;
@@ -362,10 +414,26 @@ impl<B: Backend> Controller<B> {
             move |cause: Cause| ReconcileError { op: "apply", step, key: key.to_string(), uid, cause }
         };
         locked(&self.told).remove(key);
-        if !entry.has_finalizer
-            && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
-        {
-            return Ok(());
+        if self.finalizers.wants(&spec.service_type) {
+            if !entry.has_finalizer
+                && !self.ensure_finalizer(key, &entry.uid).await.map_err(|e| fail("adding the finalizer")(e.into()))?
+            {
+                return Ok(());
+            }
+        } else if entry.has_finalizer && !entry.deleting {
+            // Put there under another policy (or type): its deletion needs no wait any more.
+            if let Some(meta) = self
+                .kube
+                .service(key)
+                .await
+                .map_err(|e| fail("reading the Service")(e.into()))?
+                .filter(|m| m.uid == entry.uid)
+            {
+                self.kube
+                    .remove_finalizer(key, &meta.uid, &meta.finalizers)
+                    .await
+                    .map_err(|e| fail("removing the finalizer")(e.into()))?;
+            }
         }
         let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
         if !self.shards.serves(key) {

@@ -12,7 +12,7 @@
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{CustomResource, CustomResourceExt};
-use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity};
+use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -41,10 +41,22 @@ use serde::{Deserialize, Serialize};
 pub struct ServiceLoadBalancerSpec {
     /// The Service's uid; changes when the Service is deleted and re-created under its name.
     pub service_uid: String,
-    /// `ClusterIP` or `LoadBalancer`.
+    /// `ClusterIP`, `NodePort` or `LoadBalancer`.
     pub service_type: String,
     /// The virtual IPs: the Service's cluster IPs, both families when dual-stack.
     pub vips: Vec<String>,
+    /// The Service's `spec.externalIPs`.
+    #[serde(default, rename = "externalIPs", skip_serializing_if = "Vec::is_empty")]
+    pub external_ips: Vec<String>,
+    /// The load balancer addresses of the Service's status (`status.loadBalancer.ingress`).
+    #[serde(default, rename = "ingressIPs", skip_serializing_if = "Vec::is_empty")]
+    pub ingress_ips: Vec<String>,
+    /// `Local` when the Service's `externalTrafficPolicy` is; absent for `Cluster`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub external_traffic_policy: String,
+    /// `Local` when the Service's `internalTrafficPolicy` is; absent for `Cluster`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub internal_traffic_policy: String,
     /// One listener per Service port.
     #[serde(default)]
     pub listeners: Vec<ListenerSpec>,
@@ -66,6 +78,9 @@ pub struct ListenerSpec {
     /// The Service port's name (empty for a single unnamed port).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
+    /// The node port (types NodePort and LoadBalancer); absent when there is none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub node_port: u32,
     /// The endpoints traffic may go to.
     #[serde(default)]
     pub members: Vec<MemberSpec>,
@@ -128,6 +143,16 @@ pub struct ServiceLoadBalancerStatus {
     pub message: Option<String>,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A traffic policy in the record: `Local`, or empty for Cluster (the default, so that records
+/// written before the field existed read the same).
+fn policy_name(p: i32) -> String {
+    if p == TrafficPolicy::Local as i32 { "Local".into() } else { String::new() }
+}
+
 fn protocol_name(p: i32) -> String {
     match Protocol::try_from(p) {
         Ok(Protocol::Udp) => "UDP",
@@ -145,6 +170,10 @@ impl ServiceLoadBalancerSpec {
             service_uid: spec.uid.clone(),
             service_type: spec.service_type.clone(),
             vips: spec.vips.clone(),
+            external_ips: spec.external_ips.clone(),
+            ingress_ips: spec.ingress_ips.clone(),
+            external_traffic_policy: policy_name(spec.external_traffic_policy),
+            internal_traffic_policy: policy_name(spec.internal_traffic_policy),
             listeners: spec
                 .listeners
                 .iter()
@@ -152,6 +181,7 @@ impl ServiceLoadBalancerSpec {
                     protocol: protocol_name(l.protocol),
                     port: l.port,
                     name: l.name.clone(),
+                    node_port: l.node_port,
                     members: l
                         .pool
                         .iter()
@@ -187,6 +217,7 @@ impl ServiceLoadBalancerSpec {
                     protocol: crate::spec::protocol(&l.protocol).unwrap_or(Protocol::Tcp) as i32,
                     port: l.port,
                     name: l.name.clone(),
+                    node_port: l.node_port,
                     pool: Some(Pool {
                         members: l
                             .members
@@ -210,6 +241,10 @@ impl ServiceLoadBalancerSpec {
             }),
             service_type: self.service_type.clone(),
             generation,
+            external_ips: self.external_ips.clone(),
+            ingress_ips: self.ingress_ips.clone(),
+            external_traffic_policy: crate::spec::policy(&self.external_traffic_policy) as i32,
+            internal_traffic_policy: crate::spec::policy(&self.internal_traffic_policy) as i32,
         }
     }
 }
@@ -284,15 +319,18 @@ mod tests {
     fn specs_round_trip_through_the_record() {
         use kuryr_proto::watcher::v1::{Endpoint, EndpointPort, EndpointSlice, Service, ServicePort};
         let svc = Service {
-            r#type: "ClusterIP".into(),
+            r#type: "NodePort".into(),
             cluster_ips: vec!["10.96.0.10".into(), "fd00::10".into()],
+            external_traffic_policy: "Local".into(),
+            external_ips: vec!["192.0.2.7".into()],
+            load_balancer_ingress_ips: vec!["198.51.100.7".into()],
             ports: vec![
                 ServicePort {
                     name: "a".into(),
                     protocol: "UDP".into(),
                     port: 53,
                     target_port: "53".into(),
-                    node_port: 0,
+                    node_port: 30053,
                 },
                 ServicePort {
                     name: "b".into(),
@@ -330,6 +368,22 @@ mod tests {
         assert_eq!(record.to_proto("ns", "s", 7).generation, 7);
         let json = serde_json::to_value(&record).unwrap();
         assert_eq!(json["listeners"][1]["protocol"], "SCTP");
+        assert_eq!(
+            (json["listeners"][0]["nodePort"].clone(), json["listeners"][1].get("nodePort")),
+            (json!(30053), None)
+        );
+        assert_eq!(json["externalIPs"], json!(["192.0.2.7"]));
+        assert_eq!(json["ingressIPs"], json!(["198.51.100.7"]));
+        assert_eq!(json["externalTrafficPolicy"], "Local");
+        assert_eq!(json.get("internalTrafficPolicy"), None, "Cluster is the default and left out");
+        // A record written before these fields existed reads as a ClusterIP spec with defaults.
+        let old: ServiceLoadBalancerSpec = serde_json::from_value(json!({
+            "serviceUid": "u", "serviceType": "ClusterIP", "vips": ["10.96.0.1"], "backend": "node",
+            "listeners": [{"protocol": "TCP", "port": 80}]
+        }))
+        .unwrap();
+        let p = old.to_proto("ns", "s", 1);
+        assert_eq!((p.listeners[0].node_port, p.external_traffic_policy()), (0, TrafficPolicy::Cluster));
         assert_eq!(json["sessionAffinity"], json!({"clientIP": true, "timeoutSeconds": 10800}));
         assert_eq!(
             json["listeners"][0]["members"][0],

@@ -3,12 +3,11 @@
 //! **Watches** Services and EndpointSlices through the watcher's Subscribe stream ([`follow`])
 //! into a view ([`view`]); nothing else.
 //!
-//! **Owns** per Service (ClusterIP and LoadBalancer types with cluster IPs): the finalizer
+//! **Owns** per Service (ClusterIP, NodePort and LoadBalancer types with cluster IPs): the finalizer
 //! `kuryr.openstack.org/lbaas` and a ServiceLoadBalancer record ([`crd`]) whose spec is the
 //! desired load balancer ([`spec`]) and whose status is what the backend observed. A keyed queue
-//! reconciles Services one key at a time, many keys at once ([`controller`]). NodePort and
-//! ExternalName Services get an Event saying why they have no load balancer; headless ones are
-//! ignored.
+//! reconciles Services one key at a time, many keys at once ([`controller`]). ExternalName
+//! Services get an Event saying why they have no load balancer; headless ones are ignored.
 //!
 //! **Programs** through a [`backend::Backend`]. The node backend (the embedded default)
 //! publishes each spec to `WatchLoadBalancers` ([`grpc`]), which every node's binder programs
@@ -102,7 +101,9 @@ pub struct Config {
     #[arg(long, env = "KURYR_LBAAS_METRICS_LISTEN", default_value = "0.0.0.0:9621")]
     pub metrics_listen: ListenAddr,
 
-    /// The watcher to subscribe to: HOST:PORT, http://HOST:PORT or unix:/path.
+    /// The watcher to subscribe to: HOST:PORT, http://HOST:PORT, unix:/path, or
+    /// k8s:[NAMESPACE/]SERVICE:PORT (the Service's ready endpoints, found through the Kubernetes
+    /// API: no cluster DNS needed).
     #[arg(long, env = "KURYR_WATCHER", default_value = "127.0.0.1:9600")]
     pub watcher: String,
 
@@ -113,6 +114,19 @@ pub struct Config {
     /// What programs the load balancers.
     #[arg(long, env = "KURYR_LBAAS_BACKEND", value_enum, default_value = "node")]
     pub backend: BackendKind,
+
+    /// Which Services carry kuryr's finalizer (their deletion waits for the load balancer to
+    /// go): `load-balancer` (type LoadBalancer only, as Kubernetes' own service controllers do;
+    /// other Services are cleaned up through their ServiceLoadBalancer record), `all` (every
+    /// load-balanced Service, as Kuryr did), `none`.
+    #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
+    pub service_finalizer: controller::FinalizerPolicy,
+
+    /// The load balancer class (`spec.loadBalancerClass`) whose `type: LoadBalancer` Services this
+    /// lbaas provides load balancers for; unset: those that name no class. Services of another
+    /// class get their cluster IP and node ports only (their load balancer is someone else's).
+    #[arg(long, env = "KURYR_LOAD_BALANCER_CLASS")]
+    pub load_balancer_class: Option<String>,
 
     /// Services reconciled in parallel (each Service is always reconciled by one worker at a time).
     #[arg(long, env = "KURYR_LBAAS_WORKERS", default_value_t = 8,
@@ -162,7 +176,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
     let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
     rt.set_gate(gate);
-    let watcher = with_credentials(kuryr_runtime::client::channel(&config.watcher)?, config.common.auth.credentials());
+    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
+        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
     let shard_metrics = ShardMetrics::register(rt.registry());
@@ -311,7 +327,10 @@ impl<B: Backend> Start<B> {
 
         let view = SharedView::default();
         let controller = Arc::new(
-            Controller::new(kube.clone(), backend, view, records, metrics.clone()).with_shards(shards.clone()),
+            Controller::new(kube.clone(), backend, view, records, metrics.clone())
+                .with_shards(shards.clone())
+                .with_finalizers(config.service_finalizer)
+                .with_load_balancer_class(config.load_balancer_class.clone()),
         );
         controller.spawn_workers(config.workers, shutdown.clone());
         controller.start_maintenance(shutdown.clone());

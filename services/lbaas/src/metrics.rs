@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 /// How a reconcile ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
-    /// `applied`, `deleted`, `skipped` (NodePort, ExternalName), `ignored` (headless),
+    /// `applied`, `deleted`, `skipped` (ExternalName), `ignored` (headless),
     /// `elsewhere` (its shard is served by another replica) or `error`.
     pub result: &'static str,
 }

@@ -405,11 +405,13 @@ mod tests {
                     port,
                     name: String::new(),
                     pool: Some(Pool { members }),
+                    node_port: 0,
                 })
                 .collect(),
             session_affinity: Some(SessionAffinity { client_ip, timeout_seconds: if client_ip { 600 } else { 0 } }),
             service_type: "ClusterIP".into(),
             generation: 3,
+            ..Default::default()
         }
     }
 

@@ -1,12 +1,16 @@
 //! The desired load balancer of a Service, from the Service and its EndpointSlices as the
 //! watcher reduced them. Pure: no kube, no tonic beyond the generated messages.
 //!
-//! - ClusterIP and LoadBalancer Services get a load balancer; its VIPs are the cluster IPs (both
-//!   families when dual-stack). Headless Services (no cluster IP) are ignored silently, as
-//!   kube-proxy ignores them. NodePort and ExternalName are skipped with a reason the controller
-//!   tells the Service's users as an Event.
+//! - ClusterIP, NodePort and LoadBalancer Services get a load balancer; its VIPs are the cluster
+//!   IPs (both families when dual-stack). Headless Services (no cluster IP) are ignored silently,
+//!   as kube-proxy ignores them. ExternalName is skipped with a reason the controller tells the
+//!   Service's users as an Event.
 //! - One listener per Service port (a port and protocol pair is unique in a Service), in the
-//!   Service's order.
+//!   Service's order, with its node port for types NodePort and LoadBalancer (the API server
+//!   allocates them).
+//! - What the node dataplane needs beyond that is carried as the Service says it: external IPs,
+//!   the load balancer ingress addresses of the Service's status, and both traffic policies
+//!   (Local, or Cluster for anything else: the API server defaults them to Cluster).
 //! - Members come from every slice of the Service, merged: each endpoint address with the port
 //!   its slice gives for the listener's port name and protocol. EndpointSlices carry the target
 //!   port resolved per pod (a named `targetPort` can differ between pods, which is why the
@@ -20,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity};
+use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
 use kuryr_proto::watcher::v1::{EndpointSlice, Service};
 
 /// Kubernetes' default ClientIP affinity timeout (spec.sessionAffinityConfig.clientIP).
@@ -66,6 +70,30 @@ pub fn protocol(s: &str) -> Option<Protocol> {
     }
 }
 
+/// Whether this lbaas provides the load balancer of `svc`: a `type: LoadBalancer` Service of its
+/// load balancer class (`class`; `None`: Services that name no class), as every load balancer
+/// implementation must leave the Services of another class alone.
+pub fn owns_load_balancer(svc: &Service, class: Option<&str>) -> bool {
+    svc.r#type == "LoadBalancer"
+        && match class {
+            None => svc.load_balancer_class.is_empty(),
+            Some(c) => svc.load_balancer_class == c,
+        }
+}
+
+/// `svc` as kuryr load-balances it. A `type: LoadBalancer` Service whose load balancer another
+/// implementation provides still needs its cluster IP, node ports and the addresses that
+/// implementation put in its status answered on the nodes — as kube-proxy would — so to kuryr it
+/// is a NodePort Service: no load balancer of kuryr's, no finalizer, no status written.
+pub fn effective<'a>(svc: &'a Service, class: Option<&str>) -> std::borrow::Cow<'a, Service> {
+    if svc.r#type == "LoadBalancer" && !owns_load_balancer(svc, class) {
+        let mut other = svc.clone();
+        other.r#type = "NodePort".into();
+        return std::borrow::Cow::Owned(other);
+    }
+    std::borrow::Cow::Borrowed(svc)
+}
+
 fn is_headless(svc: &Service) -> bool {
     svc.cluster_ips.iter().all(|ip| ip.is_empty() || ip == "None")
 }
@@ -73,20 +101,16 @@ fn is_headless(svc: &Service) -> bool {
 /// The load balancer `svc` should have, given the slices that name it.
 pub fn desired(svc: &ServiceRef<'_>, slices: &[&EndpointSlice]) -> Desired {
     let s = svc.service;
-    match s.r#type.as_str() {
-        "ClusterIP" | "LoadBalancer" | "" => {}
-        "NodePort" => {
-            return Desired::Skipped {
-                message: "type NodePort is not load-balanced by kuryr: use ClusterIP or LoadBalancer".into(),
-            };
-        }
+    let node_ports = match s.r#type.as_str() {
+        "ClusterIP" | "" => false,
+        "NodePort" | "LoadBalancer" => true,
         "ExternalName" => {
             return Desired::Skipped {
                 message: "type ExternalName is a DNS alias: there is nothing to load-balance".into(),
             };
         }
         other => return Desired::Skipped { message: format!("type {other:?} is not a Service type kuryr knows") },
-    }
+    };
     if is_headless(s) {
         return Desired::Ignored;
     }
@@ -101,6 +125,7 @@ pub fn desired(svc: &ServiceRef<'_>, slices: &[&EndpointSlice]) -> Desired {
                 port,
                 name: p.name.clone(),
                 pool: Some(Pool { members: members(&p.name, &p.protocol, &p.target_port, slices) }),
+                node_port: if node_ports { u32::try_from(p.node_port).unwrap_or(0) } else { 0 },
             })
         })
         .collect();
@@ -122,7 +147,27 @@ pub fn desired(svc: &ServiceRef<'_>, slices: &[&EndpointSlice]) -> Desired {
         }),
         service_type: if s.r#type.is_empty() { "ClusterIP".into() } else { s.r#type.clone() },
         generation: 0,
+        external_ips: addresses(&s.external_ips),
+        ingress_ips: addresses(&s.load_balancer_ingress_ips),
+        external_traffic_policy: policy(&s.external_traffic_policy) as i32,
+        internal_traffic_policy: policy(&s.internal_traffic_policy) as i32,
     })
+}
+
+/// A traffic policy as the contract names it: Local, or Cluster for anything else.
+pub fn policy(s: &str) -> TrafficPolicy {
+    if s == "Local" { TrafficPolicy::Local } else { TrafficPolicy::Cluster }
+}
+
+/// Addresses without blanks or repeats, in their first order.
+fn addresses(list: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(list.len());
+    for a in list.iter().filter(|a| !a.is_empty()) {
+        if !out.contains(a) {
+            out.push(a.clone());
+        }
+    }
+    out
 }
 
 /// The members of the Service port named `name` with `proto`, merged over `slices`.
@@ -314,15 +359,72 @@ mod tests {
     }
 
     #[test]
+    fn node_ports_external_addresses_and_traffic_policies_are_carried() {
+        let mut ports = vec![port("http", "TCP", 80, "8080"), port("dns", "UDP", 80, "8080")];
+        ports[0].node_port = 30080;
+        ports[1].node_port = 30081;
+        let mut svc = service("NodePort", &["10.96.0.20"], ports);
+        svc.external_traffic_policy = "Local".into();
+        svc.internal_traffic_policy = "Cluster".into();
+        svc.external_ips = vec!["192.0.2.1".into(), String::new(), "192.0.2.1".into(), "2001:db8::1".into()];
+        svc.load_balancer_ingress_ips = vec!["198.51.100.1".into()];
+        let a =
+            slice("IPv4", &[("http", "TCP", 8080), ("dns", "UDP", 8080)], vec![ep("10.1.0.5", true, true, false, "a")]);
+        let spec = lb(&svc, &[&a]);
+        assert_eq!(spec.service_type, "NodePort");
+        let got: Vec<(Protocol, u32, u32)> =
+            spec.listeners.iter().map(|l| (l.protocol(), l.port, l.node_port)).collect();
+        assert_eq!(got, [(Protocol::Tcp, 80, 30080), (Protocol::Udp, 80, 30081)], "same port, both protocols");
+        assert_eq!(shown(&spec.listeners[1]), ["10.1.0.5:8080 rs"]);
+        assert_eq!(spec.external_ips, ["192.0.2.1", "2001:db8::1"]);
+        assert_eq!(spec.ingress_ips, ["198.51.100.1"]);
+        assert_eq!(spec.external_traffic_policy(), TrafficPolicy::Local);
+        assert_eq!(spec.internal_traffic_policy(), TrafficPolicy::Cluster);
+
+        // LoadBalancer keeps its node ports; ClusterIP never has any, whatever the port says.
+        svc.r#type = "LoadBalancer".into();
+        assert_eq!(lb(&svc, &[&a]).listeners[0].node_port, 30080);
+        svc.r#type = "ClusterIP".into();
+        svc.external_traffic_policy = String::new();
+        let spec = lb(&svc, &[&a]);
+        assert!(spec.listeners.iter().all(|l| l.node_port == 0), "{spec:?}");
+        assert_eq!(spec.external_traffic_policy(), TrafficPolicy::Cluster, "unset is Cluster");
+    }
+
+    #[test]
     fn headless_is_ignored_and_other_types_are_skipped() {
         let headless = service("ClusterIP", &["None"], vec![port("", "TCP", 80, "80")]);
         let r = |s| ServiceRef { namespace: "ns", name: "web", uid: "u", service: s };
         assert_eq!(desired(&r(&headless), &[]), Desired::Ignored);
         let node_port = service("NodePort", &["10.96.0.1"], vec![]);
-        let Desired::Skipped { message } = desired(&r(&node_port), &[]) else { panic!() };
-        assert!(message.contains("NodePort"), "{message}");
+        assert!(matches!(desired(&r(&node_port), &[]), Desired::Lb(_)), "NodePort is load-balanced");
+        let odd = service("Nonsense", &["10.96.0.1"], vec![]);
+        let Desired::Skipped { message } = desired(&r(&odd), &[]) else { panic!() };
+        assert!(message.contains("Nonsense"), "{message}");
         let external = service("ExternalName", &[], vec![]);
         let Desired::Skipped { message } = desired(&r(&external), &[]) else { panic!() };
         assert!(message.contains("ExternalName"), "{message}");
+    }
+}
+
+#[cfg(test)]
+mod class_tests {
+    use super::*;
+
+    fn lb(class: &str) -> Service {
+        Service { r#type: "LoadBalancer".into(), load_balancer_class: class.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn load_balancers_of_another_class_are_node_port_services_to_kuryr() {
+        assert!(owns_load_balancer(&lb(""), None));
+        assert!(!owns_load_balancer(&lb("example.com/internal-vip"), None));
+        assert!(owns_load_balancer(&lb("kuryr.openstack.org/octavia"), Some("kuryr.openstack.org/octavia")));
+        assert!(!owns_load_balancer(&lb(""), Some("kuryr.openstack.org/octavia")));
+        assert_eq!(effective(&lb("example.com/internal-vip"), None).r#type, "NodePort");
+        assert_eq!(effective(&lb(""), None).r#type, "LoadBalancer");
+        let cluster_ip = Service { r#type: "ClusterIP".into(), ..Default::default() };
+        assert!(!owns_load_balancer(&cluster_ip, None));
+        assert_eq!(effective(&cluster_ip, None).r#type, "ClusterIP");
     }
 }

@@ -90,7 +90,9 @@ pub struct Config {
     #[arg(long, env = "KURYR_ALLOCATOR_METRICS_LISTEN", default_value = "0.0.0.0:9611")]
     pub metrics_listen: ListenAddr,
 
-    /// The watcher to subscribe to: HOST:PORT, http://HOST:PORT or unix:/path.
+    /// The watcher to subscribe to: HOST:PORT, http://HOST:PORT, unix:/path, or
+    /// k8s:[NAMESPACE/]SERVICE:PORT (the Service's ready endpoints, found through the Kubernetes
+    /// API: no cluster DNS needed).
     #[arg(long, env = "KURYR_WATCHER", default_value = "127.0.0.1:9600")]
     pub watcher: String,
 
@@ -239,7 +241,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
     let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
     rt.set_gate(gate);
-    let watcher = with_credentials(kuryr_runtime::client::channel(&config.watcher)?, config.common.auth.credentials());
+    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
+        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
     let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());

@@ -108,6 +108,20 @@ impl Reduce for core::Service {
             external_name: spec.external_name.unwrap_or_default(),
             ip_families: spec.ip_families.unwrap_or_default(),
             finalizers: self.metadata.finalizers.clone().unwrap_or_default(),
+            external_traffic_policy: spec.external_traffic_policy.unwrap_or_default(),
+            internal_traffic_policy: spec.internal_traffic_policy.unwrap_or_default(),
+            external_ips: spec.external_ips.unwrap_or_default(),
+            load_balancer_class: spec.load_balancer_class.unwrap_or_default(),
+            // Hostname-only ingress entries (some cloud load balancers) have no address to
+            // answer on.
+            load_balancer_ingress_ips: self
+                .status
+                .and_then(|s| s.load_balancer)
+                .and_then(|lb| lb.ingress)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|i| i.ip.filter(|ip| !ip.is_empty()))
+                .collect(),
         };
         object(Self::KIND, self.metadata, Body::Service(svc)).0
     }
@@ -287,14 +301,29 @@ mod tests {
                 session_affinity_config: Some(core::SessionAffinityConfig {
                     client_ip: Some(core::ClientIPConfig { timeout_seconds: Some(600) }),
                 }),
+                external_traffic_policy: Some("Local".into()),
+                external_ips: Some(vec!["192.0.2.10".into()]),
+                load_balancer_class: Some("example.com/internal-vip".into()),
                 ..Default::default()
             }),
-            status: None,
+            status: Some(core::ServiceStatus {
+                load_balancer: Some(core::LoadBalancerStatus {
+                    ingress: Some(vec![
+                        core::LoadBalancerIngress { ip: Some("198.51.100.7".into()), ..Default::default() },
+                        core::LoadBalancerIngress { hostname: Some("lb.example.com".into()), ..Default::default() },
+                    ]),
+                }),
+                ..Default::default()
+            }),
         };
         let Some(Body::Service(s)) = svc.reduce().body else { panic!() };
         assert_eq!((s.r#type.as_str(), s.session_affinity.as_str()), ("ClusterIP", "None"));
         assert_eq!(s.cluster_ips, ["10.96.0.10"]);
         assert_eq!(s.session_affinity_timeout_seconds, 600);
+        assert_eq!((s.external_traffic_policy.as_str(), s.internal_traffic_policy.as_str()), ("Local", ""));
+        assert_eq!(s.external_ips, ["192.0.2.10"]);
+        assert_eq!(s.load_balancer_class, "example.com/internal-vip");
+        assert_eq!(s.load_balancer_ingress_ips, ["198.51.100.7"], "hostname-only ingress entries are left out");
         assert_eq!(s.selector.get("app").map(String::as_str), Some("web"));
         assert_eq!((s.ports[0].protocol.as_str(), s.ports[0].target_port.as_str()), ("TCP", "web"));
         assert_eq!(

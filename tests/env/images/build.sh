@@ -31,7 +31,7 @@ flock 9
 
 inputs=$(
     {
-        sha256sum "$HERE/build.sh" "$HERE/pause.c" "$BUSYBOX" | awk '{print $1}'
+        sha256sum "$HERE/build.sh" "$HERE/oci.sh" "$HERE/pause.c" "$BUSYBOX" | awk '{print $1}'
         "$CC" --version | head -n1
         echo "$PAUSE_IMAGE $BUSYBOX_IMAGE"
     } | sha256sum | awk '{print $1}'
@@ -45,59 +45,8 @@ WORK=$(mktemp -d "$OUT_DIR/.build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 umask 022
 
-sha() { sha256sum "$1" | awk '{print $1}'; }
-size() { stat -c %s "$1"; }
-
-# Stores a file as a blob of the layout in $1 and prints its hex digest.
-put_blob() {
-    local layout=$1 file=$2 d
-    d=$(sha "$file")
-    mkdir -p "$layout/blobs/sha256"
-    cp "$file" "$layout/blobs/sha256/$d"
-    echo "$d"
-}
-
-# make_image NAME ROOTFS_DIR CONFIG_SECTION_JSON OUT_TAR
-# Packs ROOTFS_DIR as one gzip layer (reproducible: sorted, owner 0, mtime 0, no gzip name/time),
-# writes the image config, the manifest and an annotated index, and tars the layout.
-make_image() {
-    local name=$1 rootfs=$2 config_section=$3 out=$4
-    local layout
-    layout="$WORK/layout-$(basename "$out" .tar)"
-    mkdir -p "$layout"
-
-    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
-        -C "$rootfs" -cf "$WORK/layer.tar" .
-    local diff_id
-    diff_id=$(sha "$WORK/layer.tar")
-    gzip -n -6 -c "$WORK/layer.tar" >"$WORK/layer.tar.gz"
-    local layer_digest layer_size
-    layer_digest=$(put_blob "$layout" "$WORK/layer.tar.gz")
-    layer_size=$(size "$WORK/layer.tar.gz")
-
-    printf '{"architecture":"amd64","os":"linux","created":"1970-01-01T00:00:00Z","config":%s,"rootfs":{"type":"layers","diff_ids":["sha256:%s"]},"history":[{"created":"1970-01-01T00:00:00Z","created_by":"tests/env/images/build.sh"}]}' \
-        "$config_section" "$diff_id" >"$WORK/config.json"
-    local config_digest config_size
-    config_digest=$(put_blob "$layout" "$WORK/config.json")
-    config_size=$(size "$WORK/config.json")
-
-    printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:%s","size":%s},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:%s","size":%s}]}' \
-        "$config_digest" "$config_size" "$layer_digest" "$layer_size" >"$WORK/manifest.json"
-    local manifest_digest manifest_size
-    manifest_digest=$(put_blob "$layout" "$WORK/manifest.json")
-    manifest_size=$(size "$WORK/manifest.json")
-
-    printf '{"imageLayoutVersion":"1.0.0"}' >"$layout/oci-layout"
-    # ref.name is the tag (the OCI convention); io.containerd.image.name the full reference that
-    # `ctr images import` registers the image under.
-    printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}]}' \
-        "$manifest_digest" "$manifest_size" "$name" "${name##*:}" >"$layout/index.json"
-
-    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
-        -C "$layout" -cf "$WORK/out.tar" oci-layout index.json blobs
-    mv -f "$WORK/out.tar" "$out"
-    rm -f "$WORK/layer.tar" "$WORK/layer.tar.gz"
-}
+# shellcheck source=oci.sh
+source "$HERE/oci.sh"
 
 # --- pause -----------------------------------------------------------------------------------
 PAUSE_ROOT="$WORK/pause-root"
@@ -107,18 +56,7 @@ make_image "$PAUSE_IMAGE" "$PAUSE_ROOT" '{"Entrypoint":["/pause"],"Env":["PATH=/
 
 # --- busybox ---------------------------------------------------------------------------------
 BB_ROOT="$WORK/busybox-root"
-mkdir -p "$BB_ROOT"/{bin,sbin,usr/bin,usr/sbin,etc,root,proc,sys,dev,tmp,var/run}
-chmod 1777 "$BB_ROOT/tmp"
-chmod 0700 "$BB_ROOT/root"
-cp "$BUSYBOX" "$BB_ROOT/bin/busybox"
-chmod 0755 "$BB_ROOT/bin/busybox"
-while read -r applet; do
-    [[ -z "$applet" || "$applet" == bin/busybox ]] && continue
-    mkdir -p "$BB_ROOT/$(dirname "$applet")"
-    ln -sf /bin/busybox "$BB_ROOT/$applet"
-done < <("$BB_ROOT/bin/busybox" --list-full)
-printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$BB_ROOT/etc/passwd"
-printf 'root:x:0:\nnogroup:x:65534:\n' >"$BB_ROOT/etc/group"
+busybox_root "$BB_ROOT"
 make_image "$BUSYBOX_IMAGE" "$BB_ROOT" \
     '{"Env":["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["sh"]}' "$OUT_DIR/busybox.tar"
 

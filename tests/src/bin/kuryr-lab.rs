@@ -1,42 +1,52 @@
-//! `kuryr-lab`: a two-node Kuryr cluster (embedded IPAM, Linux bridge per node, routes between
-//! nodes) running on this machine, to look at and poke — `make lab` and `make lab-down`.
+//! `kuryr-lab`: a Kubernetes cluster of real nodes on this machine with kuryr as its network —
+//! `make lab` and `make lab-down`.
 //!
-//! `kuryr-lab up` checks the prerequisites, brings up a [`Cluster`] (real API server, watcher,
-//! allocator, N nodes of containerd + kuryr-cni + kuryr-binder, each run by the test kubelet),
-//! applies the sample workload of `deploy/lab/`, waits for its pods, prints their addresses and
-//! how long each took to get its network, pings every pod from every other one, connects to each
-//! Service's ClusterIP from a pod on every node and shows which backends answered, prints how to
-//! inspect everything, and stays up until it gets SIGTERM/SIGINT (`kuryr-lab down` sends SIGTERM
-//! and waits). Its state file (`.lab/state.json` in the repository, or `--state-dir`) records
-//! what it made on the host, so `kuryr-lab down` can also clean up after a lab that crashed.
+//! `kuryr-lab up` checks the prerequisites, builds (or finds cached) the images, brings up a
+//! [`RealCluster`] (each node a network and mount namespace running containerd and a real kubelet;
+//! kube-apiserver, kube-controller-manager and kube-scheduler on the first node; no kube-proxy),
+//! installs kuryr on it as a user would (`kubectl apply -k deploy/overlays/embedded`: the binder
+//! DaemonSet, the watcher, allocator and lbaas Deployments) and the cluster DNS (CoreDNS pods on
+//! kuryr's network behind a kuryr Service), applies the sample workload of `deploy/lab/` (the
+//! scheduler places it), waits for its pods, prints their addresses and how long each took,
+//! pings every pod from every other one, connects to each Service's ClusterIP from a pod on every
+//! node and shows which backends answered, prints how to inspect everything, and stays up until
+//! it gets SIGTERM/SIGINT (`kuryr-lab down` sends SIGTERM and waits). Its state file
+//! (`.lab/state.json` in the repository, or `--state-dir`) names the cluster's directory, so
+//! `kuryr-lab down` can also clean up after a lab that crashed (the cluster's own watchdog does
+//! it too, once the lab process is gone).
 #![allow(clippy::print_stdout)] // a command whose output is the point
 
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, ListParams};
+use kube::runtime::watcher::{self, Event, watcher};
 use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
-use kuryr_tests::cluster::svc;
-use kuryr_tests::cluster::{Cluster, ClusterOptions, Manifest, ProcessRecord, Step, preflight};
-use kuryr_tests::kubelet::PodRecord;
-use kuryr_tests::services::tool_path;
+use kuryr_tests::cluster::{preflight, svc};
+use kuryr_tests::conformance;
+use kuryr_tests::realcluster::{RealCluster, RealClusterOptions};
+use kuryr_tests::services::{bin_path, tool_path};
 use kuryr_tests::util::{env_script, repo_root};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 /// The namespace of the sample workload (`deploy/lab/demo.yaml`).
 const DEMO_NAMESPACE: &str = "demo";
+/// The lab's cluster id: its namespaces are `kr1-n1`, `kr1-n2`, ..., `kr1-ul`; the underlay
+/// `172.28.1.0/24`.
+const LAB_CLUSTER_ID: u8 = 1;
 
 #[derive(Debug, Parser)]
 #[command(name = "kuryr-lab", about = "A Kuryr cluster on this machine: `up` (stays up), `down`, `status`.")]
 struct Cli {
-    /// Where the lab keeps its state file, kubeconfig copy and log.
+    /// Where the lab keeps its state file, kubeconfig, cluster state and log.
     #[arg(long, env = "KURYR_LAB_DIR", global = true)]
     state_dir: Option<PathBuf>,
     #[command(subcommand)]
@@ -47,12 +57,9 @@ struct Cli {
 enum Command {
     /// Bring the lab up, deploy the sample workload, and stay up until `kuryr-lab down` or Ctrl-C.
     Up {
-        /// Nodes to run (the sample workload uses node-1 and node-2).
+        /// Nodes to run (the first one is also the control plane).
         #[arg(long, default_value_t = 2)]
         nodes: usize,
-        /// An IPv4-only pod network instead of dual-stack.
-        #[arg(long)]
-        ipv4_only: bool,
         /// How long to wait for the sample pods to be Running, in seconds.
         #[arg(long, default_value_t = 180)]
         ready_timeout: u64,
@@ -71,7 +78,7 @@ enum Command {
     Status,
 }
 
-/// The state file: who runs the lab and what it made on the host.
+/// The state file: who runs the lab and where its cluster lives.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct LabState {
     pid: u32,
@@ -79,12 +86,14 @@ struct LabState {
     /// starting, up, stopping.
     phase: String,
     kubeconfig: Option<PathBuf>,
-    manifest: Manifest,
+    /// The cluster's state directory (`tests/env/cluster/down.sh` takes it).
+    cluster_dir: PathBuf,
 }
 
 impl LabState {
-    fn process(&self) -> ProcessRecord {
-        ProcessRecord { name: "kuryr-lab".into(), pid: self.pid, exe: self.exe.clone() }
+    /// Whether the lab process is still the one recorded (its pid alive, running our binary).
+    fn alive(&self) -> bool {
+        std::fs::read_link(format!("/proc/{}/exe", self.pid)).is_ok_and(|exe| exe.file_name() == self.exe.file_name())
     }
 }
 
@@ -100,6 +109,9 @@ impl Files {
     }
     fn kubeconfig(&self) -> PathBuf {
         self.dir.join("kubeconfig")
+    }
+    fn cluster(&self) -> PathBuf {
+        self.dir.join("cluster")
     }
     fn log(&self) -> PathBuf {
         self.dir.join("lab.log")
@@ -140,8 +152,8 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         match cli.command {
             Command::Up { inner: false, .. } => relay().await,
-            Command::Up { nodes, ipv4_only, ready_timeout, inner: true } => {
-                up(&files, nodes, ipv4_only, Duration::from_secs(ready_timeout)).await
+            Command::Up { nodes, ready_timeout, inner: true } => {
+                up(&files, nodes, Duration::from_secs(ready_timeout)).await
             }
             Command::Down { timeout } => down(&files, Duration::from_secs(timeout)).await,
             Command::Status => status(&files).await,
@@ -165,15 +177,19 @@ fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1000.0)
 }
 
+fn secs(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
 // ---------------------------------------------------------------------------------------------
 // up
 // ---------------------------------------------------------------------------------------------
 
 /// `up` as typed: runs the lab as a child in a process group of its own and relays. A terminal's
-/// Ctrl-C goes to its whole foreground process group; were the lab's services in it, they would
-/// all stop at once while the lab still needs them to tear down (the binders answer CNI DEL).
-/// Here only this relay gets it, and turns it into one SIGTERM to the lab, which tears down in
-/// order. `kuryr-lab down` signals the lab itself (its pid is in the state file).
+/// Ctrl-C goes to its whole foreground process group; were the cluster's processes in it, they
+/// would all stop at once. Here only this relay gets it, and turns it into one SIGTERM to the lab,
+/// which tears down in order. `kuryr-lab down` signals the lab itself (its pid is in the state
+/// file).
 async fn relay() -> Result<ExitCode> {
     use tokio::signal::unix::{SignalKind, signal};
     let exe = std::env::current_exe().context("finding kuryr-lab's own path")?;
@@ -207,12 +223,14 @@ async fn relay() -> Result<ExitCode> {
     }
 }
 
-async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duration) -> Result<ExitCode> {
+async fn up(files: &Files, nodes: usize, ready_timeout: Duration) -> Result<ExitCode> {
     let t0 = Instant::now();
-    println!("kuryr-lab: a {nodes}-node Kuryr cluster (embedded IPAM) on this machine\n");
+    println!(
+        "kuryr-lab: a {nodes}-node Kubernetes cluster of real kubelets with kuryr (embedded backend) as its network\n"
+    );
     std::fs::create_dir_all(&files.dir).with_context(|| format!("creating {}", files.dir.display()))?;
     if let Some(old) = files.read()? {
-        if old.process().alive() {
+        if old.alive() {
             bail!(
                 "a lab is already running (pid {}, {}).\n  kubeconfig: {}\n  stop it first with `make lab-down` (or `kuryr-lab down`)",
                 old.pid,
@@ -221,8 +239,12 @@ async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duratio
             );
         }
         println!("A previous lab (pid {}) did not shut down cleanly; removing what it left:", old.pid);
-        report_cleanup(&old.manifest);
+        cleanup(&old.cluster_dir).await;
         files.remove();
+    }
+    // A cluster directory without a state file: a start that died before writing it.
+    if files.cluster().join("partial.env").exists() {
+        cleanup(&files.cluster()).await;
     }
 
     println!("Prerequisites:");
@@ -231,7 +253,7 @@ async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duratio
     }
     init_log(&files.log())?;
 
-    // Signals are watched from the start: an interrupted start-up still cleans up (by drop).
+    // Signals are watched from the start: an interrupted start-up still cleans up.
     let (stop_tx, mut stop) = watch::channel(None::<&'static str>);
     tokio::spawn(async move {
         let name = wait_signal().await;
@@ -239,64 +261,39 @@ async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duratio
     });
 
     let exe = std::env::current_exe().context("finding kuryr-lab's own path")?;
-    let state = Arc::new(std::sync::Mutex::new(LabState {
+    let mut state = LabState {
         pid: std::process::id(),
         exe,
         phase: "starting".into(),
         kubeconfig: None,
-        manifest: Manifest::default(),
-    }));
-    let save = {
-        let (files, state) = (files.clone(), state.clone());
-        move |f: &dyn Fn(&mut LabState)| {
-            let mut s = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            f(&mut s);
-            if let Err(e) = files.write(&s) {
-                eprintln!("kuryr-lab: writing the state file: {e:#}");
-            }
-        }
+        cluster_dir: files.cluster(),
     };
-    save(&|_| {});
+    files.write(&state)?;
 
-    let cidrs: Vec<String> =
-        if ipv4_only { vec!["10.244.0.0/16".into()] } else { vec!["10.244.0.0/16".into(), "fd00:10:244::/56".into()] };
-    let progress = {
-        let save = save.clone();
-        Arc::new(move |s: &Step<'_>| {
-            println!("{} ✓ {} ({})", stamp(t0), s.what, ms(s.took));
-            let manifest = s.manifest.clone();
-            save(&|st| st.manifest = manifest.clone());
-        })
-    };
-    let opts = ClusterOptions {
-        nodes,
-        network_cidrs: cidrs,
-        underlay_id: 1,
-        run_containers: true,
-        services: true,
-        service_log: "info".into(),
-        progress: Some(progress),
-        ..ClusterOptions::default()
-    };
     println!("\nStarting the cluster:");
-    let cluster = tokio::select! {
-        c = Cluster::start(opts) => c.context("starting the cluster")?,
-        _ = stop.wait_for(Option::is_some) => {
+    let started = tokio::select! {
+        c = start(files, nodes, t0) => Some(c),
+        _ = stop.wait_for(Option::is_some) => None,
+    };
+    let cluster = match started {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => {
+            println!("{} ✗ {e:#}", stamp(t0));
+            cleanup(&files.cluster()).await;
+            files.remove();
+            return Ok(ExitCode::FAILURE);
+        }
+        None => {
             println!("{} interrupted during start-up; cleaning up", stamp(t0));
-            let manifest = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).manifest.clone();
-            report_cleanup(&manifest);
+            cleanup(&files.cluster()).await;
             files.remove();
             return Ok(ExitCode::FAILURE);
         }
     };
     let cluster_up = t0.elapsed();
     std::fs::copy(cluster.kubeconfig(), files.kubeconfig()).context("copying the kubeconfig")?;
-    let manifest = cluster.manifest().clone();
-    let kubeconfig = files.kubeconfig();
-    save(&|s| {
-        s.manifest = manifest.clone();
-        s.kubeconfig = Some(kubeconfig.clone());
-    });
+    state.kubeconfig = Some(files.kubeconfig());
+    files.write(&state)?;
 
     let outcome = tokio::select! {
         r = workload(&cluster, t0, ready_timeout) => Some(r),
@@ -307,18 +304,64 @@ async fn up(files: &Files, nodes: usize, ipv4_only: bool, ready_timeout: Duratio
         Some(Err(e)) => {
             println!("\n{} ✗ the sample workload is not healthy: {e:#}\n(the lab stays up for inspection)", stamp(t0))
         }
-        None => return teardown(cluster, files, &save, t0, "signal").await,
+        None => return teardown(cluster, files, &mut state, t0, "signal").await,
     }
-    print_usage(&cluster, files);
+    print_usage(&cluster, files).await;
     println!(
-        "\nThe lab is up: cluster in {:.1} s, everything in {:.1} s. Stop it with `make lab-down` (or Ctrl-C here).",
-        cluster_up.as_secs_f64(),
-        t0.elapsed().as_secs_f64()
+        "\nThe lab is up: cluster with kuryr in {}, everything in {}. Stop it with `make lab-down` (or Ctrl-C here).",
+        secs(cluster_up),
+        secs(t0.elapsed())
     );
-    save(&|s| s.phase = "up".into());
+    state.phase = "up".into();
+    files.write(&state)?;
     let _ = stop.wait_for(Option::is_some).await;
     let why = (*stop.borrow()).unwrap_or("signal");
-    teardown(cluster, files, &save, t0, why).await
+    teardown(cluster, files, &mut state, t0, why).await
+}
+
+/// Images, nodes, kuryr, DNS: each step reported as it finishes.
+async fn start(files: &Files, nodes: usize, t0: Instant) -> Result<RealCluster> {
+    let t = Instant::now();
+    let bin_dir = bin_path("kuryr-binder")?.parent().map(Path::to_path_buf).context("the binaries' directory")?;
+    let images = conformance::images(&bin_dir, &repo_root().join("target/kuryr-images")).await?;
+    println!(
+        "{} ✓ images: kuryr-rs from {}, CoreDNS, pause, busybox ({})",
+        stamp(t0),
+        bin_dir.display(),
+        secs(t.elapsed())
+    );
+
+    let t = Instant::now();
+    let cluster = RealCluster::start(RealClusterOptions {
+        nodes,
+        id: LAB_CLUSTER_ID,
+        images: images.tars.clone(),
+        sandbox_image: images.pause.clone(),
+        state_dir: Some(files.cluster()),
+        ..RealClusterOptions::default()
+    })
+    .await?;
+    for n in cluster.nodes() {
+        println!("{}   {}: netns {}, InternalIP {}, {}", stamp(t0), n.name, n.netns, n.ip4, n.ip6);
+    }
+    println!(
+        "{} ✓ {nodes} nodes registered (kubelet + containerd each; API server, controller manager, scheduler on {}) ({})",
+        stamp(t0),
+        cluster.nodes()[0].name,
+        secs(t.elapsed())
+    );
+
+    let t = Instant::now();
+    cluster.install_kuryr("embedded", "").await?;
+    println!(
+        "{} ✓ kuryr installed (kubectl apply -k deploy/overlays/embedded): binder DaemonSet, watcher, allocator and lbaas Deployments rolled out, every node Ready ({})",
+        stamp(t0),
+        secs(t.elapsed())
+    );
+    let t = Instant::now();
+    cluster.install_dns(&images.coredns).await?;
+    println!("{} ✓ cluster DNS: CoreDNS pods on kuryr's network, Service kube-dns ({})", stamp(t0), secs(t.elapsed()));
+    Ok(cluster)
 }
 
 async fn wait_signal() -> &'static str {
@@ -337,39 +380,63 @@ async fn wait_signal() -> &'static str {
 }
 
 async fn teardown(
-    cluster: Cluster,
+    cluster: RealCluster,
     files: &Files,
-    save: &impl Fn(&dyn Fn(&mut LabState)),
+    state: &mut LabState,
     t0: Instant,
     why: &str,
 ) -> Result<ExitCode> {
     println!("\n{} {why}: tearing the lab down", stamp(t0));
-    save(&|s| s.phase = "stopping".into());
-    let manifest = cluster.manifest().clone();
+    state.phase = "stopping".into();
+    let _ = files.write(state);
+    let prefix = cluster.nodes().first().map(|n| n.netns.clone()).unwrap_or_default();
+    let t = Instant::now();
     let result = cluster.shutdown().await;
     match &result {
-        Ok(took) => println!("{} ✓ cluster stopped in {:.1} s", stamp(t0), took.as_secs_f64()),
+        Ok(()) => println!("{} ✓ cluster stopped in {}", stamp(t0), secs(t.elapsed())),
         Err(e) => println!("{} ✗ {e:#}", stamp(t0)),
     }
-    let left = manifest.leftovers();
-    if left.is_empty() {
-        println!("{} ✓ nothing left behind (processes, network namespaces, directories)", stamp(t0));
+    let left = leftovers(&prefix);
+    if left.is_empty() && result.is_ok() {
+        println!("{} ✓ nothing left behind (processes, network and mount namespaces, cgroups)", stamp(t0));
         files.remove();
-        Ok(if result.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        Ok(ExitCode::SUCCESS)
     } else {
         println!("{} ✗ left behind: {}; `make lab-down` removes it", stamp(t0), left.join(", "));
         Ok(ExitCode::FAILURE)
     }
 }
 
-/// Removes what `manifest` lists and says what happened.
-fn report_cleanup(manifest: &Manifest) {
-    let (done, failed) = manifest.cleanup();
-    for d in &done {
-        println!("  ✓ {d}");
-    }
-    for f in &failed {
-        println!("  ✗ {f}");
+/// Network namespaces of the lab's cluster still present (`kr1-...`).
+fn leftovers(first_netns: &str) -> Vec<String> {
+    let prefix = match first_netns.rsplit_once('-') {
+        Some((p, _)) => format!("{p}-"),
+        None => format!("kr{LAB_CLUSTER_ID}-"),
+    };
+    std::fs::read_dir("/var/run/netns")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.starts_with(&prefix))
+                .map(|n| format!("netns {n}"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Runs the cluster's `down.sh` on a lab directory and says what happened.
+async fn cleanup(cluster_dir: &Path) {
+    let out = tokio::process::Command::new("bash")
+        .arg(env_script("cluster/down.sh"))
+        .arg(cluster_dir)
+        .arg("--purge")
+        .output()
+        .await;
+    match out {
+        Ok(o) if o.status.success() => println!("  ✓ cluster {} removed", cluster_dir.display()),
+        Ok(o) => {
+            println!("  ✗ cluster/down.sh {}: {}", cluster_dir.display(), String::from_utf8_lossy(&o.stderr).trim())
+        }
+        Err(e) => println!("  ✗ running cluster/down.sh: {e}"),
     }
 }
 
@@ -389,7 +456,7 @@ fn init_log(path: &Path) -> Result<()> {
 /// Missing Go tools are built first (tests/env/tools.sh).
 async fn prerequisites() -> Result<bool> {
     if !preflight::tools_built() {
-        println!("  … building the test tools with tests/env/tools.sh (a cold build takes ~16 min)");
+        println!("  … building the test tools with tests/env/tools.sh (a cold build takes ~20 min)");
         let status = tokio::process::Command::new("bash").arg(env_script("tools.sh")).status().await?;
         if !status.success() {
             println!("  ✗ tests/env/tools.sh failed ({status})");
@@ -417,14 +484,38 @@ struct Row {
     phase: String,
     v4: Option<IpAddr>,
     v6: Option<IpAddr>,
-    record: Option<PodRecord>,
+    /// From `kubectl apply` to the lab's watch seeing it Running.
+    running: Option<Duration>,
+    /// The binder's own time for the pod's CNI ADD (its "ADD done" log line).
+    cni_add_ms: Option<f64>,
 }
 
-async fn workload(cluster: &Cluster, t0: Instant, ready_timeout: Duration) -> Result<()> {
-    println!("\nSample workload (deploy/lab/):");
-    let t = Instant::now();
-    cluster.kube().apply_file(&repo_root().join("deploy/lab")).await.context("kubectl apply -f deploy/lab/")?;
+async fn workload(cluster: &RealCluster, t0: Instant, ready_timeout: Duration) -> Result<()> {
+    println!("\nSample workload (deploy/lab/, placed by kube-scheduler):");
     let api: Api<Pod> = Api::namespaced(cluster.client(), DEMO_NAMESPACE);
+    // Running sightings, recorded from before the apply.
+    let seen: std::sync::Arc<std::sync::Mutex<HashMap<String, Instant>>> = std::sync::Arc::default();
+    let watch = {
+        let (api, seen) = (api.clone(), seen.clone());
+        tokio::spawn(async move {
+            let mut events = watcher(api, watcher::Config::default()).boxed();
+            while let Some(ev) = events.next().await {
+                let now = Instant::now();
+                if let Ok(Event::Apply(p) | Event::InitApply(p)) = ev
+                    && is_running(&p)
+                    && let Some(name) = p.metadata.name
+                {
+                    seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(name).or_insert(now);
+                }
+            }
+        })
+    };
+    let t = Instant::now();
+    let demo = repo_root().join("deploy/lab");
+    cluster
+        .kubectl(&["apply", "-f", demo.to_str().context("path is not UTF-8")?])
+        .await
+        .context("kubectl apply -f deploy/lab/")?;
     let want = api.list(&ListParams::default()).await?.items.len();
     println!("{} ✓ applied: namespace {DEMO_NAMESPACE}, {want} pods ({})", stamp(t0), ms(t.elapsed()));
 
@@ -441,28 +532,31 @@ async fn workload(cluster: &Cluster, t0: Instant, ready_timeout: Duration) -> Re
             break pods;
         }
         if Instant::now() > deadline {
-            print_rows(&rows(cluster, &pods));
+            watch.abort();
+            print_rows(&rows(&pods, t, &HashMap::new(), &HashMap::new()));
             bail!("only {running}/{} pods Running after {ready_timeout:?}", pods.len());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    watch.abort();
     println!("{} ✓ all {} pods Running ({})", stamp(t0), pods.len(), ms(t.elapsed()));
-    let rows = rows(cluster, &pods);
+    let seen = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let adds = cni_add_times(cluster).await;
+    let rows = rows(&pods, t, &seen, &adds);
     print_rows(&rows);
 
     println!("\nReachability (ping from each pod's network namespace to every other pod):");
-    let endpoints: Vec<PodEndpoint> = rows
-        .iter()
-        .filter_map(|r| {
-            let rec = r.record.as_ref()?;
-            Some(PodEndpoint {
-                pod: r.pod.clone(),
-                node: r.node.clone(),
-                netns: rec.netns.clone()?,
-                ips: rec.ips.clone(),
-            })
-        })
-        .collect();
+    let mut endpoints = Vec::new();
+    for r in &rows {
+        let name = short(&r.pod);
+        let netns = cluster.pod_netns(DEMO_NAMESPACE, name).await?;
+        endpoints.push(PodEndpoint {
+            pod: r.pod.clone(),
+            node: r.node.clone(),
+            netns,
+            ips: r.v4.into_iter().chain(r.v6).collect(),
+        });
+    }
     let t = Instant::now();
     let pings = reach::ping_all(&endpoints).await;
     print!("{}", reach::matrix(&endpoints, &pings));
@@ -474,21 +568,38 @@ async fn workload(cluster: &Cluster, t0: Instant, ready_timeout: Duration) -> Re
         pings.len(),
         ms(t.elapsed())
     );
-    let retried: Vec<_> = pings.iter().filter(|p| p.first_failure.is_some()).collect();
-    if let Some(p) = retried.first() {
-        println!(
-            "  {} ping(s) answered only on a second try; e.g. {} → {} ({}) first said: {}",
-            retried.len(),
-            endpoints[p.from].pod,
-            endpoints[p.to].pod,
-            p.ip,
-            p.first_failure.as_deref().unwrap_or_default().trim().replace('\n', " | ")
-        );
-    }
     if let Some(p) = pings.iter().find(|p| !p.ok) {
         bail!("{} cannot reach {} at {}: {}", endpoints[p.from].pod, endpoints[p.to].pod, p.ip, p.output.trim());
     }
     services(cluster, &endpoints, t0).await
+}
+
+/// The binders' "ADD done" log lines: pod (`namespace/name`) → the ADD's duration in ms.
+async fn cni_add_times(cluster: &RealCluster) -> HashMap<String, f64> {
+    let logs = cluster
+        .kubectl(&[
+            "-n",
+            "kuryr-system",
+            "logs",
+            "-l",
+            "app.kubernetes.io/name=kuryr-binder",
+            "-c",
+            "kuryr-binder",
+            "--tail=-1",
+            "--max-log-requests=20",
+        ])
+        .await
+        .unwrap_or_default();
+    let mut out = HashMap::new();
+    for line in logs.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if v["message"] == "ADD done"
+            && let (Some(pod), Some(took)) = (v["pod"].as_str(), v["took_ms"].as_f64())
+        {
+            out.insert(pod.to_string(), took);
+        }
+    }
+    out
 }
 
 /// Connections per Service port and client in the Services table.
@@ -499,7 +610,7 @@ const SERVICE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The Services table: for each Service of the sample workload, its ready endpoints (from the
 /// EndpointSlices the controller wrote) and, from a pod on each node, who answered connections to
 /// its ClusterIP and port. Every ready backend must answer every client.
-async fn services(cluster: &Cluster, endpoints: &[PodEndpoint], t0: Instant) -> Result<()> {
+async fn services(cluster: &RealCluster, endpoints: &[PodEndpoint], t0: Instant) -> Result<()> {
     let client = cluster.client();
     let list = Api::<Service>::namespaced(client.clone(), DEMO_NAMESPACE).list(&ListParams::default()).await?.items;
     println!(
@@ -515,7 +626,6 @@ async fn services(cluster: &Cluster, endpoints: &[PodEndpoint], t0: Instant) -> 
     for s in &list {
         let name = s.metadata.name.clone().unwrap_or_default();
         let (vip, ports) = svc::cluster_ip(&client, DEMO_NAMESPACE, &name).await?;
-        // Every Running pod the selector matches should be a ready endpoint.
         let selector = s.spec.as_ref().and_then(|sp| sp.selector.clone()).unwrap_or_default();
         let selected = Api::<Pod>::namespaced(client.clone(), DEMO_NAMESPACE)
             .list(
@@ -595,23 +705,23 @@ fn is_running(p: &Pod) -> bool {
     p.status.as_ref().is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some())
 }
 
-fn rows(cluster: &Cluster, pods: &[Pod]) -> Vec<Row> {
+fn rows(pods: &[Pod], applied: Instant, seen: &HashMap<String, Instant>, adds: &HashMap<String, f64>) -> Vec<Row> {
     let mut rows: Vec<Row> = pods
         .iter()
         .map(|p| {
             let (ns, name) =
                 (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default());
-            let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
             let ips: Vec<IpAddr> =
                 p.status.iter().flat_map(|s| s.pod_ips.iter().flatten()).filter_map(|i| i.ip.parse().ok()).collect();
-            let record = cluster.kubelets().iter().find(|k| k.node() == node).and_then(|k| k.pod(&ns, &name));
+            let key = format!("{ns}/{name}");
             Row {
-                pod: format!("{ns}/{name}"),
-                node,
+                running: seen.get(&name).map(|t| t.duration_since(applied)),
+                cni_add_ms: adds.get(&key).copied(),
+                pod: key,
+                node: p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_else(|| "-".into()),
                 phase: p.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into()),
                 v4: ips.iter().find(|i| i.is_ipv4()).copied(),
                 v6: ips.iter().find(|i| i.is_ipv6()).copied(),
-                record,
             }
         })
         .collect();
@@ -621,119 +731,85 @@ fn rows(cluster: &Cluster, pods: &[Pod]) -> Vec<Row> {
 
 fn print_rows(rows: &[Row]) {
     println!(
-        "\n  {:<14} {:<8} {:<8} {:<14} {:<22} {:>15} {:>14} {:>8}",
-        "POD", "NODE", "PHASE", "IPv4", "IPv6", "NETWORK-READY", "RunPodSandbox", "ATTEMPTS"
+        "\n  {:<14} {:<8} {:<8} {:<14} {:<22} {:>12} {:>10}",
+        "POD", "NODE", "PHASE", "IPv4", "IPv6", "RUNNING", "CNI ADD"
     );
     let show = |ip: Option<IpAddr>| ip.map_or_else(|| "-".to_string(), |i| i.to_string());
-    let mut ready = Vec::new();
     for r in rows {
-        let rec = r.record.as_ref();
-        let net = rec.and_then(|x| x.network_ready);
-        ready.extend(net);
         println!(
-            "  {:<14} {:<8} {:<8} {:<14} {:<22} {:>15} {:>14} {:>8}",
+            "  {:<14} {:<8} {:<8} {:<14} {:<22} {:>12} {:>10}",
             r.pod,
             r.node,
             r.phase,
             show(r.v4),
             show(r.v6),
-            net.map_or_else(|| "-".into(), ms),
-            rec.and_then(|x| x.sandbox_call).map_or_else(|| "-".into(), ms),
-            rec.map_or(0, |x| x.attempts),
-        );
-        if let Some(e) = rec.and_then(|x| x.last_error.as_ref()) {
-            println!("      last error: {e}");
-        }
-    }
-    ready.sort();
-    if let (Some(min), Some(max)) = (ready.first(), ready.last()) {
-        println!(
-            "  network-ready (kubelet first saw the pod → RunPodSandbox returned): min {}, median {}, max {}",
-            ms(*min),
-            ms(ready[ready.len() / 2]),
-            ms(*max)
+            r.running.map_or_else(|| "-".into(), ms),
+            r.cni_add_ms.map_or_else(|| "-".into(), |v| format!("{v:.1} ms")),
         );
     }
+    println!(
+        "  RUNNING: from `kubectl apply` to the pod seen Running (scheduling, kubelet, sandbox, network, container);\n  \
+         CNI ADD: kuryr-binder's own time for the pod's ADD (from its log)."
+    );
 }
 
-fn print_usage(cluster: &Cluster, files: &Files) {
+async fn print_usage(cluster: &RealCluster, files: &Files) {
     let g = tool_path("grpcurl").map_or_else(|_| "grpcurl".to_string(), |p| p.display().to_string());
-    let (w, a) = (cluster.watcher(), cluster.allocator());
-    let lines = [
+    let k = tool_path("kubectl").map_or_else(|_| "kubectl".to_string(), |p| p.display().to_string());
+    let n1 = &cluster.nodes()[0];
+    let enter = |n: &kuryr_tests::realcluster::RealNode| format!("nsenter --net=/var/run/netns/{}", n.netns);
+    let mut lines = vec![
         "Try it:".to_string(),
-        format!("  export KUBECONFIG={}", files.kubeconfig().display()),
+        format!("  export KUBECONFIG={}    # through a forwarder in this lab process", files.kubeconfig().display()),
+        format!("  alias kubectl={k}"),
         "  kubectl get nodes -o wide".into(),
-        "  kubectl get pods -o wide -A".into(),
+        "  kubectl get pods -o wide -A                      # kuryr's own pods in kuryr-system, CoreDNS, the demo"
+            .into(),
         "  kubectl get podnetworks,addressblocks,podvifs -A".into(),
-        "  kubectl -n demo describe pod web-0".into(),
-        "  # a new pod (no scheduler here: name the node), and a deleted one (sandbox torn down, address released)"
-            .into(),
-        r#"  kubectl -n demo run extra --image=busybox --overrides='{"spec":{"nodeName":"node-2"}}' -- sleep 1000000"#
-            .into(),
-        "  kubectl -n demo delete pod web-2".into(),
+        "  kubectl -n demo run extra --image=registry.k8s.io/e2e-test-images/busybox:1.37.0-1 -- sleep 1000000".into(),
+        "  kubectl -n demo delete pod web-2                 # sandbox torn down, address released".into(),
+        "  kubectl -n demo get svc,endpointslices,slb -o wide".into(),
+        "  kubectl -n kuryr-system logs ds/kuryr-binder     # JSON logs, one line per CNI call".into(),
         String::new(),
-        "  # the services over gRPC (health, reflection): grpcurl needs no proto files".into(),
+        "  # the services over gRPC (health, reflection: grpcurl needs no proto files); they listen on".into(),
+        "  # the nodes' addresses, inside the nodes' network namespaces".into(),
         format!("  G={g}"),
-        format!("  $G -plaintext {} list    # kuryr-watcher; also unix://{}", w.tcp, w.socket.display()),
-        format!("  $G -plaintext unix://{} list    # kuryr-vif-allocator; also {}", a.socket.display(), a.tcp),
+        format!("  {} $G -plaintext {}:9600 list    # kuryr-watcher", enter(n1), n1.ip4),
         "  # the APIs need a ServiceAccount token for the kuryr audience, of the account whose role it is".into(),
         r#"  BINDER="authorization: Bearer $(kubectl -n kuryr-system create token kuryr-binder --audience kuryr)""#
             .into(),
         format!(
-            r#"  $G -plaintext -H "$BINDER" -max-time 2 -d '{{"node_name":"node-1"}}' unix://{} kuryr.allocator.v1.VifAllocator/WatchVifs"#,
-            a.socket.display()
+            r#"  {} $G -plaintext -H "$BINDER" -max-time 2 -d '{{"node_name":"{}"}}' {}:9610 kuryr.allocator.v1.VifAllocator/WatchVifs"#,
+            enter(n1),
+            n1.name,
+            n1.ip4
+        ),
+        format!(
+            "  {} curl -s {}:9611/metrics | grep grpc_server_handled_total    # the allocator's metrics",
+            enter(n1),
+            n1.ip4
         ),
     ];
-    let mut lines = lines.to_vec();
-    if let Some(l) = cluster.lbaas() {
-        lines.extend([
-            String::new(),
-            "  # Services: EndpointSlices from kube-controller-manager, load balancer specs from kuryr-lbaas".into(),
-            "  kubectl -n demo get svc,endpointslices,slb -o wide".into(),
-            "  kubectl -n demo delete pod web-1    # its address leaves every node's rules".into(),
-            format!(
-                r#"  $G -plaintext -H "$BINDER" -max-time 2 -d '{{"subscriber":"me"}}' {} kuryr.lbaas.v1.LoadBalancers/WatchLoadBalancers"#,
-                l.tcp
-            ),
-        ]);
-        if let Some((n, e)) = cluster.nodes().first().zip(cluster.kubelets().first())
-            && let Some(netns) = e.pods().into_iter().find_map(|p| p.netns)
-        {
-            lines.push(format!(
-                "  nsenter --net={} busybox nc -w 2 $(kubectl -n demo get svc web -o jsonpath='{{.spec.clusterIP}}') 80    # from a pod on {}",
-                netns.display(),
-                n.name
-            ));
-        }
-    }
-    println!("\n{}", lines.join("\n"));
     for n in cluster.nodes() {
-        println!("  $G -plaintext unix://{} list    # kuryr-binder on {}", n.node.binder.socket.display(), n.name);
+        lines.push(format!(
+            "  $G -plaintext unix://{} list    # kuryr-binder on {}",
+            n.path("/run/kuryr/binder.sock").display(),
+            n.name
+        ));
     }
-    println!("  curl -s {}/metrics | grep grpc_server_handled_total    # the allocator's metrics", a.metrics);
-    println!("\n  # inside a node (bridge kuryr0, routes to the other nodes' pod blocks) and a pod");
+    lines.push("\n  # inside a node (bridge kuryr0, routes to the other nodes' pod blocks, the Service rules)".into());
     for n in cluster.nodes() {
-        println!("  nsenter --net={} ip route    # {}", n.node.netns_path().display(), n.name);
+        lines.push(format!("  {} ip route; {} nft list table inet kuryr    # {}", enter(n), enter(n), n.name));
     }
-    if cluster.lbaas().is_some() {
-        for n in cluster.nodes() {
-            println!(
-                "  nsenter --net={} nft list table inet kuryr    # Service rules on {}",
-                n.node.netns_path().display(),
-                n.name
-            );
-        }
+    if let Ok(ns) = cluster.pod_netns(DEMO_NAMESPACE, "api-0").await {
+        lines.push(format!("  nsenter --net={} ip addr    # pod demo/api-0", ns.display()));
     }
-    if let Some((p, ns)) =
-        cluster.kubelets().first().and_then(|k| k.pods().into_iter().find_map(|p| p.netns.clone().map(|ns| (p, ns))))
-    {
-        println!("  nsenter --net={} ip addr    # pod {}/{}", ns.display(), p.namespace, p.name);
-    }
-    println!(
-        "\n  Logs: {} (services, kube-controller-manager), {} (kubelets)",
-        cluster.dir().display(),
+    lines.push(format!(
+        "\n  Logs: {}/logs (kubelets, containerd, control plane), {} (this lab)",
+        cluster.state_dir().display(),
         files.log().display()
-    );
+    ));
+    println!("\n{}", lines.join("\n"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -742,24 +818,28 @@ fn print_usage(cluster: &Cluster, files: &Files) {
 
 async fn down(files: &Files, timeout: Duration) -> Result<ExitCode> {
     let Some(state) = files.read()? else {
-        println!("No lab is running ({} does not exist).", files.state().display());
+        if files.cluster().join("partial.env").exists() {
+            println!("No lab process is recorded, but a cluster directory is left; removing it:");
+            cleanup(&files.cluster()).await;
+        } else {
+            println!("No lab is running ({} does not exist).", files.state().display());
+        }
         return Ok(ExitCode::SUCCESS);
     };
-    let lab = state.process();
     let t0 = Instant::now();
-    if lab.alive() {
+    if state.alive() {
         println!("Stopping the lab (pid {}, {}); it tears itself down…", state.pid, state.phase);
         let status = std::process::Command::new("kill").args(["-TERM", &state.pid.to_string()]).status()?;
         anyhow::ensure!(status.success(), "kill -TERM {} failed", state.pid);
         let mut next_note = Duration::from_secs(10);
-        while lab.alive() && t0.elapsed() < timeout {
+        while state.alive() && t0.elapsed() < timeout {
             if t0.elapsed() > next_note {
                 println!("  still tearing down after {:.0} s…", t0.elapsed().as_secs_f64());
                 next_note += Duration::from_secs(10);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if lab.alive() {
+        if state.alive() {
             println!("  the lab did not finish within {timeout:?}; killing it and cleaning up after it");
             let _ = std::process::Command::new("kill").args(["-KILL", &state.pid.to_string()]).status();
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -769,18 +849,14 @@ async fn down(files: &Files, timeout: Duration) -> Result<ExitCode> {
     } else {
         println!("The lab process (pid {}) is gone without having cleaned up; removing what it left:", state.pid);
     }
-    // A lab that tore down cleanly removed its state file; otherwise clean up from it.
-    let state = match files.read()? {
-        Some(latest) => {
-            report_cleanup(&latest.manifest);
-            files.remove();
-            latest
-        }
-        None => state,
-    };
-    let left = state.manifest.leftovers();
+    // A lab that tore down cleanly removed its state file; otherwise clean up after it.
+    if files.read()?.is_some() || state.cluster_dir.join("partial.env").exists() {
+        cleanup(&state.cluster_dir).await;
+        files.remove();
+    }
+    let left = leftovers("");
     if left.is_empty() {
-        println!("✓ Nothing of the lab is left (processes, network namespaces, directories).");
+        println!("✓ Nothing of the lab is left (processes, network and mount namespaces, cgroups).");
         Ok(ExitCode::SUCCESS)
     } else {
         println!("✗ Still present: {}", left.join(", "));
@@ -791,13 +867,18 @@ async fn down(files: &Files, timeout: Duration) -> Result<ExitCode> {
 async fn status(files: &Files) -> Result<ExitCode> {
     match files.read()? {
         None => println!("No lab is running."),
-        Some(s) if s.process().alive() => {
+        Some(s) if s.alive() => {
             println!("A lab is {} (pid {}).", s.phase, s.pid);
             if let Some(kc) = &s.kubeconfig {
                 println!("  kubectl --kubeconfig {} get pods -o wide -A", kc.display());
             }
-            for n in &s.manifest.nodes {
-                println!("  node {}: netns {}", n.name, n.netns.as_deref().unwrap_or("-"));
+            let nodes: BTreeMap<String, String> = std::fs::read_to_string(s.cluster_dir.join("env"))
+                .map(|t| kuryr_tests::util::parse_env_file(&t).into_iter().collect())
+                .unwrap_or_default();
+            for (k, v) in &nodes {
+                if k.ends_with("_NETNS") && k.starts_with("NODE") {
+                    println!("  {k}={v}");
+                }
             }
         }
         Some(s) => println!("A lab (pid {}) died without cleaning up; run `make lab-down`.", s.pid),

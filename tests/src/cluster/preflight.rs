@@ -5,8 +5,9 @@ use std::path::Path;
 
 use crate::services::{bin_path, tool_path};
 
-/// The Go tools `tests/env/tools.sh` builds that a cluster runs.
-pub const TOOLS: [&str; 4] = ["kube-apiserver", "kube-controller-manager", "etcd", "grpcurl"];
+/// The Go tools `tests/env/tools.sh` builds that a cluster of real nodes runs.
+pub const TOOLS: [&str; 8] =
+    ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd", "coredns", "grpcurl"];
 /// The project's binaries a cluster runs.
 pub const BINARIES: [&str; 5] = ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-binder", "kuryr-cni"];
 
@@ -33,7 +34,6 @@ pub fn checks() -> Vec<Check> {
         ("containerd", "apt-get install containerd (or `make setup`)"),
         ("runc", "apt-get install runc (or `make setup`)"),
         ("ctr", "comes with the containerd package"),
-        ("kubectl", "install a kubectl client (1.28 or newer)"),
         ("ip", "apt-get install iproute2"),
         ("nsenter", "apt-get install util-linux"),
         ("ping", "apt-get install iputils-ping"),

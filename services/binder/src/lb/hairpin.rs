@@ -1,5 +1,5 @@
 //! Hairpin mode on the pods' bridge ports, so that a pod can reach a Service whose chosen member
-//! is the pod itself.
+//! is the pod itself, or its own host port. It runs whether or not the binder programs Services.
 //!
 //! Where `br_netfilter` is loaded (kubeadm nodes require it), a pod's packet to a VIP is DNAT'd
 //! while it is still being bridged, and when the new destination sits behind the same bridge the

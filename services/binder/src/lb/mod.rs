@@ -1,6 +1,8 @@
-//! The node dataplane for Services (embedded backend): the binder follows kuryr-lbaas's
-//! `WatchLoadBalancers` stream and programs nftables in the node's network namespace so that
-//! every Service VIP and port is DNAT'd to its members ([`render`] describes the ruleset).
+//! The node dataplane for Services (embedded backend), in place of kube-proxy: the binder follows
+//! kuryr-lbaas's `WatchLoadBalancers` stream and programs nftables in the node's network namespace
+//! so that every Service's cluster IPs, node ports and external addresses are DNAT'd to its
+//! members, under the Service's traffic policies ([`render`] describes the Service part of the
+//! ruleset, [`crate::table`] the table as a whole).
 //!
 //! Two tasks share the [`state::State`]: the follower reads the stream (resuming after a break,
 //! reconnecting with backoff) and marks what changed; the programmer turns pending changes into
@@ -52,8 +54,15 @@ pub struct Dataplane {
 }
 
 impl Dataplane {
-    pub fn new(metrics: LbMetrics, nft: Nft) -> Self {
-        Self { state: Arc::default(), wake: Arc::new(Notify::new()), metrics, nft, logged_synced: Arc::default() }
+    /// The dataplane of the node named `node` (its members are the local ones).
+    pub fn new(metrics: LbMetrics, nft: Nft, node: &str) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(State::for_node(node))),
+            wake: Arc::new(Notify::new()),
+            metrics,
+            nft,
+            logged_synced: Arc::default(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -222,9 +231,12 @@ struct Programmer {
     programmed: BTreeMap<ServiceKey, Rendered>,
     /// The Services as last programmed, to tell which UDP flows lost their member.
     services: BTreeMap<ServiceKey, Service>,
-    /// `VIP . proto . port` → the Service whose element it is.
+    /// `VIP . proto . port` (or `proto . node port`) → the Service whose element it is.
     claimed: HashMap<String, ServiceKey>,
     forwarding: bool,
+    /// `services` is what was programmed before (false until this process's first full sync:
+    /// flows left from before that are not judged, see [`conntrack::stale_udp_flows`]).
+    seen: bool,
 }
 
 impl Programmer {
@@ -278,10 +290,11 @@ impl Programmer {
                 self.programmed = next;
                 let mut stale = Vec::new();
                 let new: BTreeMap<ServiceKey, Service> = services.into_iter().map(|s| (s.key.clone(), s)).collect();
-                for (key, old) in &self.services {
-                    stale.extend(conntrack::stale_udp_flows(Some(old), new.get(key)));
+                for key in self.services.keys().chain(new.keys()).collect::<std::collections::BTreeSet<_>>() {
+                    stale.extend(conntrack::stale_udp_flows(self.services.get(key), new.get(key), self.seen));
                 }
                 self.services = new;
+                self.seen = true;
                 clear_later(stale);
                 Ok(format!("{} Services", self.services.len()))
             }
@@ -310,7 +323,7 @@ impl Programmer {
                 }
                 let mut stale = Vec::new();
                 for (key, svc) in changes {
-                    stale.extend(conntrack::stale_udp_flows(self.services.get(&key), svc.as_ref()));
+                    stale.extend(conntrack::stale_udp_flows(self.services.get(&key), svc.as_ref(), self.seen));
                     match svc {
                         Some(svc) => self.services.insert(key, svc),
                         None => self.services.remove(&key),
@@ -327,5 +340,48 @@ impl Programmer {
 fn clear_later(stale: Vec<conntrack::Flow>) {
     if !stale.is_empty() {
         tokio::spawn(conntrack::clear(stale));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model::{Backend, Listener, Proto, ServiceKey};
+    use super::*;
+
+    fn svc(name: &str, vip: &str, external: &str, node_port: u16) -> Service {
+        let mut l = Listener::new(Proto::Tcp, 80, vec![Backend { addr: "10.0.0.1".parse().unwrap(), port: 8080 }]);
+        l.node_port = Some(node_port);
+        let mut s = Service::cluster_ip(
+            ServiceKey { namespace: "default".into(), name: name.into() },
+            vec![vip.parse().unwrap()],
+            vec![l],
+            None,
+        );
+        s.external = vec![external.parse().unwrap()];
+        s
+    }
+
+    fn keys(r: &Rendered) -> Vec<String> {
+        r.elements.iter().map(|e| format!("{} {}", e.set, e.key)).collect()
+    }
+
+    #[test]
+    fn an_address_and_port_two_services_claim_stays_with_the_first() {
+        // The API server checks neither external IPs nor (while a stream carries both the old and
+        // the new owner) node ports across Services; the kernel would refuse the whole
+        // transaction for a key present twice.
+        let mut p = Programmer::default();
+        let a = p.render_claimed(&svc("a", "10.96.0.1", "192.0.2.1", 30080));
+        let b = p.render_claimed(&svc("b", "10.96.0.2", "192.0.2.1", 30080));
+        assert_eq!(
+            keys(&a),
+            ["services4 10.96.0.1 . tcp . 80", "services4 192.0.2.1 . tcp . 80", "nodeports4 tcp . 30080"]
+        );
+        assert_eq!(keys(&b), ["services4 10.96.0.2 . tcp . 80"], "b's external IP and node port are a's");
+        // Once a is gone, b gets them on its next rendering.
+        p.unclaim(&ServiceKey { namespace: "default".into(), name: "a".into() });
+        p.unclaim(&ServiceKey { namespace: "default".into(), name: "b".into() });
+        let b = p.render_claimed(&svc("b", "10.96.0.2", "192.0.2.1", 30080));
+        assert_eq!(keys(&b).len(), 3, "{b:?}");
     }
 }

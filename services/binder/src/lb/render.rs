@@ -1,47 +1,47 @@
-//! The nftables ruleset of the node dataplane, as text for one `nft -f` transaction.
+//! The Service part of the nftables table `inet kuryr` ([`crate::table`] describes the table as
+//! a whole), as text for one `nft -f` transaction.
 //!
-//! Everything lives in one table of its own, `inet kuryr`:
+//! For each Service port and address family, the Service owns:
 //!
-//! - verdict maps `services4` / `services6` keyed by `VIP . protocol . port`, looked up from the
-//!   NAT prerouting hook (pods) and the NAT output hook (the node itself), `goto` a chain per
-//!   Service port and family, `svc/<ns>/<name>/<proto>/<port>/v4|v6`;
-//! - that chain spreads new connections evenly over the members with `numgen random mod N` and
-//!   an anonymous verdict map, each member a chain `ep/.../<member>/<port>` doing the DNAT;
-//! - with client-IP affinity, each member chain also records the client in a dynamic set with a
-//!   timeout (`aff/...`), which the Service chain consults before spreading;
-//! - a Service port without members is in the sets `noep4` / `noep6`, rejected from the filter
-//!   prerouting and output hooks (as kube-proxy does: the client gets "connection refused" at
-//!   once instead of a timeout) — TCP with a reset, the rest with ICMP port unreachable. A reset
-//!   because the kernel rate-limits ICMP errors per client: a client retrying quickly would
-//!   otherwise wait out a SYN retransmission (a second) for its answer;
-//! - hairpin: when the member chosen for a forwarded connection is reached through the very
-//!   interface the client came in on (both on the node's bridge), the member's reply would go to
-//!   the client straight over L2 and never be un-DNAT'd. The forward hook marks those
-//!   connections (`fib daddr . iif oif exists`: the route to the member leaves through the
-//!   input interface) and the NAT postrouting hook masquerades them, so the reply comes back
-//!   through the node.
+//! - elements of the skeleton's maps: `VIP . protocol . port` in `services4`/`6` for each cluster
+//!   IP and external address, `protocol . node port` in `nodeports4`/`6` (families of the cluster
+//!   IPs), each `goto` one of the chains below; or, when the family has no member at all, the same
+//!   keys in `noep4`/`6` and `noep_nodeports4`/`6`, rejected (kube-proxy does so too: the client
+//!   is refused at once instead of timing out — TCP with a reset, because the kernel rate-limits
+//!   ICMP errors per client, and a client retrying quickly would otherwise wait out a SYN
+//!   retransmission for its answer);
+//! - `svc/<ns>/<name>/<proto>/<port>/v4|v6`: spreads new connections evenly over every member
+//!   with `numgen random mod N` and an anonymous verdict map, each member a chain
+//!   `ep/.../<member>/<port>` doing the DNAT; with client-IP affinity, each member chain also
+//!   records the client in a dynamic set with a timeout (`aff/...`), which the spreading chain
+//!   consults first;
+//! - `local/...`: the same over the members on this node, for the Local traffic policies; `drop`
+//!   when there is none here (as kube-proxy: a Local Service with members elsewhere only);
+//! - `ext/...`: the entry of external traffic (node ports, external IPs, load balancer
+//!   addresses). `externalTrafficPolicy: Cluster`: marked for masquerading (replies must come
+//!   back through this node), then `svc/`. `Local`: traffic from the node itself (masqueraded)
+//!   and from its pods (`pod_ifaces`) goes to `svc/` like internal traffic; the rest goes to
+//!   `local/`, its source address kept.
+//!
+//! Cluster IPs go to `svc/`, or to `local/` under `internalTrafficPolicy: Local`.
 //!
 //! A Service is rendered on its own ([`render`]) into the objects it owns; an update is the
 //! difference between what a Service owned and what it owns now ([`delta`]), so its cost does not
-//! grow with the number of other Services. [`full`] rebuilds the whole table from the desired
-//! Services in one transaction, removing whatever is there and no longer wanted: packets see the
-//! old ruleset or the new one, never none.
+//! grow with the number of other Services. [`full`] rebuilds the Service part of the table from
+//! the desired Services in one transaction, removing whatever is there and no longer wanted:
+//! packets see the old ruleset or the new one, never none.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use super::model::{Backend, Listener, Service};
-
-/// The table, family `inet`.
-pub const TABLE: &str = "kuryr";
-
-/// The packet mark bit that asks the NAT postrouting hook to masquerade (hairpin connections).
-pub const MASQUERADE_MARK: u32 = 0x0000_8000;
+pub use crate::table::{MASQUERADE_MARK, TABLE};
+use crate::table::{SERVICE_MAPS, skeleton};
 
 /// Chain and set name prefixes owned by Services; everything else in the table is the fixed
-/// skeleton written by [`skeleton`].
-const SERVICE_PREFIXES: [&str; 3] = ["svc/", "ep/", "aff/"];
+/// skeleton ([`crate::table`]) or host ports'.
+const SERVICE_PREFIXES: [&str; 5] = ["svc/", "local/", "ext/", "ep/", "aff/"];
 
 /// The longest name the kernel accepts (NFT_NAME_MAXLEN is 256 with the terminating NUL).
 pub const MAX_NAME: usize = 255;
@@ -55,9 +55,9 @@ pub fn is_service_object(name: &str) -> bool {
 /// An element of one of the skeleton's maps or sets.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Element {
-    /// `services4`, `services6`, `noep4` or `noep6`.
+    /// `services4`, `noep6`, `nodeports4`, ...
     pub set: &'static str,
-    /// `VIP . proto . port`.
+    /// `VIP . proto . port`, or `proto . port` for node ports.
     pub key: String,
     /// The verdict, for the maps.
     pub verdict: Option<String>,
@@ -96,10 +96,6 @@ pub struct Existing {
     pub sets: BTreeMap<String, Option<u32>>,
 }
 
-fn family_tag(ip: &IpAddr) -> &'static str {
-    if ip.is_ipv4() { "v4" } else { "v6" }
-}
-
 fn l3(ip: &IpAddr) -> &'static str {
     if ip.is_ipv4() { "ip" } else { "ip6" }
 }
@@ -116,38 +112,96 @@ fn dnat_target(b: &Backend) -> String {
     }
 }
 
+/// The map or set of a family: `base` with `4` or `6`.
+fn of_family(v4: bool, four: &'static str, six: &'static str) -> &'static str {
+    if v4 { four } else { six }
+}
+
 /// Renders the objects of one Service.
 pub fn render(svc: &Service) -> Rendered {
     let mut r = Rendered::default();
     let base = format!("{}/{}", svc.key.namespace, svc.key.name);
     for l in &svc.listeners {
         let lbase = format!("{base}/{}/{}", l.proto.as_str(), l.port);
-        for vip in &svc.vips {
-            let backends: Vec<&Backend> = l.backends.iter().filter(|b| b.addr.is_ipv4() == vip.is_ipv4()).collect();
-            let key = format!("{vip} . {} . {}", l.proto.as_str(), l.port);
-            let v4 = vip.is_ipv4();
-            if backends.is_empty() {
-                r.elements.push(Element { set: if v4 { "noep4" } else { "noep6" }, key, verdict: None });
+        for v4 in [true, false] {
+            let family = |ip: &&IpAddr| ip.is_ipv4() == v4;
+            let vips: Vec<&IpAddr> = svc.vips.iter().filter(family).collect();
+            let external: Vec<&IpAddr> = svc.external.iter().filter(family).collect();
+            // Node ports are answered in the families the Service has cluster IPs in.
+            let node_port = l.node_port.filter(|_| !vips.is_empty());
+            if vips.is_empty() && external.is_empty() {
                 continue;
             }
-            let chain = format!("svc/{lbase}/{}", family_tag(vip));
-            r.elements.push(Element {
-                set: if v4 { "services4" } else { "services6" },
-                key,
-                verdict: Some(format!("goto {chain}")),
-            });
-            if !r.chains.contains_key(&chain) {
-                let rules = service_chain(svc, l, &lbase, &backends, &mut r);
-                r.chains.insert(chain, rules);
+            let key = |ip: &IpAddr| format!("{ip} . {} . {}", l.proto.as_str(), l.port);
+            let np_key = |np: u16| format!("{} . {np}", l.proto.as_str());
+            let backends: Vec<&Backend> = l.backends.iter().filter(|b| b.addr.is_ipv4() == v4).collect();
+            if backends.is_empty() {
+                for ip in vips.iter().chain(&external) {
+                    r.elements.push(Element { set: of_family(v4, "noep4", "noep6"), key: key(ip), verdict: None });
+                }
+                if let Some(np) = node_port {
+                    let set = of_family(v4, "noep_nodeports4", "noep_nodeports6");
+                    r.elements.push(Element { set, key: np_key(np), verdict: None });
+                }
+                continue;
+            }
+            let tag = if v4 { "v4" } else { "v6" };
+            let cluster = format!("svc/{lbase}/{tag}");
+            let local = format!("local/{lbase}/{tag}");
+            let ext = format!("ext/{lbase}/{tag}");
+            let has_external = node_port.is_some() || !external.is_empty();
+            let internal = if svc.internal_local { &local } else { &cluster };
+            let services = of_family(v4, "services4", "services6");
+            for vip in &vips {
+                r.elements.push(Element { set: services, key: key(vip), verdict: Some(format!("goto {internal}")) });
+            }
+            let mut wanted = BTreeSet::new();
+            if !vips.is_empty() {
+                wanted.insert(internal.clone());
+            }
+            if has_external {
+                for ip in &external {
+                    r.elements.push(Element { set: services, key: key(ip), verdict: Some(format!("goto {ext}")) });
+                }
+                if let Some(np) = node_port {
+                    let set = of_family(v4, "nodeports4", "nodeports6");
+                    r.elements.push(Element { set, key: np_key(np), verdict: Some(format!("goto {ext}")) });
+                }
+                let mark = format!("meta mark set meta mark | {MASQUERADE_MARK:#010x}");
+                let rules = if svc.external_local {
+                    wanted.insert(local.clone());
+                    vec![
+                        // From the node itself: any member, masqueraded (the member could not
+                        // answer the node's own address otherwise when it sits elsewhere).
+                        format!("fib saddr type local {mark} goto {cluster}"),
+                        // From this node's pods: not external traffic.
+                        format!("iifname @pod_ifaces goto {cluster}"),
+                        format!("goto {local}"),
+                    ]
+                } else {
+                    vec![format!("{mark} goto {cluster}")]
+                };
+                wanted.insert(cluster.clone());
+                r.chains.insert(ext, rules);
+            }
+            if wanted.contains(&cluster) {
+                let rules = spread(svc, l, &lbase, &backends, &mut r);
+                r.chains.insert(cluster, rules);
+            }
+            if wanted.contains(&local) {
+                let here: Vec<&Backend> = l.local.iter().filter(|b| b.addr.is_ipv4() == v4).collect();
+                let rules =
+                    if here.is_empty() { vec!["drop".to_string()] } else { spread(svc, l, &lbase, &here, &mut r) };
+                r.chains.insert(local, rules);
             }
         }
     }
     r
 }
 
-/// The rules of a Service port's chain for one family, adding the member chains and affinity
-/// sets it refers to.
-fn service_chain(svc: &Service, l: &Listener, lbase: &str, backends: &[&Backend], r: &mut Rendered) -> Vec<String> {
+/// The rules spreading a Service port's new connections over `backends` (one family), adding the
+/// member chains and affinity sets they refer to.
+fn spread(svc: &Service, l: &Listener, lbase: &str, backends: &[&Backend], r: &mut Rendered) -> Vec<String> {
     let mut rules = Vec::new();
     let mut targets = Vec::new();
     for b in backends {
@@ -171,65 +225,6 @@ fn service_chain(svc: &Service, l: &Listener, lbase: &str, backends: &[&Backend]
         rules.push(format!("numgen random mod {} vmap {{ {} }}", targets.len(), arms.join(", ")));
     }
     rules
-}
-
-/// The fixed part of the table: created if missing, its base chains rewritten (so an upgrade
-/// changes them too). Idempotent.
-pub fn skeleton(out: &mut String) {
-    let t = format!("inet {TABLE}");
-    let _ = writeln!(out, "add table {t}");
-    for (name, ty) in [
-        ("services4", "ipv4_addr . inet_proto . inet_service : verdict"),
-        ("services6", "ipv6_addr . inet_proto . inet_service : verdict"),
-    ] {
-        let _ = writeln!(out, "add map {t} {name} {{ type {ty}; }}");
-    }
-    for (name, ty) in
-        [("noep4", "ipv4_addr . inet_proto . inet_service"), ("noep6", "ipv6_addr . inet_proto . inet_service")]
-    {
-        let _ = writeln!(out, "add set {t} {name} {{ type {ty}; }}");
-    }
-    // Priorities: DNAT at the usual dstnat priority (-100); the reject of Service ports without
-    // members before it (-110), so nothing else gets to see those packets first.
-    let hooks = [
-        ("nat_prerouting", "type nat hook prerouting priority -100; policy accept;"),
-        ("nat_output", "type nat hook output priority -100; policy accept;"),
-        ("nat_postrouting", "type nat hook postrouting priority 100; policy accept;"),
-        ("filter_prerouting", "type filter hook prerouting priority -110; policy accept;"),
-        ("filter_output", "type filter hook output priority -110; policy accept;"),
-        ("filter_forward", "type filter hook forward priority 0; policy accept;"),
-    ];
-    for (name, spec) in hooks {
-        let _ = writeln!(out, "add chain {t} {name} {{ {spec} }}");
-    }
-    for name in ["services", "no_endpoints"] {
-        let _ = writeln!(out, "add chain {t} {name}");
-    }
-    for name in hooks.iter().map(|(n, _)| *n).chain(["services", "no_endpoints"]) {
-        let _ = writeln!(out, "flush chain {t} {name}");
-    }
-    let rules = [
-        ("nat_prerouting", "jump services".to_string()),
-        ("nat_output", "jump services".to_string()),
-        ("services", "ip daddr . meta l4proto . th dport vmap @services4".to_string()),
-        ("services", "ip6 daddr . meta l4proto . th dport vmap @services6".to_string()),
-        ("filter_prerouting", "ip daddr . meta l4proto . th dport @noep4 goto no_endpoints".to_string()),
-        ("filter_prerouting", "ip6 daddr . meta l4proto . th dport @noep6 goto no_endpoints".to_string()),
-        ("filter_output", "ip daddr . meta l4proto . th dport @noep4 goto no_endpoints".to_string()),
-        ("filter_output", "ip6 daddr . meta l4proto . th dport @noep6 goto no_endpoints".to_string()),
-        ("no_endpoints", "meta l4proto tcp reject with tcp reset".to_string()),
-        ("no_endpoints", "reject".to_string()),
-        (
-            "filter_forward",
-            format!(
-                "ct state new ct status dnat fib daddr . iif oif exists meta mark set meta mark | {MASQUERADE_MARK:#010x}"
-            ),
-        ),
-        ("nat_postrouting", format!("meta mark & {MASQUERADE_MARK:#010x} == {MASQUERADE_MARK:#010x} masquerade")),
-    ];
-    for (chain, rule) in rules {
-        let _ = writeln!(out, "add rule {t} {chain} {rule}");
-    }
 }
 
 fn add_element(out: &mut String, e: &Element) {
@@ -304,13 +299,13 @@ fn add_rules_and_elements(out: &mut String, r: &Rendered) {
     }
 }
 
-/// Rebuilds the table: the skeleton, every desired Service, and nothing else. `existing` is what
-/// the table holds now (empty when there is no table yet).
+/// Rebuilds the Service part of the table: the skeleton, every desired Service, and no other
+/// Service object (host ports' are left alone). `existing` is what the table holds now (empty
+/// when there is no table yet).
 pub fn full(out: &mut String, existing: &Existing, desired: &[&Rendered]) {
     let t = format!("inet {TABLE}");
     skeleton(out);
-    for s in ["services4", "services6", "noep4", "noep6"] {
-        let kind = if s.starts_with("services") { "map" } else { "set" };
+    for (kind, s) in SERVICE_MAPS {
         let _ = writeln!(out, "flush {kind} {t} {s}");
     }
     let mut wanted_chains = BTreeSet::new();

@@ -6,14 +6,12 @@ fn backend(a: &str, port: u16) -> Backend {
 }
 
 fn svc(backends: Vec<Backend>, affinity: Option<u32>) -> Service {
-    Service {
-        key: ServiceKey { namespace: "default".into(), name: "web".into() },
-        uid: "u".into(),
-        generation: 1,
-        vips: vec!["10.96.0.10".parse().unwrap(), "fd00:96::10".parse().unwrap()],
-        listeners: vec![Listener { proto: Proto::Tcp, port: 80, backends }],
+    Service::cluster_ip(
+        ServiceKey { namespace: "default".into(), name: "web".into() },
+        vec!["10.96.0.10".parse().unwrap(), "fd00:96::10".parse().unwrap()],
+        vec![Listener::new(Proto::Tcp, 80, backends)],
         affinity,
-    }
+    )
 }
 
 fn lines(s: &str) -> Vec<&str> {
@@ -87,7 +85,7 @@ fn affinity_checks_recent_clients_first_and_records_them() {
 fn udp_and_sctp_listeners_match_their_protocol() {
     let mut s = svc(vec![backend("10.0.0.1", 53)], None);
     s.listeners[0].proto = Proto::Udp;
-    s.listeners.push(Listener { proto: Proto::Sctp, port: 9, backends: vec![backend("10.0.0.1", 9)] });
+    s.listeners.push(Listener::new(Proto::Sctp, 9, vec![backend("10.0.0.1", 9)]));
     let r = render(&s);
     assert_eq!(r.chains["ep/default/web/udp/80/10.0.0.1/53"], ["meta l4proto udp dnat ip to 10.0.0.1:53"]);
     assert_eq!(r.chains["ep/default/web/sctp/9/10.0.0.1/9"], ["meta l4proto sctp dnat ip to 10.0.0.1:9"]);
@@ -193,4 +191,184 @@ fn a_full_sync_rebuilds_from_the_desired_services_and_removes_the_rest() {
     let del = l.iter().position(|x| *x == "delete set inet kuryr aff/default/web/tcp/80/10.0.0.1/8080").unwrap();
     let add = l.iter().position(|x| x.starts_with("add set inet kuryr aff/default/web/tcp/80/10.0.0.1/8080")).unwrap();
     assert!(del < add, "{out}");
+}
+
+/// A NodePort Service with external IPs: p1 (10.0.0.1) runs on this node, p2 (10.0.0.2) and the
+/// IPv6 member elsewhere.
+fn node_port_svc(external_local: bool, internal_local: bool) -> Service {
+    let mut l = Listener::new(
+        Proto::Tcp,
+        80,
+        vec![backend("10.0.0.1", 8080), backend("10.0.0.2", 8080), backend("fd00::2", 8080)],
+    );
+    l.node_port = Some(30080);
+    l.local = vec![backend("10.0.0.1", 8080)];
+    let mut s = svc(vec![], None);
+    s.listeners = vec![l];
+    s.external = vec!["192.0.2.1".parse().unwrap(), "2001:db8::1".parse().unwrap()];
+    s.external_local = external_local;
+    s.internal_local = internal_local;
+    s
+}
+
+fn element(r: &Rendered, set: &str, key: &str) -> Option<String> {
+    r.elements.iter().find(|e| e.set == set && e.key == key).map(|e| e.verdict.clone().unwrap_or_default())
+}
+
+#[test]
+fn node_ports_and_external_addresses_enter_through_the_external_chain() {
+    let r = render(&node_port_svc(false, false));
+    assert_eq!(element(&r, "nodeports4", "tcp . 30080").as_deref(), Some("goto ext/default/web/tcp/80/v4"));
+    assert_eq!(element(&r, "nodeports6", "tcp . 30080").as_deref(), Some("goto ext/default/web/tcp/80/v6"));
+    assert_eq!(element(&r, "services4", "192.0.2.1 . tcp . 80").as_deref(), Some("goto ext/default/web/tcp/80/v4"));
+    assert_eq!(element(&r, "services6", "2001:db8::1 . tcp . 80").as_deref(), Some("goto ext/default/web/tcp/80/v6"));
+    // The cluster IP does not: no masquerading of internal traffic.
+    assert_eq!(element(&r, "services4", "10.96.0.10 . tcp . 80").as_deref(), Some("goto svc/default/web/tcp/80/v4"));
+    // externalTrafficPolicy Cluster: masquerade, then any member.
+    assert_eq!(
+        r.chains["ext/default/web/tcp/80/v4"],
+        ["meta mark set meta mark | 0x00008000 goto svc/default/web/tcp/80/v4"]
+    );
+    assert!(r.chains.keys().all(|c| !c.starts_with("local/")), "nothing uses local chains: {:?}", r.chains.keys());
+    assert_eq!(r.elements.len(), 6, "{:?}", r.elements);
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_the_source_and_short_circuits_the_node_and_its_pods() {
+    let r = render(&node_port_svc(true, false));
+    assert_eq!(
+        r.chains["ext/default/web/tcp/80/v4"],
+        [
+            "fib saddr type local meta mark set meta mark | 0x00008000 goto svc/default/web/tcp/80/v4",
+            "iifname @pod_ifaces goto svc/default/web/tcp/80/v4",
+            "goto local/default/web/tcp/80/v4",
+        ]
+    );
+    assert_eq!(r.chains["local/default/web/tcp/80/v4"], ["goto ep/default/web/tcp/80/10.0.0.1/8080"]);
+    // No member of the family here: dropped (not rejected: the Service has members elsewhere).
+    assert_eq!(r.chains["local/default/web/tcp/80/v6"], ["drop"]);
+    assert!(r.chains["svc/default/web/tcp/80/v4"][0].starts_with("numgen random mod 2 "));
+    assert_eq!(element(&r, "services4", "10.96.0.10 . tcp . 80").as_deref(), Some("goto svc/default/web/tcp/80/v4"));
+}
+
+#[test]
+fn internal_traffic_policy_local_sends_cluster_ips_to_local_members() {
+    let r = render(&node_port_svc(false, true));
+    assert_eq!(element(&r, "services4", "10.96.0.10 . tcp . 80").as_deref(), Some("goto local/default/web/tcp/80/v4"));
+    assert_eq!(element(&r, "services6", "fd00:96::10 . tcp . 80").as_deref(), Some("goto local/default/web/tcp/80/v6"));
+    assert_eq!(r.chains["local/default/web/tcp/80/v6"], ["drop"]);
+    // External traffic still goes to every member.
+    assert_eq!(
+        r.chains["ext/default/web/tcp/80/v4"],
+        ["meta mark set meta mark | 0x00008000 goto svc/default/web/tcp/80/v4"]
+    );
+}
+
+#[test]
+fn node_ports_without_members_are_rejected_and_only_in_the_cluster_ip_families() {
+    let mut s = node_port_svc(true, false);
+    s.listeners[0].backends.clear();
+    s.listeners[0].local.clear();
+    let r = render(&s);
+    assert!(r.chains.is_empty(), "{:?}", r.chains);
+    let mut got: Vec<(&str, &str)> = r.elements.iter().map(|e| (e.set, e.key.as_str())).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("noep4", "10.96.0.10 . tcp . 80"),
+            ("noep4", "192.0.2.1 . tcp . 80"),
+            ("noep6", "2001:db8::1 . tcp . 80"),
+            ("noep6", "fd00:96::10 . tcp . 80"),
+            ("noep_nodeports4", "tcp . 30080"),
+            ("noep_nodeports6", "tcp . 30080"),
+        ]
+    );
+    // A single-stack IPv4 Service answers its node port on IPv4 only, but its IPv6 external
+    // address all the same.
+    let mut s = node_port_svc(false, false);
+    s.vips.truncate(1);
+    let r = render(&s);
+    assert!(element(&r, "nodeports4", "tcp . 30080").is_some());
+    assert!(element(&r, "nodeports6", "tcp . 30080").is_none(), "{:?}", r.elements);
+    assert_eq!(element(&r, "services6", "2001:db8::1 . tcp . 80").as_deref(), Some("goto ext/default/web/tcp/80/v6"));
+}
+
+#[test]
+fn tcp_and_udp_on_the_same_port_and_node_port_are_separate() {
+    let mut s = node_port_svc(false, false);
+    let mut udp = s.listeners[0].clone();
+    udp.proto = Proto::Udp;
+    s.listeners.push(udp);
+    let r = render(&s);
+    assert_eq!(element(&r, "nodeports4", "udp . 30080").as_deref(), Some("goto ext/default/web/udp/80/v4"));
+    assert_eq!(element(&r, "nodeports4", "tcp . 30080").as_deref(), Some("goto ext/default/web/tcp/80/v4"));
+    assert_eq!(r.chains["ep/default/web/udp/80/10.0.0.2/8080"], ["meta l4proto udp dnat ip to 10.0.0.2:8080"]);
+}
+
+#[test]
+fn affinity_holds_for_node_ports_and_local_members_share_the_member_chains() {
+    let mut s = node_port_svc(true, false);
+    s.affinity = Some(10);
+    let r = render(&s);
+    let aff = "aff/default/web/tcp/80/10.0.0.1/8080";
+    assert_eq!(
+        r.chains["local/default/web/tcp/80/v4"],
+        [
+            format!("ip saddr @{aff} goto ep/default/web/tcp/80/10.0.0.1/8080"),
+            "goto ep/default/web/tcp/80/10.0.0.1/8080".into()
+        ]
+    );
+    assert_eq!(r.sets[aff], AffinitySet { ipv6: false, timeout: 10 });
+    assert_eq!(r.chains["ep/default/web/tcp/80/10.0.0.1/8080"][0], format!("update @{aff} {{ ip saddr }}"));
+}
+
+#[test]
+fn a_type_change_is_a_delta_of_the_service_alone() {
+    // ClusterIP → NodePort: the node port and its chain appear; back: they go.
+    let cluster_ip = render(&svc(vec![backend("10.0.0.1", 8080)], None));
+    let mut np = svc(vec![backend("10.0.0.1", 8080)], None);
+    np.listeners[0].node_port = Some(30080);
+    let node_port = render(&np);
+    let mut out = String::new();
+    delta(&mut out, &[(&cluster_ip, &node_port)]);
+    assert!(out.contains("add chain inet kuryr ext/default/web/tcp/80/v4\n"), "{out}");
+    assert!(out.contains("add element inet kuryr nodeports4 { tcp . 30080 : goto ext/default/web/tcp/80/v4 }\n"));
+    let mut out = String::new();
+    delta(&mut out, &[(&node_port, &cluster_ip)]);
+    let l = lines(&out);
+    let del_elem = l.iter().position(|x| *x == "delete element inet kuryr nodeports4 { tcp . 30080 }").unwrap();
+    let del_chain = l.iter().position(|x| *x == "delete chain inet kuryr ext/default/web/tcp/80/v4").unwrap();
+    assert!(del_elem < del_chain, "{out}");
+}
+
+#[test]
+fn the_skeleton_dispatches_host_ports_then_services_then_node_ports() {
+    let mut out = String::new();
+    crate::table::skeleton(&mut out);
+    let l = lines(&out);
+    let pos = |s: &str| l.iter().position(|x| *x == s).unwrap_or_else(|| panic!("{s:?} not in\n{out}"));
+    let hp = pos("add rule inet kuryr nat_prerouting jump hostports");
+    let svcs = pos("add rule inet kuryr nat_prerouting jump services");
+    let vips = pos("add rule inet kuryr services ip daddr . meta l4proto . th dport vmap @services4");
+    let nps = pos(
+        "add rule inet kuryr services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeports4",
+    );
+    assert!(hp < svcs && vips < nps);
+    for want in [
+        "add rule inet kuryr nat_output jump hostports",
+        "add rule inet kuryr hostports dnat ip to ip daddr . meta l4proto . th dport map @hostports4",
+        "add rule inet kuryr hostports meta nfproto ipv4 fib daddr type local dnat ip to meta l4proto . th dport map @hostports_any4",
+        "add rule inet kuryr filter_prerouting iifname != \"lo\" ip daddr 127.0.0.0/8 drop",
+        "add rule inet kuryr filter_output meta l4proto . th dport @noep_nodeports6 ip6 daddr != ::1 fib daddr type local goto no_endpoints",
+        "add rule inet kuryr nat_postrouting ct status dnat ip saddr 127.0.0.0/8 masquerade",
+        "add set inet kuryr pod_ifaces { type ifname; }",
+    ] {
+        pos(want);
+    }
+    // The guard against martian loopback traffic sits before everything else of its hook.
+    assert!(
+        pos("add rule inet kuryr filter_prerouting iifname != \"lo\" ip daddr 127.0.0.0/8 drop")
+            < pos("add rule inet kuryr filter_prerouting ip daddr . meta l4proto . th dport @noep4 goto no_endpoints")
+    );
 }

@@ -39,6 +39,8 @@ pub enum Work {
 /// The stream-fed state.
 #[derive(Debug, Default)]
 pub struct State {
+    /// This node's name: members running here are the local ones.
+    node: String,
     desired: BTreeMap<ServiceKey, Service>,
     /// Services changed since last programmed, with when their oldest pending change arrived.
     dirty: BTreeMap<ServiceKey, Instant>,
@@ -54,6 +56,11 @@ pub struct State {
 }
 
 impl State {
+    /// The state of the node named `node`.
+    pub fn for_node(node: &str) -> Self {
+        Self { node: node.to_string(), ..Self::default() }
+    }
+
     /// The resume point for the next request. Asking without one gets a fresh snapshot without a
     /// RESET first, so what was known is forgotten here.
     pub fn next_request(&mut self) -> String {
@@ -100,7 +107,7 @@ impl State {
                     return Applied::Invalid { service: "?".into(), error: "spec: missing".into() };
                 };
                 let name = format!("{}/{}", spec.namespace, spec.name);
-                match service_from_spec(spec) {
+                match service_from_spec(spec, &self.node) {
                     Ok((svc, warnings)) => {
                         let key = svc.key.clone();
                         let changed = self.desired.get(&key) != Some(&svc);
@@ -189,6 +196,7 @@ mod tests {
                         .map(|a| Member { address: (*a).into(), port: 80, ready: true, ..Default::default() })
                         .collect(),
                 }),
+                node_port: 0,
             }],
             ..Default::default()
         }

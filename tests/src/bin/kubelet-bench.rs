@@ -1,0 +1,224 @@
+//! `make bench-kubelet`: pod created → Running with the real kubelet and kube-scheduler, kuryr
+//! against the reference plugins on the same cluster in one run.
+//!
+//! One cluster of real nodes ([`RealCluster`]: kubelet on containerd, kube-scheduler, the full
+//! controller manager) starts with the reference plugins (bridge + host-local + portmap). Arm 1
+//! creates `BENCH_KUBELET_PODS` pods (default 300) at `BENCH_KUBELET_RATE` pods/s (default 20),
+//! unpinned (the scheduler places them), and measures, per pod, from just before its create
+//! request to the moment a watch sees it Running; then deletes them and waits until they are gone.
+//! The reference configuration is then removed from the nodes and kuryr installed from
+//! `deploy/overlays/embedded` as pods (its binders write their CNI configuration); arm 2 repeats
+//! the same workload. Both arms use the same API server, scheduler, kubelets and runtimes, one after
+//! the other, so the ratio says what the network plugin costs; the reference arm runs without
+//! kuryr's control plane on the machine, so any load that adds counts against kuryr.
+//!
+//! Goal: kuryr p99 ≤ 1 s and ≤ 1.1× the reference.
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::watcher::{self, Event, watcher};
+use kuryr_tests::conformance::kuryr_image;
+use kuryr_tests::realcluster::{NodeCni, RealCluster, RealClusterOptions};
+use kuryr_tests::services::bin_path;
+use kuryr_tests::stats::Stats;
+use kuryr_tests::util::{env_script, parse_env_file, repo_root};
+
+/// Bound on one arm's pods all Running after the last create.
+const RUNNING_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
+    std::env::var(key).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let pods: usize = env_or("BENCH_KUBELET_PODS", 300);
+    let rate: f64 = env_or("BENCH_KUBELET_RATE", 20.0);
+    let nodes: usize = env_or("BENCH_KUBELET_NODES", 2);
+    println!(
+        "kubelet-bench: pod created → Running, {pods} pods at {rate}/s over {nodes} real nodes, reference vs kuryr\n"
+    );
+
+    let images_dir = repo_root().join("target/kuryr-images");
+    let listing = std::process::Command::new("bash")
+        .arg(env_script("images/build.sh"))
+        .arg(&images_dir)
+        .output()
+        .context("tests/env/images/build.sh")?;
+    anyhow::ensure!(listing.status.success(), "images/build.sh: {}", String::from_utf8_lossy(&listing.stderr));
+    let env: HashMap<String, String> =
+        parse_env_file(&std::fs::read_to_string(images_dir.join("images.env"))?).into_iter().collect();
+    let get = |k: &str| env.get(k).cloned().with_context(|| format!("images.env lacks {k}"));
+    let bin_dir = bin_path("kuryr-binder")?.parent().map(PathBuf::from).context("binary directory")?;
+    let kuryr = kuryr_image(&bin_dir, &images_dir).await?;
+    let busybox = get("BUSYBOX_IMAGE")?;
+
+    let t = Instant::now();
+    let cluster = RealCluster::start(RealClusterOptions {
+        nodes,
+        cni: NodeCni::Bridge,
+        images: vec![get("PAUSE_TAR")?.into(), get("BUSYBOX_TAR")?.into(), kuryr],
+        sandbox_image: get("PAUSE_IMAGE")?,
+        ..RealClusterOptions::default()
+    })
+    .await?;
+    cluster.wait_nodes_ready().await?;
+    println!("cluster of {nodes} real nodes with the reference plugins up in {:.1} s", t.elapsed().as_secs_f64());
+
+    let result = async {
+        let reference = arm(&cluster, "bench-reference", &busybox, pods, rate).await.context("reference arm")?;
+        println!("  reference: {}", line(&reference));
+
+        // Switch the nodes to kuryr: the reference configuration goes, kuryr's binders write theirs.
+        for n in cluster.nodes() {
+            std::fs::remove_file(n.path("/etc/cni/net.d/10-bridge.conflist"))
+                .with_context(|| format!("removing the reference conflist of {}", n.name))?;
+        }
+        let t = Instant::now();
+        cluster.install_kuryr("embedded", "").await?;
+        println!("  kuryr installed from deploy/overlays/embedded, nodes Ready in {:.1} s", t.elapsed().as_secs_f64());
+        let kuryr = arm(&cluster, "bench-kuryr", &busybox, pods, rate).await.context("kuryr arm")?;
+        println!("  kuryr:     {}", line(&kuryr));
+        Ok::<_, anyhow::Error>((reference, kuryr))
+    }
+    .await;
+    let down = cluster.shutdown().await;
+    let (reference, kuryr) = result?;
+    down?;
+
+    println!("\n  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8}", "pod created → Running (ms)", "n", "p50", "p90", "p99", "max");
+    for (name, s) in [("reference (bridge+host-local)", &reference), ("kuryr", &kuryr)] {
+        println!("  {:<28} {:>8} {:>8.0} {:>8.0} {:>8.0} {:>8.0}", name, s.n, s.p50, s.p90, s.p99, s.max);
+    }
+    let (r50, r99) = (kuryr.p50 / reference.p50, kuryr.p99 / reference.p99);
+    println!("  {:<28} {:>8} {:>7.2}x {:>8} {:>7.2}x", "ratio kuryr/reference", "", r50, "", r99);
+    println!(
+        "\ngoal: kuryr p99 ≤ 1000 ms ({}) and ≤ 1.1× the reference ({})",
+        if kuryr.p99 <= 1000.0 { "met" } else { "missed" },
+        if r99 <= 1.1 { "met" } else { "missed" }
+    );
+    println!("ratio kuryr/reference: p50 {r50:.2}x  p99 {r99:.2}x");
+    Ok(())
+}
+
+fn line(s: &Stats) -> String {
+    format!("{} pods, p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms", s.n, s.p50, s.p99, s.max)
+}
+
+/// One arm: `pods` pods created at `rate`/s in a fresh namespace, each timed from just before its
+/// create request to its first Running sighting; then all deleted and waited for.
+async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, rate: f64) -> Result<Stats> {
+    let client = cluster.client();
+    let ns_api: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta { name: Some(namespace.into()), ..ObjectMeta::default() },
+        ..Namespace::default()
+    };
+    ns_api.create(&PostParams::default(), &ns).await.with_context(|| format!("creating namespace {namespace}"))?;
+    // The namespace's default ServiceAccount (pods wait for it otherwise).
+    cluster
+        .wait(&format!("the default ServiceAccount of {namespace}"), Duration::from_secs(60), || async {
+            cluster.kubectl(&["-n", namespace, "get", "serviceaccount", "default"]).await.map(|_| ())
+        })
+        .await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let running: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watch = {
+        let (api, running) = (api.clone(), running.clone());
+        tokio::spawn(async move {
+            let mut events = watcher(api, watcher::Config::default()).boxed();
+            while let Some(ev) = events.next().await {
+                let now = Instant::now();
+                let pods = match ev {
+                    Ok(Event::Apply(p) | Event::InitApply(p)) => vec![p],
+                    _ => continue,
+                };
+                for p in pods {
+                    let is_running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+                    if let (true, Some(name)) = (is_running, p.metadata.name) {
+                        running.lock().unwrap_or_else(PoisonError::into_inner).entry(name).or_insert(now);
+                    }
+                }
+            }
+        })
+    };
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let start = Instant::now();
+    let mut creates = tokio::task::JoinSet::new();
+    for i in 0..pods {
+        let due = start + interval.mul_f64(i as f64);
+        tokio::time::sleep_until(due.into()).await;
+        let (api, created) = (api.clone(), created.clone());
+        let name = format!("p-{i}");
+        let pod = bench_pod(&name, image);
+        created.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), Instant::now());
+        creates.spawn(async move {
+            api.create(&PostParams::default(), &pod).await.map(|_| ()).with_context(|| format!("creating {name}"))
+        });
+    }
+    while let Some(r) = creates.join_next().await {
+        r??;
+    }
+    let deadline = Instant::now() + RUNNING_TIMEOUT;
+    loop {
+        let n = running.lock().unwrap_or_else(PoisonError::into_inner).len();
+        if n >= pods {
+            break;
+        }
+        if Instant::now() > deadline {
+            watch.abort();
+            bail!("only {n}/{pods} pods Running {RUNNING_TIMEOUT:?} after the last create");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    watch.abort();
+    let created = created.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let running = running.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let samples: Vec<f64> = created
+        .iter()
+        .map(|(name, t0)| running.get(name).map_or(f64::NAN, |t| t.duration_since(*t0).as_secs_f64() * 1000.0))
+        .collect();
+
+    api.delete_collection(&DeleteParams::default().grace_period(0), &ListParams::default()).await?;
+    cluster
+        .wait(&format!("the pods of {namespace} to be gone"), RUNNING_TIMEOUT, || async {
+            let left = api.list(&ListParams::default()).await?.items.len();
+            anyhow::ensure!(left == 0, "{left} pods left");
+            Ok(())
+        })
+        .await?;
+    ns_api.delete(namespace, &DeleteParams::default()).await?;
+    Stats::of(&samples).context("no samples")
+}
+
+fn bench_pod(name: &str, image: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some([("app".to_string(), "bench".to_string())].into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            termination_grace_period_seconds: Some(0),
+            containers: vec![Container {
+                name: "main".into(),
+                image: Some(image.into()),
+                image_pull_policy: Some("IfNotPresent".into()),
+                command: Some(vec!["sleep".into(), "1000000".into()]),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}

@@ -268,8 +268,15 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     }
     let count = |id: &str| holders.values().filter(|(h, _)| h == id).count();
     assert_eq!((count(&a_id), count(&b_id)), (4, 4), "fair shares of 8 shards: {holders:?}");
+    // A Lease is written a moment before its owner publishes the ownership: wait for the metric.
     for r in [&a, &b] {
-        assert_eq!(r.metric("kuryr_shards_owned").await, 4.0, "{}", r.id);
+        wait_until(&format!("{} owning 4 shards", r.id), PHASE_TIMEOUT, || async {
+            let n = r.metric("kuryr_shards_owned").await;
+            anyhow::ensure!(n == 4.0, "{n}");
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     }
     let shard_of = |node: &str| {
         // FNV-1a 64, as kuryr-shard documents it.
@@ -341,9 +348,17 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     let req =
         || WatchVifsRequest { node_name: node.clone(), resume_from: String::new(), binder_id: "test/redirect".into() };
-    let refused =
-        VifAllocatorClient::new(channel(&a.addr, &c.binder_token)).watch_vifs(req()).await.map(drop).unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    // `a` learns who took a shard at its next Lease round; until then it answers "no owner right
+    // now" (also UNAVAILABLE, for the client to retry). Retry as a client would until it names one.
+    let refused = wait_until("a refusal naming the owner", PHASE_TIMEOUT, || async {
+        let refused =
+            VifAllocatorClient::new(channel(&a.addr, &c.binder_token)).watch_vifs(req()).await.map(drop).unwrap_err();
+        anyhow::ensure!(refused.code() == tonic::Code::Unavailable, "{refused:?}");
+        anyhow::ensure!(refused.metadata().get(OWNER_METADATA).is_some(), "no owner named yet: {}", refused.message());
+        Ok(refused)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     assert!(refused.message().contains(&b.id), "{}", refused.message());
     let owner = refused.metadata().get(OWNER_METADATA).unwrap().to_str().unwrap().to_string();
     assert_eq!(owner, b.addr);

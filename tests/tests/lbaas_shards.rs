@@ -370,10 +370,19 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     // 1. Both own shards, each advertising its own address.
     let split = c.wait_split(&[&a, &b]).await;
     eprintln!("shards: {split:?}");
+    // The Leases are written before the replica has loaded the shards it took: wait for both
+    // metrics to catch up rather than reading them once.
     for r in [&a, &b] {
-        let m = r.scrape().await;
-        assert_eq!(m.value("kuryr_shards_owned", &[]).unwrap(), f64::from(SHARDS / 2), "{}", r.id);
-        assert_eq!(m.value("kuryr_lbaas_shards_served", &[]).unwrap(), f64::from(SHARDS / 2), "{}", r.id);
+        wait_until(&format!("{} owning and serving its share", r.id), PHASE_TIMEOUT, || async {
+            let m = r.scrape().await;
+            let owned = m.value("kuryr_shards_owned", &[]).unwrap_or(-1.0);
+            let served = m.value("kuryr_lbaas_shards_served", &[]).unwrap_or(-1.0);
+            let share = f64::from(SHARDS / 2);
+            anyhow::ensure!(owned == share && served == share, "owned {owned}, served {served}, share {share}");
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
     }
 
     // 2. A burst of Services: split between the replicas, streamed by both.

@@ -119,6 +119,28 @@ pub struct ClusterOptions {
     pub binder_args: Vec<String>,
     /// Start-up progress reports.
     pub progress: Option<ProgressFn>,
+    /// The services' `--stream-heartbeat` and their followers' (the binders' too)
+    /// `--stream-idle-timeout`; their defaults when `None`.
+    pub stream_timing: Option<StreamTiming>,
+}
+
+/// How often the services' streams carry heartbeats, and how long their readers wait for one.
+#[derive(Clone, Debug)]
+pub struct StreamTiming {
+    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas.
+    pub heartbeat: String,
+    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas and the binders.
+    pub idle_timeout: String,
+}
+
+impl StreamTiming {
+    fn heartbeat_args(timing: Option<&Self>) -> Vec<String> {
+        timing.map(|t| vec!["--stream-heartbeat".to_string(), t.heartbeat.clone()]).unwrap_or_default()
+    }
+
+    fn idle_args(timing: Option<&Self>) -> Vec<String> {
+        timing.map(|t| vec!["--stream-idle-timeout".to_string(), t.idle_timeout.clone()]).unwrap_or_default()
+    }
 }
 
 impl Default for ClusterOptions {
@@ -136,6 +158,7 @@ impl Default for ClusterOptions {
             service_args: Vec::new(),
             binder_args: Vec::new(),
             progress: None,
+            stream_timing: None,
         }
     }
 }
@@ -150,6 +173,7 @@ impl fmt::Debug for ClusterOptions {
             .field("kubelet", &self.kubelet)
             .field("run_containers", &self.run_containers)
             .field("services", &self.services)
+            .field("stream_timing", &self.stream_timing)
             .finish_non_exhaustive()
     }
 }
@@ -301,10 +325,13 @@ impl Cluster {
 
         let t = Instant::now();
         let watcher_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
+        let timing = opts.stream_timing.as_ref();
+        let mut watcher_args = vec!["--kubeconfig".into(), watcher_config.display().to_string()];
+        watcher_args.extend(StreamTiming::heartbeat_args(timing));
         let watcher = start_service(
             "kuryr-watcher",
             dir.path(),
-            &[&["--kubeconfig".into(), watcher_config.display().to_string()][..], &opts.service_args].concat(),
+            &[&watcher_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::WATCHER,
             &progress,
@@ -314,7 +341,7 @@ impl Cluster {
 
         let t = Instant::now();
         let allocator_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, ALLOCATOR_ACCOUNT).await?;
-        let allocator_args = [
+        let mut allocator_args = vec![
             "--kubeconfig".into(),
             allocator_config.display().to_string(),
             "--watcher".into(),
@@ -328,6 +355,8 @@ impl Cluster {
             "--replica-id".into(),
             "kuryr-vif-allocator-0".into(),
         ];
+        allocator_args.extend(StreamTiming::heartbeat_args(timing));
+        allocator_args.extend(StreamTiming::idle_args(timing));
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
@@ -343,7 +372,7 @@ impl Cluster {
         let lbaas = if opts.services {
             let t = Instant::now();
             let lbaas_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, LBAAS_ACCOUNT).await?;
-            let lbaas_args = [
+            let mut lbaas_args = vec![
                 "--kubeconfig".into(),
                 lbaas_config.display().to_string(),
                 "--watcher".into(),
@@ -355,6 +384,8 @@ impl Cluster {
                 "--replica-id".into(),
                 "kuryr-lbaas-0".into(),
             ];
+            lbaas_args.extend(StreamTiming::heartbeat_args(timing));
+            lbaas_args.extend(StreamTiming::idle_args(timing));
             let lbaas = start_service(
                 "kuryr-lbaas",
                 dir.path(),
@@ -739,6 +770,7 @@ async fn start_node(
     let token = kube.kuryr_token_file(SYSTEM_NAMESPACE, BINDER_ACCOUNT, Some(&name)).await?;
     let mut binder_args =
         vec!["--log".to_string(), opts.service_log.clone(), "--auth-token-file".into(), token.display().to_string()];
+    binder_args.extend(StreamTiming::idle_args(opts.stream_timing.as_ref()));
     binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);

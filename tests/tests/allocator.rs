@@ -240,7 +240,7 @@ impl NodeStream {
     async fn next(&mut self) -> Result<WatchVifsResponse, End> {
         let ev = loop {
             match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-                Ok(Ok(Some(ev))) if ev.r#type() == VifEventType::Heartbeat => {}
+                Ok(Ok(Some(ev))) if ev.r#type() == VifEventType::Heartbeat => continue,
                 Ok(Ok(Some(ev))) => break ev,
                 Ok(Ok(None)) => return Err(End::Ended),
                 Ok(Err(s)) => return Err(End::Failed(s)),

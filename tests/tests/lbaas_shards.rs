@@ -317,7 +317,7 @@ fn follow(addr: String, who: &str, token: &str) -> Shared {
                 LbEventType::LbDeleted => {
                     st.specs.remove(&key);
                 }
-                LbEventType::Unspecified | LbEventType::Heartbeat => {}
+                LbEventType::Unspecified | LbEventType::Heartbeat => continue,
             }
             let live = st.live;
             if live {

@@ -1,9 +1,11 @@
 //! Every service can be inspected with grpcurl over TCP and over its unix socket — health,
-//! reflection v1 and v1alpha, and its own API — even while what it depends on is unreachable;
+//! reflection v1 and v1alpha, and its own APIs (reflection lists exactly those: no other service's
+//! API) — even while what it depends on is unreachable;
 //! it reports NOT_SERVING meanwhile, answers malformed requests with INVALID_ARGUMENT, counts
 //! calls by status code in its metrics, flips to SERVING once its dependencies are up, and exits
 //! promptly on SIGTERM, removing its socket.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use kuryr_tests::kube::KubeEnv;
@@ -14,6 +16,8 @@ use kuryr_tests::vifserver::ScriptedAllocator;
 struct Svc {
     bin: &'static str,
     api: &'static str,
+    /// The other kuryr APIs the binary serves.
+    also: &'static [&'static str],
     /// The flag naming the dependency (pointed at a dead port in the first test).
     dep_flag: Option<&'static str>,
     /// A malformed request and the method it is sent to.
@@ -24,24 +28,28 @@ const SERVICES: &[Svc] = &[
     Svc {
         bin: "kuryr-watcher",
         api: "kuryr.watcher.v1.Watcher",
+        also: &[],
         dep_flag: None,
         bad_call: ("kuryr.watcher.v1.Watcher/Subscribe", r#"{"kinds":["KIND_UNSPECIFIED"]}"#),
     },
     Svc {
         bin: "kuryr-vif-allocator",
         api: "kuryr.allocator.v1.VifAllocator",
+        also: &["kuryr.allocator.v1.PoolManager"],
         dep_flag: Some("--watcher"),
         bad_call: ("kuryr.allocator.v1.VifAllocator/WatchVifs", r#"{"node_name":""}"#),
     },
     Svc {
         bin: "kuryr-lbaas",
         api: "kuryr.lbaas.v1.LoadBalancers",
+        also: &[],
         dep_flag: Some("--watcher"),
         bad_call: ("kuryr.lbaas.v1.LoadBalancers/GetLoadBalancer", r#"{"name":"x"}"#),
     },
     Svc {
         bin: "kuryr-binder",
         api: "kuryr.binder.v1.Cni",
+        also: &[],
         dep_flag: Some("--allocator"),
         bad_call: ("kuryr.binder.v1.Cni/Add", r#"{"shim_version":"0.0.0-not-this"}"#),
     },
@@ -123,17 +131,26 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
             })
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
-            for want in [
+            // Exactly what the binary serves: health, reflection and its own APIs, no other's.
+            let mut want: BTreeSet<&str> = [
                 "grpc.health.v1.Health",
                 "grpc.reflection.v1.ServerReflection",
                 "grpc.reflection.v1alpha.ServerReflection",
                 svc.api,
-            ] {
-                assert!(listed.lines().any(|l| l == want), "{}: {want} not listed over {target}:\n{listed}", svc.bin);
+            ]
+            .into();
+            want.extend(svc.also);
+            let got: BTreeSet<&str> = listed.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+            assert_eq!(got, want, "{}: services listed over {target}", svc.bin);
+            // Reflection describes the service's own APIs, and not the others'.
+            for api in std::iter::once(&svc.api).chain(svc.also) {
+                let (ok, described) = grpcurl(&["-plaintext", target, "describe", api]).await.unwrap();
+                assert!(ok && described.contains("is a service"), "{}: describe {api} failed: {described}", svc.bin);
             }
-            // Reflection describes the service's own API.
-            let (ok, described) = grpcurl(&["-plaintext", target, "describe", svc.api]).await.unwrap();
-            assert!(ok && described.contains("is a service"), "{}: describe failed: {described}", svc.bin);
+            for other in SERVICES.iter().filter(|o| o.bin != svc.bin) {
+                let (ok, described) = grpcurl(&["-plaintext", target, "describe", other.api]).await.unwrap();
+                assert!(!ok, "{}: describes {}, which it does not serve: {described}", svc.bin, other.api);
+            }
         }
         // The older reflection protocol answers too.
         let (ok, out) = grpcurl(&[

@@ -29,19 +29,6 @@ pub struct CommonArgs {
     #[arg(long, env = "KURYR_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// Streams this service serves (Subscribe, WatchVifs, WatchLoadBalancers) carry a heartbeat
-    /// whenever nothing else was sent for this long, so that their readers can tell a quiet
-    /// stream from a dead or stuck server.
-    #[arg(long, env = "KURYR_STREAM_HEARTBEAT", default_value = "5s", value_parser = parse_heartbeat)]
-    pub stream_heartbeat: Duration,
-
-    /// A stream this service reads from another kuryr service on which nothing arrives for this
-    /// long — not even a heartbeat — is taken as dead (a partitioned, stopped or stuck peer): it
-    /// is dropped and reopened, and what depends on it turns NOT_SERVING meanwhile. Keep it a few
-    /// times the peers' --stream-heartbeat.
-    #[arg(long, env = "KURYR_STREAM_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_idle_timeout)]
-    pub stream_idle_timeout: Duration,
-
     #[command(flatten)]
     pub auth: AuthArgs,
 }
@@ -118,22 +105,6 @@ impl AuthArgs {
             }
         }
     }
-}
-
-fn parse_heartbeat(s: &str) -> Result<Duration, String> {
-    let d = parse_duration(s)?;
-    if d < Duration::from_millis(100) {
-        return Err(format!("`{s}`: at least 100ms"));
-    }
-    Ok(d)
-}
-
-fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
-    let d = parse_duration(s)?;
-    if d < Duration::from_millis(500) {
-        return Err(format!("`{s}`: at least 500ms"));
-    }
-    Ok(d)
 }
 
 /// Parses durations written as `250ms`, `10s`, `2m` or a bare number of seconds.

@@ -1,14 +1,19 @@
 //! Running a service: bind every listener first (fail fast, before any work), serve the service's
 //! gRPC routes together with health and reflection on each, serve metrics over HTTP, and on
-//! SIGTERM mark everything NOT_SERVING, stop accepting, and drain within a bound.
+//! SIGTERM mark everything NOT_SERVING, stop accepting, and drain within a bound. Reflection
+//! lists and describes exactly what the binary serves ([`Services`]), plus health and itself.
 
+use std::collections::BTreeSet;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use prometheus_client::registry::Registry;
+use prost::Message as _;
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::server::NamedService;
 use tonic::service::Routes;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
@@ -19,6 +24,53 @@ use crate::health::Health;
 use crate::listen::{Bound, ListenAddr};
 use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, methods_of, serve_http};
 use crate::shutdown::{self, Shutdown, ShutdownTrigger};
+
+/// The gRPC services a binary serves: their routes, and their names for reflection.
+#[derive(Debug)]
+pub struct Services {
+    routes: Routes,
+    names: Vec<&'static str>,
+}
+
+impl Services {
+    /// The services of a binary, starting with `svc`.
+    pub fn new<S>(svc: S) -> Self
+    where
+        S: tower::Service<http::Request<tonic::body::Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        Self { routes: Routes::new(svc), names: vec![S::NAME] }
+    }
+
+    /// Adds another service.
+    #[must_use]
+    pub fn with<S>(mut self, svc: S) -> Self
+    where
+        S: tower::Service<http::Request<tonic::body::Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        self.routes = self.routes.add_service(svc);
+        self.names.push(S::NAME);
+        self
+    }
+
+    /// The fully-qualified names of the services.
+    pub fn names(&self) -> &[&'static str] {
+        &self.names
+    }
+}
 
 /// A service being started: its metrics registry, readiness, and shutdown signal. Register
 /// metrics and spawn background work, then call [`Runtime::serve`].
@@ -78,11 +130,11 @@ impl Runtime {
         self.trigger.clone()
     }
 
-    /// Serves `routes` plus grpc.health.v1 and server reflection (v1 and v1alpha) on every
+    /// Serves `services` plus grpc.health.v1 and server reflection (v1 and v1alpha) on every
     /// address in `listen`, and metrics on `metrics_listen`, until SIGTERM/SIGINT or the trigger.
     pub async fn serve(
         self,
-        routes: Routes,
+        services: Services,
         listen: &[ListenAddr],
         metrics_listen: Option<&ListenAddr>,
     ) -> anyhow::Result<()> {
@@ -105,7 +157,7 @@ impl Runtime {
         let mut registry = self.registry;
         let grpc_metrics = GrpcMetrics::register(&mut registry, methods_of(DESCRIPTOR_SETS));
         let registry = Arc::new(registry);
-        let routes = with_standard_services(routes, self.health_server)?;
+        let routes = with_standard_services(services, self.health_server)?;
         let shutdown = self.trigger.signal();
         let mut tasks = JoinSet::new();
         let mut sockets = Vec::new();
@@ -178,7 +230,8 @@ impl Runtime {
     }
 }
 
-/// The contracts every server knows: kuryr's own, health and reflection.
+/// The contracts every server knows of, for the metric labels of known methods: kuryr's own,
+/// health and reflection.
 const DESCRIPTOR_SETS: &[&[u8]] = &[
     kuryr_proto::FILE_DESCRIPTOR_SET,
     tonic_health::pb::FILE_DESCRIPTOR_SET,
@@ -196,13 +249,25 @@ const MAX_CONCURRENT_STREAMS: u32 = 256;
 /// The largest health or reflection request: a service name, a symbol.
 pub const MAX_STANDARD_REQUEST: usize = 16 * 1024;
 
-/// Adds health and both reflection versions. Reflection knows every kuryr contract and the health
-/// service, so grpcurl can describe all of them on any service.
-fn with_standard_services(routes: Routes, health: HealthServer<HealthService>) -> anyhow::Result<Routes> {
+/// The service names health and reflection add.
+const HEALTH: &str = "grpc.health.v1.Health";
+const REFLECTION: [&str; 2] = ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"];
+
+/// Adds health and both reflection versions. Reflection lists the binary's own services, health
+/// and itself, and describes only the contracts of those services: grpcurl on the allocator shows
+/// the allocator's API, not the watcher's.
+fn with_standard_services(services: Services, health: HealthServer<HealthService>) -> anyhow::Result<Routes> {
+    let contracts = contracts_of(kuryr_proto::FILE_DESCRIPTOR_SET, services.names())?;
     let builder = || {
-        DESCRIPTOR_SETS
-            .iter()
-            .fold(tonic_reflection::server::Builder::configure(), |b, set| b.register_encoded_file_descriptor_set(set))
+        let mut b = tonic_reflection::server::Builder::configure()
+            .register_file_descriptor_set(contracts.clone())
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET);
+        for name in services.names().iter().chain([&HEALTH]).chain(&REFLECTION) {
+            b = b.with_service_name(*name);
+        }
+        b
     };
     let v1 = builder().build_v1().context("building reflection v1")?.max_decoding_message_size(MAX_STANDARD_REQUEST);
     let v1alpha = builder()
@@ -210,5 +275,51 @@ fn with_standard_services(routes: Routes, health: HealthServer<HealthService>) -
         .context("building reflection v1alpha")?
         .max_decoding_message_size(MAX_STANDARD_REQUEST);
     let health = health.max_decoding_message_size(MAX_STANDARD_REQUEST);
-    Ok(routes.add_service(health).add_service(v1).add_service(v1alpha))
+    Ok(services.routes.add_service(health).add_service(v1).add_service(v1alpha))
+}
+
+/// The files of the encoded descriptor set `encoded` that define the packages of `services`
+/// (`package.Service` names), with the files they import.
+fn contracts_of(encoded: &[u8], services: &[&str]) -> anyhow::Result<prost_types::FileDescriptorSet> {
+    let all = prost_types::FileDescriptorSet::decode(encoded).context("decoding the kuryr descriptor set")?;
+    let packages: BTreeSet<&str> = services.iter().filter_map(|s| s.rsplit_once('.').map(|(p, _)| p)).collect();
+    let mut wanted: BTreeSet<String> =
+        all.file.iter().filter(|f| packages.contains(f.package())).map(|f| f.name().to_string()).collect();
+    loop {
+        let imports: Vec<String> = all
+            .file
+            .iter()
+            .filter(|f| wanted.contains(f.name()))
+            .flat_map(|f| f.dependency.iter().cloned())
+            .filter(|d| !wanted.contains(d))
+            .collect();
+        if imports.is_empty() {
+            break;
+        }
+        wanted.extend(imports);
+    }
+    let file = all.file.into_iter().filter(|f| wanted.contains(f.name())).collect();
+    Ok(prost_types::FileDescriptorSet { file })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn reflection_describes_only_the_served_contracts() {
+        let packages = |names: &[&str]| -> Vec<String> {
+            let set = contracts_of(kuryr_proto::FILE_DESCRIPTOR_SET, names).unwrap();
+            set.file.iter().map(|f| f.package().to_string()).collect()
+        };
+        assert_eq!(packages(&["kuryr.watcher.v1.Watcher"]), ["kuryr.watcher.v1"]);
+        assert_eq!(
+            packages(&["kuryr.allocator.v1.VifAllocator", "kuryr.allocator.v1.PoolManager"]),
+            ["kuryr.allocator.v1"]
+        );
+        assert_eq!(packages(&["kuryr.binder.v1.Cni"]), ["kuryr.binder.v1"]);
+        assert!(packages(&[]).is_empty());
+    }
 }

@@ -4,7 +4,8 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
+//! stream is live, and again whenever the stream is down or silent for longer than
+//! `--stream-idle-timeout`. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
 //! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]), both in the node's
 //! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter.
 
@@ -33,7 +34,8 @@ use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::local::LocalCallers;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::config::parse_duration;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
+use kuryr_runtime::follow::FollowArgs;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 
 /// The binder's version; the shim must send the same.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -130,6 +132,10 @@ pub struct Config {
     #[arg(long, env = "KURYR_OVS_DB")]
     pub ovs_db: Option<String>,
 
+    /// How the VIF and load balancer streams are read.
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -182,15 +188,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
-    tokio::spawn(vifs.clone().follow(
-        allocator.clone(),
-        node.clone(),
-        binder_id,
-        rt.health(),
-        service_names::CNI,
-        config.common.stream_idle_timeout,
-        rt.shutdown(),
-    ));
+    let follower = vifs::follower(allocator.clone(), node.clone(), binder_id, config.follow.config());
+    tokio::spawn(vifs.clone().follow(follower, rt.health(), service_names::CNI, rt.shutdown()));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
     // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
     tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
@@ -217,7 +216,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),
-            config.common.stream_idle_timeout,
+            config.follow.config(),
             rt.shutdown(),
         );
     }
@@ -242,9 +241,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // A request carries the network configuration (at most 1 MiB, as the shim enforces) and a
     // few short strings.
     let cni = CniServer::new(service).max_decoding_message_size(MAX_REQUEST);
-    let routes = tonic::service::Routes::new(cni);
     let listen: Vec<ListenAddr> = config.listen.iter().chain(&config.tcp_listen).cloned().collect();
-    rt.serve(routes, &listen, Some(&config.metrics_listen)).await
+    rt.serve(Services::new(cni), &listen, Some(&config.metrics_listen)).await
 }
 
 /// A `cniVersion` this plugin speaks (the error lists the supported ones).

@@ -1,6 +1,6 @@
 //! The gRPC edge: validates requests (naming the offending field), serves WatchLoadBalancers
-//! from the published specs (snapshot, deltas, resume; see [`kuryr_stream::feed`]) and answers
-//! Get/List from the records.
+//! from the published specs (snapshot, deltas, resume, heartbeats; see [`kuryr_stream::feed`])
+//! and answers Get/List from the records.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +12,7 @@ use kuryr_proto::lbaas::v1::{
     LoadBalancerSpec, WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_runtime::Shutdown;
-use kuryr_stream::{Event, How, Subscriber};
+use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -38,13 +38,16 @@ pub struct LbService {
     heartbeat: Duration,
 }
 
+/// The heartbeat interval unless told otherwise (`--stream-heartbeat`).
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
+
 impl LbService {
     /// Streams `log`, answers from `records` once `recovered` is set.
     pub fn new(log: LbLog, records: Records, recovered: Arc<AtomicBool>, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { log, records, recovered, metrics, shutdown, heartbeat: Duration::from_secs(5) }
+        Self { log, records, recovered, metrics, shutdown, heartbeat: DEFAULT_HEARTBEAT }
     }
 
-    /// Streams send a HEARTBEAT whenever nothing else was sent for `every` (`--stream-heartbeat`).
+    /// Streams carry a HEARTBEAT whenever nothing else was sent for `every`.
     #[must_use]
     pub fn with_heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = every;
@@ -107,7 +110,6 @@ pub fn validate_list(req: &ListLoadBalancersRequest) -> Result<(), Status> {
 #[derive(Debug)]
 struct Watch {
     metrics: Metrics,
-    heartbeat: Duration,
 }
 
 impl Subscriber<String, LoadBalancerSpec> for Watch {
@@ -132,20 +134,12 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
         Ok(WatchLoadBalancersResponse { resume_point, r#type: t as i32, spec })
     }
 
-    fn closing(&self) -> Option<Self::Item> {
-        Some(Err(Status::unavailable("kuryr-lbaas is shutting down; reconnect with resume_from")))
-    }
-
     fn started(&self, how: How) {
         self.metrics.subscriptions.get_or_create(&StartLabels { start: how.label() }).inc();
     }
 
     fn ended(&self) {
         self.metrics.subscribers.dec();
-    }
-
-    fn heartbeat(&self) -> Option<Duration> {
-        Some(self.heartbeat)
     }
 }
 
@@ -162,18 +156,19 @@ impl LoadBalancers for LbService {
         validate_watch(&req)?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", subscriber = %subscriber, peer = %peer);
-        let watch = Watch { metrics: self.metrics.clone(), heartbeat: self.heartbeat };
-        let opened = kuryr_stream::feed::subscribe(
-            &self.log,
-            &req.resume_from,
-            watch,
-            STREAM_BUFFER,
-            self.shutdown.clone().wait(),
-            span.clone(),
-        )
-        .map_err(|_| {
-            Status::unavailable("kuryr-lbaas does not have its first complete view of Services and EndpointSlices yet")
-        })?;
+        let watch = Watch { metrics: self.metrics.clone() };
+        let shutdown = self.shutdown.clone();
+        let stop = async move {
+            shutdown.wait().await;
+            Err(Status::unavailable("kuryr-lbaas is shutting down; reconnect with resume_from"))
+        };
+        let options = Options { buffer: STREAM_BUFFER, heartbeat: Some(self.heartbeat) };
+        let opened = kuryr_stream::feed::subscribe(&self.log, &req.resume_from, watch, options, stop, span.clone())
+            .map_err(|_| {
+                Status::unavailable(
+                    "kuryr-lbaas does not have its first complete view of Services and EndpointSlices yet",
+                )
+            })?;
         self.metrics.subscribers.inc();
         span.in_scope(|| {
             tracing::info!(resume_from = %req.resume_from, how = opened.how.label(), items = opened.items,
@@ -240,7 +235,7 @@ mod tests {
 
     #[test]
     fn deletions_carry_only_the_identity() {
-        let w = Watch { metrics: Metrics::default(), heartbeat: Duration::from_secs(5) };
+        let w = Watch { metrics: Metrics::default() };
         let spec = Arc::new(LoadBalancerSpec {
             namespace: "ns".into(),
             name: "web".into(),

@@ -12,7 +12,7 @@
 //! **Programs** through a [`backend::Backend`]. The node backend (the embedded default)
 //! publishes each spec to `WatchLoadBalancers` ([`grpc`]), which every node's binder programs
 //! into nftables: a snapshot, SNAPSHOT_COMPLETE, then deltas, with resume points
-//! `"<epoch>-<revision>"` ([`kuryr_stream`]). Its status is `PROGRAMMED` at the generation
+//! `"<epoch>-<revision>"` and heartbeats while quiet ([`kuryr_stream`]). Its status is `PROGRAMMED` at the generation
 //! published. The spec's generation is the record's `metadata.generation`, so it only grows,
 //! across restarts too.
 //!
@@ -27,7 +27,8 @@
 //! every Service wherever a binder connects, and Get/List answer for all of them.
 //!
 //! Readiness ([`ready`]): NOT_SERVING until the records are loaded, the watcher's stream is live
-//! and (sharded) the other shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
+//! (not down, not silent for longer than `--stream-idle-timeout`) and (sharded) the other
+//! shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
 //! until the first complete view.
 
 pub mod backend;
@@ -58,7 +59,8 @@ use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
 use kuryr_proto::service_names;
 use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
 use kuryr_runtime::auth::{AccountRef, Rules};
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
 use tokio::sync::watch;
@@ -70,7 +72,7 @@ use crate::grpc::LbService;
 use crate::k8s::Kube;
 use crate::metrics::Metrics;
 use crate::octavia::OctaviaBackend;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 
 /// Deltas kept for resuming WatchLoadBalancers: a binder that reconnects within this many
@@ -152,6 +154,12 @@ pub struct Config {
     pub binder_accounts: Vec<AccountRef>,
 
     #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
+    #[command(flatten)]
     pub common: CommonArgs,
 }
 
@@ -198,9 +206,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let readiness = Readiness::default();
     if shard_config.shards == 0 {
         // Every record is this replica's own: none to follow.
-        readiness.set_mirror(true);
+        readiness.set(Condition::Mirror, true);
     }
-    readiness.spawn_driver(rt.health(), rt.shutdown());
+    readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());
     macro_rules! start {
         ($backend:expr) => {
             tokio::spawn(
@@ -229,11 +237,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         // Configuration errors end the process here, before any port is bound.
         BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry(), shards.clone())?),
     };
-    let service =
-        LbService::new(log, records, recovered, metrics, rt.shutdown()).with_heartbeat(config.common.stream_heartbeat);
+    let service = LbService::new(log, records, recovered, metrics, rt.shutdown())
+        .with_heartbeat(config.heartbeat.stream_heartbeat);
     // Requests are a few names and a resume point.
-    let routes = tonic::service::Routes::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
-    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+    let served = Services::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
         let _ = tokio::time::timeout(Duration::from_secs(6), h.stopped()).await;
@@ -322,7 +330,7 @@ impl<B: Backend> Start<B> {
         let n = found.len();
         locked(&records).extend(found);
         recovered.store(true, Ordering::Release);
-        readiness.set_recovered();
+        readiness.set(Condition::Recovered, true);
         tracing::info!(records = n, "recovered the ServiceLoadBalancer records");
 
         let view = SharedView::default();
@@ -355,13 +363,13 @@ impl<B: Backend> Start<B> {
         }
         let follower = follow::Follower {
             channel: watcher,
-            idle_timeout: config.common.stream_idle_timeout,
             controller,
             log,
             readiness,
             metrics,
             subscriber: format!("kuryr-lbaas/{instance}"),
             synced,
+            follow: config.follow.config(),
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }

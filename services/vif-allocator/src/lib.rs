@@ -10,8 +10,10 @@
 //! one uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
 //! before the VIF is handed out.
 //!
-//! **Streams** per node over `WatchVifs` ([`grpc`]): the node's VIFs and the other nodes' routes,
-//! SNAPSHOT_COMPLETE, then deltas, with resume points `"<epoch>-<revision>"` ([`index`]).
+//! **Streams** per node over `WatchVifs` ([`grpc`], with the shared core of
+//! [`kuryr_stream::feed`]): the node's VIFs and the other nodes' routes, SNAPSHOT_COMPLETE, then
+//! deltas, with resume points `"<epoch>-<revision>"` ([`index`]) and a HEARTBEAT whenever a
+//! stream has been quiet for `--stream-heartbeat`.
 //!
 //! **Recovers** on start by loading every PodVif of the network into the index before serving
 //! streams, so that binders get their VIFs at once after a restart (node routes follow as
@@ -25,7 +27,8 @@
 //!
 //! Readiness ([`ready`]): NOT_SERVING until the pod network exists (the PodNetwork, or the
 //! Neutron network), the PodVifs (and Neutron ports) were loaded and the watcher's stream is
-//! live.
+//! live; and again whenever that stream is down or silent for longer than
+//! `--stream-idle-timeout`.
 
 pub mod backend;
 pub mod cluster;
@@ -55,7 +58,8 @@ use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
 use kuryr_proto::service_names;
 use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
 use kuryr_runtime::auth::{AccountRef, Rules};
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_stream::WorkQueue;
 use tracing::Instrument as _;
 
@@ -72,7 +76,7 @@ use crate::neutron::metrics::NeutronMetrics;
 use crate::neutron::namespaces::k8s::NamespaceKube;
 use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 
 /// The largest request accepted: every request is a few names, ids and a resume point.
@@ -173,6 +177,12 @@ pub struct Config {
     pub pool_manager_accounts: Vec<AccountRef>,
 
     #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
+    #[command(flatten)]
     pub common: CommonArgs,
 }
 
@@ -269,7 +279,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %index.epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
     let index = index.shared();
     let readiness = Readiness::default();
-    readiness.spawn_driver(rt.health(), rt.shutdown());
+    readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());
     let cell: ControllerCell<KubeCluster> = Arc::default();
     let pools = BackendCell::default();
     let pool_api = if neutron.is_some() {
@@ -299,10 +309,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
     let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
         .with_shards(shards)
-        .with_heartbeat(config.common.stream_heartbeat);
-    let routes = tonic::service::Routes::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
-        .add_service(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
-    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+        .with_heartbeat(config.heartbeat.stream_heartbeat);
+    let services = Services::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
+        .with(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
+    let served = rt.serve(services, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
         let _ = tokio::time::timeout(Duration::from_secs(6), kuryr_shard::ShardHandle::stopped(h)).await;
@@ -414,7 +424,7 @@ impl Start {
         }
         shards.set_loaded(own.owned.clone());
         tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
-        readiness.set_recovered();
+        readiness.set(Condition::Recovered, true);
 
         let instance = config.instance_name();
         let cluster = KubeCluster::new(client.clone(), backend.clone(), &network, Some(instance.clone()));
@@ -454,21 +464,21 @@ impl Start {
             tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
             if b.namespace_networks().is_some() {
                 let subscriber = format!("kuryr-vif-allocator/{instance}/namespaces");
-                let idle = config.common.stream_idle_timeout;
+                let follow = config.follow.config();
                 let ns =
-                    neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, idle, shutdown.clone());
+                    neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, follow, shutdown.clone());
                 tokio::spawn(ns.instrument(tracing::info_span!("namespaces")));
             }
         }
         let follower = follow::Follower {
             channel: watcher,
-            idle_timeout: config.common.stream_idle_timeout,
             controller,
             index,
             recovered: found.into_iter().map(|f| (f.pod, f.node)).collect(),
             readiness,
             metrics,
             subscriber: format!("kuryr-vif-allocator/{instance}"),
+            follow: config.follow.config(),
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }
@@ -480,7 +490,7 @@ impl Start {
             k8s::ensure_network(client, &store, &network, self.spec.as_ref())
         })
         .await?;
-        self.readiness.set_network();
+        self.readiness.set(Condition::Network, true);
         let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let backend = AnyBackend::Embedded(EmbeddedBackend::new(store.clone(), &network));
         Some(Prepared { backend, network, found, store: Some(store), ready: None })
@@ -507,7 +517,7 @@ impl Start {
                     .await?;
             tracing::info!(loaded, "namespace networks loaded");
         }
-        self.readiness.set_network();
+        self.readiness.set(Condition::Network, true);
         let network = backend.network_id().to_string();
         let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let recorded: HashMap<String, String> = found
@@ -573,7 +583,7 @@ async fn collect_orphans(
             () = tokio::time::sleep(wait) => {}
             () = shutdown.clone().wait() => return,
         }
-        if !readiness.get().watcher {
+        if !readiness.holds(Condition::Watcher) {
             continue;
         }
         ran_once = true;

@@ -5,21 +5,25 @@ use std::time::Duration;
 
 use kuryr_proto::watcher::v1::Filter;
 use kuryr_runtime::shutdown;
+use tokio::sync::mpsc;
 
 use super::*;
-use crate::index::Update;
 use crate::index::tests::{pod, synced};
+use crate::index::{Update, lock};
 
 type Rx = mpsc::Receiver<Result<SubscribeResponse, Status>>;
 
-/// Starts a stream over `index` the way `subscribe` does.
+/// The heartbeat interval of the streams these tests open.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// Opens a stream over `index` the way `subscribe` does, after validation.
 fn open(
     index: &SharedIndex,
     selector: Selector,
     resume_from: &str,
     buffer: usize,
 ) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
-    open_beating(index, selector, resume_from, buffer, Duration::from_secs(3600))
+    open_beating(index, selector, resume_from, buffer, HEARTBEAT)
 }
 
 /// [`open`] with heartbeats every `heartbeat`.
@@ -32,22 +36,8 @@ fn open_beating(
 ) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
     let (trigger, signal) = shutdown::channel();
     let metrics = Metrics::default();
-    let (start, epoch, revisions) = {
-        let idx = lock(index);
-        (idx.start(&selector, resume_from).unwrap(), idx.epoch().clone(), idx.revisions())
-    };
-    let (tx, rx) = mpsc::channel(buffer);
-    let s = Stream {
-        index: index.clone(),
-        selector,
-        epoch,
-        tx,
-        revisions,
-        metrics: metrics.clone(),
-        heartbeat,
-        last_sent: tokio::time::Instant::now(),
-    };
-    tokio::spawn(s.run(start, signal));
+    let svc = WatcherService::new(index.clone(), metrics.clone(), signal, heartbeat);
+    let rx = svc.open(selector, resume_from, buffer, tracing::Span::none()).unwrap();
     (rx, metrics, trigger)
 }
 
@@ -86,6 +76,10 @@ async fn snapshot_then_live_deltas_in_order() {
     assert_eq!(next(&mut rx).await, (EventType::Deleted, "a".into(), "e-2".into()));
     quiet(&mut rx).await;
     assert_eq!(metrics.subscribers.get(), 1);
+    // Nothing to say for a heartbeat interval: a HEARTBEAT, with no resume point.
+    let before = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await, (EventType::Heartbeat, String::new(), String::new()));
+    assert!(before.elapsed() <= HEARTBEAT);
 }
 
 #[tokio::test(start_paused = true)]
@@ -97,8 +91,7 @@ async fn resume_sends_only_the_missed_matching_deltas() {
     let mut sel = pods();
     sel.node_name = Some("n1".into());
     let (mut rx, _m, _t) = open(&index, sel, "e-1", 8);
-    // Caught up as of the resume point; b (revision 1) was handled, c is on another node, d is
-    // what was missed.
+    // Caught up as of e-1 (b was handled); c is on another node; d is what was missed.
     assert_eq!(next(&mut rx).await, (EventType::SnapshotComplete, String::new(), "e-1".into()));
     assert_eq!(next(&mut rx).await, (EventType::Applied, "d".into(), "e-3".into()));
     quiet(&mut rx).await;

@@ -9,12 +9,14 @@
 //! the reduced object changed, so resourceVersion-only churn (node heartbeats, status details
 //! nobody reads) costs the streams nothing.
 //!
-//! **Streams** it over `kuryr.watcher.v1.Watcher/Subscribe` ([`grpc`]): a snapshot, then
-//! SNAPSHOT_COMPLETE, then deltas, each with a resume point `"<epoch>-<revision>"`
-//! ([`kuryr_stream::epoch`]). Resuming with a point of this process whose deltas are still in the
-//! history replays only what was missed; anything else (another replica, a restart, a point too
-//! old) gets RESET and a fresh snapshot; an empty `resume_from` gets a snapshot without the RESET.
-//! Replicas share nothing: each has its own epoch and its own watches.
+//! **Streams** it over `kuryr.watcher.v1.Watcher/Subscribe` ([`grpc`], with the shared core of
+//! [`kuryr_stream::feed`]): a snapshot, then SNAPSHOT_COMPLETE, then deltas, each with a resume
+//! point `"<epoch>-<revision>"` ([`kuryr_stream::epoch`]). Resuming with a point of this process
+//! whose deltas are still in the history sends SNAPSHOT_COMPLETE and replays only what was
+//! missed; anything else (another replica, a restart, a point too old) gets RESET and a fresh
+//! snapshot; an empty `resume_from` gets a snapshot without the RESET. A stream with nothing to
+//! say for `--stream-heartbeat` gets a HEARTBEAT. Replicas share nothing: each has its own epoch
+//! and its own watches.
 //!
 //! Readiness: the Watcher service is NOT_SERVING until every kind has been listed once, and
 //! while the Kubernetes API does not answer; Subscribe is UNAVAILABLE until that first sync.
@@ -42,7 +44,8 @@ use clap::Parser;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
 use kuryr_runtime::auth::{AccountRef, Rules};
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
+use kuryr_runtime::follow::HeartbeatArgs;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 
 /// The largest request accepted: every request is a few names, ids and a resume point.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -80,6 +83,9 @@ pub struct Config {
     pub subscriber_accounts: Vec<AccountRef>,
 
     #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
     pub common: CommonArgs,
 }
 
@@ -99,8 +105,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let index = index.shared();
     rt.health().register(service_names::WATCHER).await;
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());
-    let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.common.stream_heartbeat);
+    let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.heartbeat.stream_heartbeat);
     // A Subscribe request is a few kinds, names and a resume point.
-    let routes = tonic::service::Routes::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    let services = Services::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    rt.serve(services, &config.listen, Some(&config.metrics_listen)).await
 }

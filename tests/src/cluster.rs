@@ -112,8 +112,8 @@ pub struct ClusterOptions {
     pub services: bool,
     /// `--log` of the services.
     pub service_log: String,
-    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take,
-    /// such as `--stream-heartbeat`).
+    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take;
+    /// stream timing goes in `stream_timing`).
     pub service_args: Vec<String>,
     /// More flags for every node's kuryr-binder.
     pub binder_args: Vec<String>,

@@ -20,14 +20,14 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams};
 use kuryr_proto::service_names;
 use kuryr_tests::cluster::checks;
-use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, signal, svc};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, StreamTiming, signal, svc};
 use kuryr_tests::services::wait_until;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
 const NAMESPACE: &str = "partition";
-/// What the servers are told (`--stream-heartbeat`) and what their readers wait before taking a
-/// stream for dead (`--stream-idle-timeout`).
+/// What the services are told (`--stream-heartbeat`) and what their readers, the binder too, wait
+/// before taking a stream for dead (`--stream-idle-timeout`), through `ClusterOptions::stream_timing`.
 const HEARTBEAT: &str = "1s";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Slack on top of the idle timeout for noticing: the reconnect attempt, the health poll.
@@ -39,9 +39,8 @@ const CONVERGE_TIMEOUT: Duration = Duration::from_secs(90);
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn options(services: bool) -> ClusterOptions {
-    let idle = format!("{}s", IDLE_TIMEOUT.as_secs());
-    let flags = vec!["--stream-heartbeat".into(), HEARTBEAT.into(), "--stream-idle-timeout".into(), idle];
-    ClusterOptions { nodes: 1, services, service_args: flags.clone(), binder_args: flags, ..ClusterOptions::default() }
+    let timing = StreamTiming { heartbeat: HEARTBEAT.into(), idle_timeout: format!("{}s", IDLE_TIMEOUT.as_secs()) };
+    ClusterOptions { nodes: 1, services, stream_timing: Some(timing), ..ClusterOptions::default() }
 }
 
 async fn with_cluster(name: &str, services: bool, scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>) {

@@ -64,6 +64,10 @@ pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
 pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
 /// kuryr-lbaas's ServiceAccount (`deploy/rbac/lbaas.yaml`).
 pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
+/// The binders' ServiceAccount (`deploy/rbac/binder.yaml`).
+pub const BINDER_ACCOUNT: &str = "kuryr-binder";
+/// The ServiceAccount whose tokens manage the allocator's port pools (`deploy/rbac/pool-manager.yaml`).
+pub const POOL_MANAGER_ACCOUNT: &str = "kuryr-pool-manager";
 /// Bound on a service turning SERVING after start.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a service gets to drain after SIGTERM.
@@ -108,6 +112,11 @@ pub struct ClusterOptions {
     pub services: bool,
     /// `--log` of the services.
     pub service_log: String,
+    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take;
+    /// stream timing goes in `stream_timing`).
+    pub service_args: Vec<String>,
+    /// More flags for every node's kuryr-binder.
+    pub binder_args: Vec<String>,
     /// Start-up progress reports.
     pub progress: Option<ProgressFn>,
     /// The services' `--stream-heartbeat` and their followers' (the binders' too)
@@ -146,6 +155,8 @@ impl Default for ClusterOptions {
             run_containers: false,
             services: false,
             service_log: "info".into(),
+            service_args: Vec::new(),
+            binder_args: Vec::new(),
             progress: None,
             stream_timing: None,
         }
@@ -320,7 +331,7 @@ impl Cluster {
         let watcher = start_service(
             "kuryr-watcher",
             dir.path(),
-            &watcher_args,
+            &[&watcher_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::WATCHER,
             &progress,
@@ -349,7 +360,7 @@ impl Cluster {
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
-            &allocator_args,
+            &[&allocator_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::VIF_ALLOCATOR,
             &progress,
@@ -378,7 +389,7 @@ impl Cluster {
             let lbaas = start_service(
                 "kuryr-lbaas",
                 dir.path(),
-                &lbaas_args,
+                &[&lbaas_args[..], &opts.service_args].concat(),
                 &opts.service_log,
                 service_names::LOAD_BALANCERS,
                 &progress,
@@ -398,7 +409,7 @@ impl Cluster {
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
             let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref() };
-            start_node(name, i, &client, &underlay, upstream, &opts, &progress)
+            start_node(name, i, &kube, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
 
@@ -603,6 +614,20 @@ impl Cluster {
         self.service_mut(kind)?.process.kill().await
     }
 
+    /// Freezes a service with SIGSTOP: its sockets stay open and the kernel still accepts and
+    /// acknowledges, but nothing answers — as a silent partition looks from the other side.
+    /// [`Cluster::continue_service`] thaws it.
+    pub async fn stop_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "STOP")
+    }
+
+    /// Thaws a service frozen by [`Cluster::stop_service`] (SIGCONT).
+    pub async fn continue_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "CONT")
+    }
+
     /// Starts a service again with the command line it had (same addresses, same unix socket,
     /// left stale by a crash) and waits until it serves its API; its new pid joins the manifest.
     /// A service still running is killed first.
@@ -625,6 +650,13 @@ impl Cluster {
         }
         Ok(())
     }
+}
+
+/// Sends `SIG<name>` to `pid`.
+pub fn signal(pid: u32, name: &str) -> Result<()> {
+    let status = std::process::Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;
+    anyhow::ensure!(status.success(), "kill -{name} {pid} failed");
+    Ok(())
 }
 
 /// The namespace, the CRDs (until Established) and the RBAC manifests.
@@ -707,9 +739,11 @@ struct Upstream<'a> {
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
 /// then the shim, its conflist and the binder.
+#[allow(clippy::too_many_arguments)]
 async fn start_node(
     name: String,
     index: usize,
+    kube: &KubeEnv,
     client: &kube::Client,
     underlay: &Underlay,
     Upstream { allocator, lbaas }: Upstream<'_>,
@@ -731,8 +765,13 @@ async fn start_node(
     progress.step(&format!("{name}: Node object registered (Ready, InternalIP {})", join(&ips)), t);
 
     let t = Instant::now();
-    let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
+    // The binder authenticates to the allocator and lbaas as its ServiceAccount, with a token
+    // bound to its Node (a DaemonSet pod's projected token names its node the same way).
+    let token = kube.kuryr_token_file(SYSTEM_NAMESPACE, BINDER_ACCOUNT, Some(&name)).await?;
+    let mut binder_args =
+        vec!["--log".to_string(), opts.service_log.clone(), "--auth-token-file".into(), token.display().to_string()];
     binder_args.extend(StreamTiming::idle_args(opts.stream_timing.as_ref()));
+    binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
     }

@@ -82,7 +82,7 @@ async fn publish(url: &str, exchange: &str, bodies: &[Vec<u8>]) -> anyhow::Resul
 }
 
 async fn vif_state(alloc: &Svc, uid: &str) -> anyhow::Result<(String, VifState)> {
-    let mut c = VifAllocatorClient::new(alloc.channel().await?);
+    let mut c = VifAllocatorClient::new(alloc.channel()?);
     let v = c.get_vif(GetVifRequest { pod_uid: uid.into() }).await?.into_inner();
     let state = v.state();
     Ok((v.vif_id, state))
@@ -158,7 +158,7 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", r.alloc.proc.logs()));
-    let mut pm = PoolManagerClient::new(r.alloc.channel().await.unwrap());
+    let mut pm = PoolManagerClient::new(r.alloc.channel().unwrap());
     let key = PoolKey { node_name: r.c.node.host.clone(), ..Default::default() };
     pm.populate_pool(PopulatePoolRequest { key: Some(key), count: 16 }).await.unwrap();
 

@@ -31,13 +31,13 @@ use kuryr_proto::lbaas::v1::{
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::free_port;
 use serde_json::json;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 /// Bound on one expected change; a healthy lbaas delivers in milliseconds.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -66,6 +66,8 @@ struct Svc {
     proc: ServiceProcess,
     addr: String,
     metrics_url: String,
+    /// What the test's calls send: a binder's token.
+    token: String,
 }
 
 fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
@@ -80,7 +82,7 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
 }
 
 impl Cluster {
@@ -109,7 +111,10 @@ impl Cluster {
             "info,kuryr_lbaas=debug",
         ];
         args.extend(extra);
-        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
+        Svc {
+            token: self.binder_token.clone(),
+            ..(spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path()))
+        }
     }
 
     fn services(&self) -> Api<Service> {
@@ -181,8 +186,8 @@ fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str
 }
 
 impl Svc {
-    fn client(&self) -> LoadBalancersClient<Channel> {
-        LoadBalancersClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    fn client(&self) -> LoadBalancersClient<PeerChannel> {
+        LoadBalancersClient::new(kuryr_tests::auth::channel(&self.addr, &self.token).unwrap())
     }
 
     async fn wait_serving(&self) {
@@ -344,6 +349,25 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert!(forbidden(Api::<EndpointSlice>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<Secret>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<Service>::namespaced(sa, NS).delete("x", &DeleteParams::default()).await.map(drop)));
+
+    // Only the binders' account reads the specs: no token is UNAUTHENTICATED, another account's
+    // PERMISSION_DENIED, on every method.
+    let anonymous = LoadBalancersClient::new(with_credentials(
+        kuryr_runtime::client::channel(&lbaas.addr).unwrap(),
+        kuryr_runtime::auth::client::Credentials::None,
+    ));
+    let other = c.env.kuryr_token("kuryr-system", "kuryr-vif-allocator", None).await.unwrap();
+    let other = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &other).unwrap());
+    for (who, mut client, code) in [
+        ("anonymous", anonymous, tonic::Code::Unauthenticated),
+        ("the allocator", other, tonic::Code::PermissionDenied),
+    ] {
+        let watch = WatchLoadBalancersRequest { resume_from: String::new(), subscriber: String::new() };
+        let e = client.watch_load_balancers(watch).await.unwrap_err();
+        assert_eq!(e.code(), code, "{who}: {e}");
+        let e = client.list_load_balancers(ListLoadBalancersRequest::default()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{who}: {e}");
+    }
 
     // Bad requests name the field; unknown Services are NOT_FOUND.
     let mut client = lbaas.client();

@@ -67,10 +67,16 @@ fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<R
     let port = free_port()?;
     let mport = free_port()?;
     let socket = dir.join(format!("{}.sock", svc.bin));
-    let tcp = format!("127.0.0.1:{port}");
+    // The binder serves on its unix socket only: there its "TCP" target is the socket too.
+    let (tcp, listen) = if svc.bin == "kuryr-binder" {
+        (format!("unix://{}", socket.display()), format!("unix:{}", socket.display()))
+    } else {
+        let tcp = format!("127.0.0.1:{port}");
+        (tcp.clone(), format!("{tcp},unix:{}", socket.display()))
+    };
     let mut args = vec![
         "--listen".to_string(),
-        format!("{tcp},unix:{}", socket.display()),
+        listen,
         "--metrics-listen".to_string(),
         format!("127.0.0.1:{mport}"),
         "--shutdown-grace".to_string(),
@@ -169,17 +175,18 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
         let h = health(&r.tcp, "").await.unwrap();
         assert!(h.contains("\"NOT_SERVING\""), "{}: {h}", svc.bin);
 
-        // A malformed request is refused naming the problem.
+        // A malformed request is refused naming the problem (the binder, root on its socket); the
+        // services' APIs want a ServiceAccount token before anything else.
         let (method, body) = svc.bad_call;
         let (ok, out) = grpcurl(&["-plaintext", "-d", body, &r.tcp, method]).await.unwrap();
         assert!(!ok, "{}: {method} accepted {body}", svc.bin);
-        let expected = if svc.bin == "kuryr-binder" { "FailedPrecondition" } else { "InvalidArgument" };
+        let expected = if svc.bin == "kuryr-binder" { "FailedPrecondition" } else { "Unauthenticated" };
         assert!(out.contains(expected), "{}: {method} {body}: {out}", svc.bin);
 
         // Metrics count calls by code.
         let metrics = http_get(&r.metrics).await.unwrap();
         let (service, m) = method.split_once('/').unwrap();
-        let code = if svc.bin == "kuryr-binder" { "FAILED_PRECONDITION" } else { "INVALID_ARGUMENT" };
+        let code = if svc.bin == "kuryr-binder" { "FAILED_PRECONDITION" } else { "UNAUTHENTICATED" };
         let line = format!(r#"grpc_server_handled_total{{service="{service}",method="{m}",code="{code}"}} 1"#);
         assert!(metrics.contains(&line), "{}: metrics lack {line}:\n{metrics}", svc.bin);
 
@@ -207,6 +214,14 @@ async fn services_become_serving_once_their_dependencies_are() {
     // The allocator's and lbaas' shard Leases live in their namespace, as when deployed.
     kube.kubectl(&["create", "namespace", "kuryr-system"]).await.unwrap();
     let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig.clone()]).unwrap();
+    // The services run with the admin kubeconfig here; towards each other they authenticate as
+    // their own ServiceAccounts, with tokens for the kuryr audience.
+    let token_of = async |sa: &str| {
+        let f = kube.kuryr_token_file("kuryr-system", sa, None).await.unwrap();
+        ["--auth-token-file".to_string(), f.display().to_string()]
+    };
+    let [af, allocator_token] = token_of("kuryr-vif-allocator").await;
+    let [lf, lbaas_token] = token_of("kuryr-lbaas").await;
     let allocator = start(
         &SERVICES[1],
         dir.path(),
@@ -217,13 +232,18 @@ async fn services_become_serving_once_their_dependencies_are() {
             kubeconfig.clone(),
             "--network-cidrs".into(),
             "10.244.0.0/16".into(),
+            af,
+            allocator_token,
         ],
     )
     .unwrap();
     // lbaas serves once its records (ServiceLoadBalancers) are loaded and the watcher is live.
-    let lbaas =
-        start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig])
-            .unwrap();
+    let lbaas = start(
+        &SERVICES[2],
+        dir.path(),
+        &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig, lf, lbaas_token],
+    )
+    .unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
     // scripted allocator (the real one is covered by the end-to-end suite).
     let scripted = ScriptedAllocator::new(true).serve_unix(&dir.path().join("alloc.sock")).await.unwrap();
@@ -249,6 +269,17 @@ async fn services_become_serving_once_their_dependencies_are() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
     }
+    // grpcurl calls the APIs with a ServiceAccount token for the kuryr audience, of the account
+    // whose role the method is; without one it is told so.
+    let binder_token = kube.kuryr_token("kuryr-system", "kuryr-binder", None).await.unwrap();
+    let [h, header] = kuryr_tests::auth::grpcurl_header(&binder_token);
+    let get_vif =
+        ["-plaintext", "-d", r#"{"pod_uid":"nope"}"#, allocator.tcp.as_str(), "kuryr.allocator.v1.VifAllocator/GetVif"];
+    let (ok, out) = grpcurl(&get_vif).await.unwrap();
+    assert!(!ok && out.contains("Unauthenticated"), "{out}");
+    let (ok, out) = grpcurl(&[&[h.as_str(), header.as_str()][..], &get_vif].concat()).await.unwrap();
+    assert!(!ok && out.contains("NotFound"), "with the binder's token: {out}");
+
     // The binder answers VERSION for its own shim version.
     let body = format!(r#"{{"shim_version":"{}"}}"#, env!("CARGO_PKG_VERSION"));
     let (ok, out) = grpcurl(&["-plaintext", "-d", &body, &binder.unix, "kuryr.binder.v1.Cni/Version"]).await.unwrap();

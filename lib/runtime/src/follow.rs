@@ -10,9 +10,9 @@ use clap::Args;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, SubscribeRequest, SubscribeResponse};
 use kuryr_stream::follow::{FollowConfig, Follower, Mark, Source};
-use tonic::transport::Channel;
 use tonic::{Status, Streaming};
 
+use crate::auth::client::PeerChannel;
 use crate::config::parse_duration;
 
 /// The heartbeat of the streams a service serves (`Subscribe`, `WatchVifs`, `WatchLoadBalancers`).
@@ -79,7 +79,7 @@ pub async fn next_message<T>(stream: &mut Streaming<T>) -> Result<Option<T>, Fai
 /// The watcher's `Subscribe` stream for one request (its `resume_from` is set by the follower).
 #[derive(Debug)]
 pub struct WatcherSource {
-    client: WatcherClient<Channel>,
+    client: WatcherClient<PeerChannel>,
     request: SubscribeRequest,
 }
 
@@ -113,7 +113,11 @@ impl Source for WatcherSource {
 }
 
 /// A follower of the watcher over `channel` with `request`, starting from its `resume_from`.
-pub fn follow_watcher(channel: Channel, request: SubscribeRequest, config: FollowConfig) -> Follower<WatcherSource> {
+pub fn follow_watcher(
+    channel: PeerChannel,
+    request: SubscribeRequest,
+    config: FollowConfig,
+) -> Follower<WatcherSource> {
     let resume = request.resume_from.clone();
     Follower::new(WatcherSource { client: WatcherClient::new(channel), request }, "the watcher", config)
         .resuming_from(resume)
@@ -186,6 +190,7 @@ mod tests {
         tokio::spawn(server);
 
         let channel = crate::client::channel(&addr.to_string()).unwrap();
+        let channel = crate::auth::client::with_credentials(channel, crate::auth::client::Credentials::None);
         let req = SubscribeRequest { subscriber: "test".into(), ..Default::default() };
         let mut f = follow_watcher(channel, req, FollowConfig::default());
         let mut seen = Vec::new();

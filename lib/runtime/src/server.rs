@@ -18,10 +18,11 @@ use tonic::service::Routes;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
+use crate::auth::{AuthLayer, DenyAll, Gate};
 use crate::config::CommonArgs;
 use crate::health::Health;
 use crate::listen::{Bound, ListenAddr};
-use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, serve_http};
+use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, methods_of, serve_http};
 use crate::shutdown::{self, Shutdown, ShutdownTrigger};
 
 /// The gRPC services a binary serves: their routes, and their names for reflection.
@@ -81,6 +82,8 @@ pub struct Runtime {
     health: Health,
     health_server: HealthServer<HealthService>,
     trigger: Arc<ShutdownTrigger>,
+    /// Who may call the service's own methods; nobody until [`Runtime::set_gate`].
+    gate: Arc<dyn Gate>,
 }
 
 impl Runtime {
@@ -98,6 +101,7 @@ impl Runtime {
             health: Health::new(reporter),
             health_server,
             trigger: Arc::new(trigger),
+            gate: Arc::new(DenyAll),
         })
     }
 
@@ -109,6 +113,11 @@ impl Runtime {
     /// The readiness handle.
     pub fn health(&self) -> Health {
         self.health.clone()
+    }
+
+    /// Puts every call but health and reflection through `gate` (the default refuses them all).
+    pub fn set_gate(&mut self, gate: Arc<dyn Gate>) {
+        self.gate = gate;
     }
 
     /// The shutdown signal, for background tasks and long-lived streams.
@@ -146,7 +155,7 @@ impl Runtime {
         };
 
         let mut registry = self.registry;
-        let grpc_metrics = GrpcMetrics::register(&mut registry);
+        let grpc_metrics = GrpcMetrics::register(&mut registry, methods_of(DESCRIPTOR_SETS));
         let registry = Arc::new(registry);
         let routes = with_standard_services(services, self.health_server)?;
         let shutdown = self.trigger.signal();
@@ -156,7 +165,13 @@ impl Runtime {
             let local = b.local_addr();
             tracing::info!(service = self.name, listen = %local, "serving gRPC");
             let server = tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+                .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+                .tcp_keepalive(Some(KEEPALIVE_INTERVAL))
+                .http2_max_header_list_size(MAX_HEADER_LIST)
+                .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
                 .layer(GrpcMetricsLayer(grpc_metrics.clone()))
+                .layer(AuthLayer(self.gate.clone()))
                 .add_routes(routes.clone());
             let signal = shutdown.clone().wait();
             match b {
@@ -215,6 +230,25 @@ impl Runtime {
     }
 }
 
+/// The contracts every server knows of, for the metric labels of known methods: kuryr's own,
+/// health and reflection.
+const DESCRIPTOR_SETS: &[&[u8]] = &[
+    kuryr_proto::FILE_DESCRIPTOR_SET,
+    tonic_health::pb::FILE_DESCRIPTOR_SET,
+    tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+    tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+];
+
+/// Server-side HTTP/2 PINGs: a client that stops answering is dropped with its streams.
+const KEEPALIVE_INTERVAL: Duration = crate::client::KEEPALIVE_INTERVAL;
+const KEEPALIVE_TIMEOUT: Duration = crate::client::KEEPALIVE_TIMEOUT;
+/// Headers of one request, all told. A ServiceAccount token is 1–2 KiB.
+const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// Streams open at once on one connection; a binder holds two, a service a handful.
+const MAX_CONCURRENT_STREAMS: u32 = 256;
+/// The largest health or reflection request: a service name, a symbol.
+pub const MAX_STANDARD_REQUEST: usize = 16 * 1024;
+
 /// The service names health and reflection add.
 const HEALTH: &str = "grpc.health.v1.Health";
 const REFLECTION: [&str; 2] = ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"];
@@ -235,8 +269,12 @@ fn with_standard_services(services: Services, health: HealthServer<HealthService
         }
         b
     };
-    let v1 = builder().build_v1().context("building reflection v1")?;
-    let v1alpha = builder().build_v1alpha().context("building reflection v1alpha")?;
+    let v1 = builder().build_v1().context("building reflection v1")?.max_decoding_message_size(MAX_STANDARD_REQUEST);
+    let v1alpha = builder()
+        .build_v1alpha()
+        .context("building reflection v1alpha")?
+        .max_decoding_message_size(MAX_STANDARD_REQUEST);
+    let health = health.max_decoding_message_size(MAX_STANDARD_REQUEST);
     Ok(services.routes.add_service(health).add_service(v1).add_service(v1alpha))
 }
 

@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use kuryr_proto::watcher::v1::{Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
 use kuryr_stream::{FollowConfig, Followed};
-use tonic::transport::Channel;
 
 use crate::backend::{Backend, LbLog};
 use crate::controller::{Controller, locked};
@@ -27,7 +27,7 @@ use crate::view::Effect;
 #[derive(Debug)]
 pub struct Follower<B> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// Queues Services.
     pub controller: Arc<Controller<B>>,
     /// Made servable at the first complete snapshot.

@@ -56,6 +56,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
@@ -84,6 +87,9 @@ pub enum BackendKind {
     /// OpenStack Octavia: a load balancer per Service (the --os-cloud / --octavia-url flags).
     Octavia,
 }
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -142,6 +148,11 @@ pub struct Config {
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch and
+    /// read the load balancer specs.
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
 
@@ -150,6 +161,12 @@ pub struct Config {
 
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: every LoadBalancers method, the binders.
+pub fn rules(config: &Config) -> Rules {
+    let methods = ["WatchLoadBalancers", "GetLoadBalancer", "ListLoadBalancers"];
+    Rules::new().allow(service_names::LOAD_BALANCERS, &methods, &config.binder_accounts)
 }
 
 impl Config {
@@ -165,8 +182,11 @@ impl Config {
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
         .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
     let shard_metrics = ShardMetrics::register(rt.registry());
@@ -219,8 +239,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     let service = LbService::new(log, records, recovered, metrics, rt.shutdown())
         .with_heartbeat(config.heartbeat.stream_heartbeat);
-    let served =
-        rt.serve(Services::new(LoadBalancersServer::new(service)), &config.listen, Some(&config.metrics_listen)).await;
+    // Requests are a few names and a resume point.
+    let served = Services::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
         let _ = tokio::time::timeout(Duration::from_secs(6), h.stopped()).await;
@@ -241,7 +262,7 @@ async fn forward(mut from: watch::Receiver<Arc<Ownership>>, to: watch::Sender<Ar
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
 struct Start<B> {
     config: Config,
-    watcher: tonic::transport::Channel,
+    watcher: PeerChannel,
     backend: B,
     log: LbLog,
     records: Records,

@@ -59,7 +59,7 @@ impl<B: Backend> Mirror<B> {
     /// Follows the records until shutdown.
     pub async fn run(self, shutdown: Shutdown) {
         let api: Api<ServiceLoadBalancer> = Api::all(self.client.clone());
-        let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+        let mut stream = watcher::watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
         // Keys named by the list in progress, after a (re-)start of the watch.
         let mut listing: Option<HashSet<String>> = None;
         let mut failing = false;

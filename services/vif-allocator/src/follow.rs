@@ -16,9 +16,9 @@ use std::time::Instant;
 
 use kuryr_proto::watcher::v1::{Filter, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
 use kuryr_stream::{FollowConfig, Followed};
-use tonic::transport::Channel;
 
 use crate::cluster::Cluster;
 use crate::controller::{Controller, view_lock};
@@ -32,7 +32,7 @@ use crate::ready::{Condition, Readiness};
 #[derive(Debug)]
 pub struct Follower<C> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// Queues pods and adopts orphans.
     pub controller: Arc<Controller<C>>,
     /// Receives node addresses.

@@ -22,6 +22,7 @@ use kuryr_proto::allocator::v1::{
     GetVifRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::{self, Caller};
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -104,6 +105,18 @@ fn node_name(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// PERMISSION_DENIED when the caller's credentials are bound to a node other than `node`: a
+/// binder acts for its own node only. Callers bound to no node (an operator's token, `--auth
+/// none`) are not held to one.
+pub fn own_node(caller: Option<&Caller>, field: &str, node: &str) -> Result<(), Status> {
+    match caller.and_then(Caller::node) {
+        Some(bound) if bound != node => Err(Status::permission_denied(format!(
+            "{field}: `{node}` is not the node this caller's token is bound to ({bound})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Checks a WatchVifs request, naming the offending field.
 pub fn validate_watch(req: &WatchVifsRequest) -> Result<(), Status> {
     node_name("node_name", &req.node_name)?;
@@ -124,8 +137,10 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
 
     async fn watch_vifs(&self, req: Request<WatchVifsRequest>) -> Result<Response<Self::WatchVifsStream>, Status> {
         let peer = req.remote_addr().map_or_else(|| "local".to_string(), |a| a.to_string());
+        let caller = auth::caller(&req).cloned();
         let req = req.into_inner();
         validate_watch(&req)?;
+        own_node(caller.as_ref(), "node_name", &req.node_name)?;
         if lock(&self.index).is_ready() {
             self.shards.check(&req.node_name, "WatchVifs")?;
         }
@@ -159,10 +174,12 @@ impl<C: Cluster + std::fmt::Debug> VifAllocator for AllocatorService<C> {
         &self,
         req: Request<ReportPluggedRequest>,
     ) -> Result<Response<ReportPluggedResponse>, Status> {
+        let caller = auth::caller(&req).cloned();
         let r = req.into_inner();
         required("pod_uid", &r.pod_uid)?;
         required("vif_id", &r.vif_id)?;
         node_name("node_name", &r.node_name)?;
+        own_node(caller.as_ref(), "node_name", &r.node_name)?;
         let Some(ctl) = self.controller.get() else {
             return Err(Status::unavailable("the allocator has not recovered its VIFs yet"));
         };

@@ -55,6 +55,9 @@ use std::time::Duration;
 use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_stream::WorkQueue;
@@ -75,6 +78,9 @@ use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
 use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -154,6 +160,22 @@ pub struct Config {
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch
+    /// VIFs, read one and report them plugged — each only for its own node when its token is
+    /// bound to one (the DaemonSet's projected tokens are).
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
+    /// The ServiceAccounts whose tokens may manage the port pools (PoolManager) and read VIFs:
+    /// operators run `kubectl -n kuryr-system create token kuryr-pool-manager --audience kuryr`.
+    #[arg(
+        long,
+        env = "KURYR_POOL_MANAGER_ACCOUNTS",
+        value_delimiter = ',',
+        default_value = "kuryr-system:kuryr-pool-manager"
+    )]
+    pub pool_manager_accounts: Vec<AccountRef>,
+
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
 
@@ -162,6 +184,16 @@ pub struct Config {
 
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: the VIF methods the binders (GetVif also the pool managers), the pool
+/// methods the pool managers.
+pub fn rules(config: &Config) -> Rules {
+    let (binders, managers) = (&config.binder_accounts, &config.pool_manager_accounts);
+    Rules::new()
+        .allow(service_names::VIF_ALLOCATOR, &["WatchVifs", "ReportPlugged", "GetVif"], binders)
+        .allow(service_names::VIF_ALLOCATOR, &["GetVif"], managers)
+        .allow(service_names::POOL_MANAGER, &["ListPools", "ShowPool", "PopulatePool", "FreePool"], managers)
 }
 
 /// The VIF backends.
@@ -217,8 +249,11 @@ impl Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let spec = config.network_spec()?;
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
         .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
     let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());
@@ -247,7 +282,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());
     let cell: ControllerCell<KubeCluster> = Arc::default();
     let pools = BackendCell::default();
-    let pool_api = if neutron.is_some() { PoolApi::neutron(pools.clone()) } else { PoolApi::embedded() };
+    let pool_api = if neutron.is_some() {
+        let c = cell.clone();
+        let nodes: pool_api::NodeCheck =
+            Arc::new(move |n: &str| c.get().and_then(|ctl| controller::view_lock(ctl.view()).has_node(n)));
+        PoolApi::neutron(pools.clone(), nodes)
+    } else {
+        PoolApi::embedded()
+    };
     let start = Start {
         config: config.clone(),
         spec,
@@ -268,7 +310,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
         .with_shards(shards)
         .with_heartbeat(config.heartbeat.stream_heartbeat);
-    let services = Services::new(VifAllocatorServer::new(service)).with(PoolManagerServer::new(pool_api));
+    let services = Services::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
+        .with(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(services, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
@@ -294,7 +337,7 @@ async fn forward(
 struct Start {
     config: Config,
     spec: Option<PodNetworkSpec>,
-    watcher: tonic::transport::Channel,
+    watcher: PeerChannel,
     index: SharedIndex,
     readiness: Readiness,
     metrics: Metrics,

@@ -23,9 +23,20 @@ fn open(
     resume_from: &str,
     buffer: usize,
 ) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
+    open_beating(index, selector, resume_from, buffer, HEARTBEAT)
+}
+
+/// [`open`] with heartbeats every `heartbeat`.
+fn open_beating(
+    index: &SharedIndex,
+    selector: Selector,
+    resume_from: &str,
+    buffer: usize,
+    heartbeat: Duration,
+) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
     let (trigger, signal) = shutdown::channel();
     let metrics = Metrics::default();
-    let svc = WatcherService::new(index.clone(), metrics.clone(), signal, HEARTBEAT);
+    let svc = WatcherService::new(index.clone(), metrics.clone(), signal, heartbeat);
     let rx = svc.open(selector, resume_from, buffer, tracing::Span::none()).unwrap();
     (rx, metrics, trigger)
 }
@@ -178,4 +189,32 @@ fn requests_are_validated_naming_the_field() {
     r.resume_from.clear();
     r.subscriber = "bad\nname".into();
     assert!(msg(&r).starts_with("subscriber:"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn quiet_streams_carry_heartbeats_also_while_others_change() {
+    let index = synced(16, vec![pod("a", "n1", "1")]).shared();
+    let mut sel = pods();
+    sel.node_name = Some("n1".into());
+    let (mut rx, _m, _t) = open_beating(&index, sel, "", 64, Duration::from_secs(2));
+    assert_eq!(next(&mut rx).await.0, EventType::Applied);
+    assert_eq!(next(&mut rx).await.0, EventType::SnapshotComplete);
+    // Quiet: a heartbeat, without a resume point.
+    let t = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await, (EventType::Heartbeat, String::new(), String::new()));
+    assert!(t.elapsed() >= Duration::from_secs(2) && t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // Busy with another node's pods, none of which this stream carries: still heartbeats.
+    let busy = {
+        let index = index.clone();
+        tokio::spawn(async move {
+            for i in 0..40 {
+                lock(&index).apply(Kind::Pod, Update::Applied(pod(&format!("o{i}"), "n2", "2")));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let t = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await.0, EventType::Heartbeat);
+    assert!(t.elapsed() <= Duration::from_secs(3), "{:?}", t.elapsed());
+    busy.await.unwrap();
 }

@@ -43,8 +43,12 @@ use std::path::PathBuf;
 use clap::Parser;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::HeartbeatArgs;
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -68,6 +72,16 @@ pub struct Config {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
     pub history: usize,
 
+    /// The ServiceAccounts that may Subscribe (`namespace:name`, comma-separated): it serves
+    /// every pod, Service, node and NetworkPolicy of the cluster, so only kuryr's own services.
+    #[arg(
+        long,
+        env = "KURYR_SUBSCRIBER_ACCOUNTS",
+        value_delimiter = ',',
+        default_value = "kuryr-system:kuryr-vif-allocator,kuryr-system:kuryr-lbaas"
+    )]
+    pub subscriber_accounts: Vec<AccountRef>,
+
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
 
@@ -75,9 +89,16 @@ pub struct Config {
     pub common: CommonArgs,
 }
 
+/// Who may call what: Subscribe, only the subscriber accounts.
+pub fn rules(config: &Config) -> Rules {
+    Rules::new().allow(service_names::WATCHER, &["Subscribe"], &config.subscriber_accounts)
+}
+
 /// Runs the watcher until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-watcher", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let metrics = metrics::Metrics::register(rt.registry());
     let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
     tracing::info!(epoch = %index.epoch(), history = config.history, "starting");
@@ -85,5 +106,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     rt.health().register(service_names::WATCHER).await;
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());
     let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.heartbeat.stream_heartbeat);
-    rt.serve(Services::new(WatcherServer::new(service)), &config.listen, Some(&config.metrics_listen)).await
+    // A Subscribe request is a few kinds, names and a resume point.
+    let services = Services::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    rt.serve(services, &config.listen, Some(&config.metrics_listen)).await
 }

@@ -287,8 +287,11 @@ struct Done {
 
 impl Bench {
     fn allocator(&self, phase: &str, pool_min: u32, pool_batch: u32, events: bool) -> Result<Svc> {
-        let extra =
-            if events { vec!["--neutron-transport-url".into(), self.c.transport_url(false)?] } else { Vec::new() };
+        // The warm pool is filled with one PopulatePool of the phase's pods: no cap.
+        let mut extra = vec!["--pool-max".into(), "0".into()];
+        if events {
+            extra.extend(["--neutron-transport-url".into(), self.c.transport_url(false)?]);
+        }
         let o = AllocatorOptions {
             // A cluster per phase: no phase starts from another's pool or recycled ports.
             cluster_id: format!("bench-{}", phase.replace(", ", "-")),
@@ -329,7 +332,7 @@ impl Bench {
         eprintln!("# {name}: {} pods at {} pods/s", self.pods, self.rate);
         let populate = if warm {
             let before = alloc.metrics().await?;
-            let mut pm = PoolManagerClient::new(alloc.channel().await?);
+            let mut pm = PoolManagerClient::new(alloc.channel()?);
             let key = PoolKey { node_name: self.c.node.host.clone(), ..Default::default() };
             let count = u32::try_from(self.pods)? + WARM_POOL_MIN;
             let t = Instant::now();
@@ -394,7 +397,7 @@ impl Bench {
             1e3 * sum / n.max(1.0)
         };
 
-        let mut vifs = VifAllocatorClient::new(alloc.channel().await?);
+        let mut vifs = VifAllocatorClient::new(alloc.channel()?);
         let (mut created_to_add, mut created_to_active, mut active_to_add) = (vec![], vec![], vec![]);
         let mut polled_to_add = vec![];
         let (mut unseen, mut unpolled) = (0, 0);

@@ -30,11 +30,11 @@ use std::time::{Duration, Instant};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, WatchLoadBalancersRequest, WatchLoadBalancersResponse};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::{Failed, next_message};
 use kuryr_stream::follow::{FollowConfig, Followed, Follower, Mark, Source};
 use tokio::sync::Notify;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 use self::metrics::LbMetrics;
 use self::model::{Service, ServiceKey};
@@ -49,7 +49,7 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// kuryr-lbaas's `WatchLoadBalancers` stream, for the follower.
 #[derive(Debug)]
 struct LbSource {
-    client: LoadBalancersClient<Channel>,
+    client: LoadBalancersClient<PeerChannel>,
     subscriber: String,
 }
 
@@ -111,7 +111,7 @@ impl Dataplane {
     }
 
     /// Starts the follower and the programmer; they run until shutdown.
-    pub fn spawn(self, channel: Channel, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
+    pub fn spawn(self, channel: PeerChannel, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
         let source = LbSource { client: LoadBalancersClient::new(channel), subscriber };
         let follower = Follower::new(source, "kuryr-lbaas's load balancer stream", follow);

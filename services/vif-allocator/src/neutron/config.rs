@@ -69,8 +69,9 @@ pub struct NeutronArgs {
     #[arg(long, env = "KURYR_POOL_BATCH", default_value_t = 10)]
     pub pool_batch: u32,
 
-    /// Most spare ports kept per pool (released ports beyond it are deleted); 0: no cap.
-    #[arg(long, env = "KURYR_POOL_MAX", default_value_t = 0)]
+    /// Most spare ports kept per pool (released ports beyond it are deleted; PopulatePool stops
+    /// there too); 0 lifts the cap, so that a node's pool may hold any number of ports.
+    #[arg(long, env = "KURYR_POOL_MAX", default_value_t = 50)]
     pub pool_max: u32,
 
     /// Bulk port creations in flight at once, over all pools.

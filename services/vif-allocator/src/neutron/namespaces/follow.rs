@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use kuryr_proto::watcher::v1::{EventType, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
 use kuryr_stream::{FollowConfig, Followed, Outcome, WorkQueue};
-use tonic::transport::Channel;
 use tracing::Instrument as _;
 
 use super::{NamespaceOutcome, guard};
@@ -26,7 +26,7 @@ const WORKERS: usize = 4;
 /// has per-namespace networks.
 pub async fn run(
     backend: Arc<NeutronBackend>,
-    channel: Channel,
+    channel: PeerChannel,
     subscriber: String,
     follow: FollowConfig,
     shutdown: Shutdown,

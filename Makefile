@@ -92,8 +92,9 @@ bench-octavia: tools openstack
 
 ## bench-neutron: kuryr-vif-allocator --backend neutron against a real Neutron (API, RPC, ML2/OVS agent on
 ## OVS) with a binder on the node's br-int, optimised: pod created → CNI ADD returned with a cold and a
-## warm pool, Neutron calls per pod, port ACTIVE → ADD returned (BENCH_NEUTRON_PODS, BENCH_NEUTRON_RATE,
-## BENCH_NEUTRON_POLL_MS, BENCH_NEUTRON_STATUS_POLL)
+## warm pool, each with port status polled and from Neutron's events, every Neutron call per pod, port
+## ACTIVE → ADD returned (BENCH_NEUTRON_PODS, BENCH_NEUTRON_RATE, BENCH_NEUTRON_POLL_MS,
+## BENCH_NEUTRON_STATUS_POLL)
 .PHONY: bench-neutron
 bench-neutron: tools openstack
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin neutron-bench

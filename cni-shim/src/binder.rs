@@ -116,7 +116,14 @@ async fn connect(socket: &Path) -> Result<Channel, CallError> {
         async move { s.map(TokioIo::new).ok_or_else(|| io::Error::other("the binder connection was already used")) }
     });
     // The URI is required by the API but unused: the connector above ignores it.
-    Endpoint::from_static("http://kuryr-binder").connect_with_connector(connector).await.map_err(CallError::Transport)
+    // Keepalive as on every kuryr channel: a binder that stops answering is noticed before the
+    // deadline when the deadline is long.
+    Endpoint::from_static("http://kuryr-binder")
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .connect_with_connector(connector)
+        .await
+        .map_err(CallError::Transport)
 }
 
 /// Chooses the CNI error: the binder's own [`CniError`] when the status details carry one, and
@@ -155,6 +162,10 @@ fn from_status(s: &tonic::Status, command: Command, socket: &Path, unavailable: 
         tonic::Code::FailedPrecondition => (code::INCOMPATIBLE_VERSION, s.message().to_string()),
         tonic::Code::InvalidArgument => (code::INVALID_CONFIG, s.message().to_string()),
         tonic::Code::NotFound => (code::UNKNOWN_CONTAINER, s.message().to_string()),
+        // The binder admits only root (and configured ids) on its socket: nothing to retry.
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+            (code::IO, format!("kuryr-binder refused {command}: {}", s.message()))
+        }
         _ => (code::IO, format!("kuryr-binder failed {command}: {}", s.message())),
     };
     CniError::new(code, msg).with_details(details)
@@ -193,6 +204,7 @@ mod tests {
             (InvalidArgument, Command::Check, 7, "m"),
             (NotFound, Command::Del, 3, "m"),
             (Internal, Command::Add, 5, "kuryr-binder failed ADD: m"),
+            (PermissionDenied, Command::Del, 5, "kuryr-binder refused DEL: m"),
             (Unimplemented, Command::Gc, 5, "kuryr-binder failed GC: m"),
         ];
         for (grpc, cmd, want_code, want_msg) in table {

@@ -68,6 +68,10 @@ pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
 pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
 /// kuryr-policy's ServiceAccount (`deploy/rbac/policy.yaml`).
 pub const POLICY_ACCOUNT: &str = "kuryr-policy";
+/// The binders' ServiceAccount (`deploy/rbac/binder.yaml`).
+pub const BINDER_ACCOUNT: &str = "kuryr-binder";
+/// The ServiceAccount whose tokens manage the allocator's port pools (`deploy/rbac/pool-manager.yaml`).
+pub const POOL_MANAGER_ACCOUNT: &str = "kuryr-pool-manager";
 /// Bound on a service turning SERVING after start.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a service gets to drain after SIGTERM.
@@ -117,8 +121,35 @@ pub struct ClusterOptions {
     pub ipv4_block_prefix: Option<u8>,
     /// `--log` of the services.
     pub service_log: String,
+    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take;
+    /// stream timing goes in `stream_timing`).
+    pub service_args: Vec<String>,
+    /// More flags for every node's kuryr-binder.
+    pub binder_args: Vec<String>,
     /// Start-up progress reports.
     pub progress: Option<ProgressFn>,
+    /// The services' `--stream-heartbeat` and their followers' (the binders' too)
+    /// `--stream-idle-timeout`; their defaults when `None`.
+    pub stream_timing: Option<StreamTiming>,
+}
+
+/// How often the services' streams carry heartbeats, and how long their readers wait for one.
+#[derive(Clone, Debug)]
+pub struct StreamTiming {
+    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas.
+    pub heartbeat: String,
+    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas and the binders.
+    pub idle_timeout: String,
+}
+
+impl StreamTiming {
+    fn heartbeat_args(timing: Option<&Self>) -> Vec<String> {
+        timing.map(|t| vec!["--stream-heartbeat".to_string(), t.heartbeat.clone()]).unwrap_or_default()
+    }
+
+    fn idle_args(timing: Option<&Self>) -> Vec<String> {
+        timing.map(|t| vec!["--stream-idle-timeout".to_string(), t.idle_timeout.clone()]).unwrap_or_default()
+    }
 }
 
 impl Default for ClusterOptions {
@@ -135,7 +166,10 @@ impl Default for ClusterOptions {
             policy: false,
             ipv4_block_prefix: None,
             service_log: "info".into(),
+            service_args: Vec::new(),
+            binder_args: Vec::new(),
             progress: None,
+            stream_timing: None,
         }
     }
 }
@@ -150,6 +184,7 @@ impl fmt::Debug for ClusterOptions {
             .field("kubelet", &self.kubelet)
             .field("run_containers", &self.run_containers)
             .field("services", &self.services)
+            .field("stream_timing", &self.stream_timing)
             .finish_non_exhaustive()
     }
 }
@@ -307,10 +342,13 @@ impl Cluster {
 
         let t = Instant::now();
         let watcher_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
+        let timing = opts.stream_timing.as_ref();
+        let mut watcher_args = vec!["--kubeconfig".into(), watcher_config.display().to_string()];
+        watcher_args.extend(StreamTiming::heartbeat_args(timing));
         let watcher = start_service(
             "kuryr-watcher",
             dir.path(),
-            &["--kubeconfig".into(), watcher_config.display().to_string()],
+            &[&watcher_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::WATCHER,
             &progress,
@@ -320,7 +358,7 @@ impl Cluster {
 
         let t = Instant::now();
         let allocator_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, ALLOCATOR_ACCOUNT).await?;
-        let allocator_args = [
+        let mut allocator_args = vec![
             "--kubeconfig".into(),
             allocator_config.display().to_string(),
             "--watcher".into(),
@@ -333,14 +371,14 @@ impl Cluster {
             // back at once instead of waiting for them to expire.
             "--replica-id".into(),
             "kuryr-vif-allocator-0".into(),
-        ]
-        .into_iter()
-        .chain(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]))
-        .collect::<Vec<String>>();
+        ];
+        allocator_args.extend(StreamTiming::heartbeat_args(timing));
+        allocator_args.extend(StreamTiming::idle_args(timing));
+        allocator_args.extend(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]));
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
-            &allocator_args,
+            &[&allocator_args[..], &opts.service_args].concat(),
             &opts.service_log,
             service_names::VIF_ALLOCATOR,
             &progress,
@@ -352,7 +390,7 @@ impl Cluster {
         let lbaas = if opts.services {
             let t = Instant::now();
             let lbaas_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, LBAAS_ACCOUNT).await?;
-            let lbaas_args = [
+            let mut lbaas_args = vec![
                 "--kubeconfig".into(),
                 lbaas_config.display().to_string(),
                 "--watcher".into(),
@@ -364,10 +402,12 @@ impl Cluster {
                 "--replica-id".into(),
                 "kuryr-lbaas-0".into(),
             ];
+            lbaas_args.extend(StreamTiming::heartbeat_args(timing));
+            lbaas_args.extend(StreamTiming::idle_args(timing));
             let lbaas = start_service(
                 "kuryr-lbaas",
                 dir.path(),
-                &lbaas_args,
+                &[&lbaas_args[..], &opts.service_args].concat(),
                 &opts.service_log,
                 service_names::LOAD_BALANCERS,
                 &progress,
@@ -413,7 +453,7 @@ impl Cluster {
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
             let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref(), policy: policy.as_ref() };
-            start_node(name, i, &client, &underlay, upstream, &opts, &progress)
+            start_node(name, i, &kube, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
 
@@ -632,6 +672,20 @@ impl Cluster {
         self.service_mut(kind)?.process.kill().await
     }
 
+    /// Freezes a service with SIGSTOP: its sockets stay open and the kernel still accepts and
+    /// acknowledges, but nothing answers — as a silent partition looks from the other side.
+    /// [`Cluster::continue_service`] thaws it.
+    pub async fn stop_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "STOP")
+    }
+
+    /// Thaws a service frozen by [`Cluster::stop_service`] (SIGCONT).
+    pub async fn continue_service(&mut self, kind: ServiceKind) -> Result<()> {
+        let pid = self.service_mut(kind)?.pid().context("the service is not running")?;
+        signal(pid, "CONT")
+    }
+
     /// Starts a service again with the command line it had (same addresses, same unix socket,
     /// left stale by a crash) and waits until it serves its API; its new pid joins the manifest.
     /// A service still running is killed first.
@@ -654,6 +708,13 @@ impl Cluster {
         }
         Ok(())
     }
+}
+
+/// Sends `SIG<name>` to `pid`.
+pub fn signal(pid: u32, name: &str) -> Result<()> {
+    let status = std::process::Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;
+    anyhow::ensure!(status.success(), "kill -{name} {pid} failed");
+    Ok(())
 }
 
 /// The namespace, the CRDs (until Established) and the RBAC manifests.
@@ -737,9 +798,11 @@ struct Upstream<'a> {
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
 /// then the shim, its conflist and the binder.
+#[allow(clippy::too_many_arguments)]
 async fn start_node(
     name: String,
     index: usize,
+    kube: &KubeEnv,
     client: &kube::Client,
     underlay: &Underlay,
     Upstream { allocator, lbaas, policy }: Upstream<'_>,
@@ -761,7 +824,13 @@ async fn start_node(
     progress.step(&format!("{name}: Node object registered (Ready, InternalIP {})", join(&ips)), t);
 
     let t = Instant::now();
-    let mut binder_args = vec!["--log".to_string(), opts.service_log.clone()];
+    // The binder authenticates to the allocator and lbaas as its ServiceAccount, with a token
+    // bound to its Node (a DaemonSet pod's projected token names its node the same way).
+    let token = kube.kuryr_token_file(SYSTEM_NAMESPACE, BINDER_ACCOUNT, Some(&name)).await?;
+    let mut binder_args =
+        vec!["--log".to_string(), opts.service_log.clone(), "--auth-token-file".into(), token.display().to_string()];
+    binder_args.extend(StreamTiming::idle_args(opts.stream_timing.as_ref()));
+    binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
     }

@@ -1,7 +1,8 @@
 //! The control plane that the allocator and lbaas suites (and `octavia-bench`) put one service
 //! under test into: a real kube-apiserver ([`KubeEnv`]) with the namespace `kuryr-system` and the
 //! suite's own, the CRDs of `deploy/crds/` (the service's waited for until Established), the
-//! RBAC of `deploy/rbac/watcher.yaml` and of the service, and a kubeconfig per ServiceAccount, so
+//! RBAC of `deploy/rbac/watcher.yaml` and of the service (with `admission.yaml`'s policy), and a
+//! kubeconfig per ServiceAccount, so
 //! that both the watcher and the service run with exactly the rights they are deployed with.
 //!
 //! ```no_run
@@ -22,7 +23,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 
-use crate::cluster::{ALLOCATOR_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use crate::kube::KubeEnv;
 use crate::services::{ServiceProcess, wait_until};
 use crate::util::{free_port, repo_root};
@@ -77,6 +78,9 @@ pub struct ControlPlane {
     pub watcher_kubeconfig: PathBuf,
     /// The served service's ServiceAccount credentials.
     pub kubeconfig: PathBuf,
+    /// A token of the binders' ServiceAccount for the kuryr audience, bound to no node: what the
+    /// suites' binder-like clients send (WatchVifs, ReportPlugged, WatchLoadBalancers).
+    pub binder_token: String,
 }
 
 /// A kuryr-watcher process with its gRPC and metrics addresses.
@@ -122,6 +126,8 @@ impl ControlPlane {
         env.apply_file(&repo_root().join("deploy/crds")).await?;
         env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await?;
         env.apply_file(&repo_root().join(served.rbac())).await?;
+        // What RBAC cannot narrow: the service may change only finalizers of what it patches.
+        env.apply_file(&repo_root().join("deploy/rbac/admission.yaml")).await?;
         let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
         for (_, c) in served.crds() {
             let name = c.metadata.name.context("CRD without a name")?;
@@ -140,7 +146,8 @@ impl ControlPlane {
         }
         let watcher_kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
         let kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, served.account()).await?;
-        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig })
+        let binder_token = env.kuryr_token(SYSTEM_NAMESPACE, BINDER_ACCOUNT, None).await?;
+        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig, binder_token })
     }
 
     /// Starts kuryr-watcher under its ServiceAccount, listening on `addr` (a free port when

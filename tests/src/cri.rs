@@ -473,9 +473,21 @@ impl Cri {
 
     /// Stops and removes every sandbox, as kubelet would when all pods are gone.
     pub async fn remove_all(&self) -> Result<()> {
+        // A sandbox listed here may be removed meanwhile by a kubelet stand-in whose last
+        // RemovePodSandbox was still in flight when it was dropped: gone is what was wanted.
+        let gone =
+            |e: &anyhow::Error| e.downcast_ref::<tonic::Status>().is_some_and(|s| s.code() == tonic::Code::NotFound);
         for sandbox in self.list_pod_sandboxes().await? {
-            self.stop_pod_sandbox(&sandbox.id).await?;
-            self.remove_pod_sandbox(&sandbox.id).await?;
+            match self.stop_pod_sandbox(&sandbox.id).await {
+                Err(e) if gone(&e) => continue,
+                r => r?,
+            }
+            match self.remove_pod_sandbox(&sandbox.id).await {
+                Err(e) if gone(&e) => {
+                    self.sandboxes.lock().unwrap_or_else(PoisonError::into_inner).remove(&sandbox.id);
+                }
+                r => r?,
+            }
         }
         Ok(())
     }

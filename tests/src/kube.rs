@@ -103,6 +103,9 @@ impl KubeEnv {
     /// Writes (or rewrites, with a fresh token) a kubeconfig that authenticates as the
     /// ServiceAccount `ns/sa`, creating the namespace and account if missing. The token comes
     /// from the TokenRequest API. Grants nothing by itself.
+    ///
+    /// Next to it, `<kubeconfig>.kuryr-token` holds a token of the same account for the kuryr
+    /// audience: what a kuryr service sends to the others (see [`crate::services::ServiceProcess::spawn`]).
     pub async fn service_account_kubeconfig(&self, ns: &str, sa: &str) -> Result<PathBuf> {
         let out = self.state_dir.join("sa").join(format!("{ns}.{sa}.kubeconfig"));
         let mut cmd = Command::new("bash");
@@ -110,6 +113,35 @@ impl KubeEnv {
         run(cmd, None, KUBECTL_TIMEOUT)
             .await
             .with_context(|| format!("making a kubeconfig for service account {ns}/{sa}"))?;
+        let token = self.kuryr_token(ns, sa, None).await?;
+        write_private(&kuryr_token_path(&out), &token)?;
+        Ok(out)
+    }
+
+    /// A token of the ServiceAccount `ns/sa` (made if missing) for the kuryr audience, as a
+    /// projected token of a kuryr pod is; bound to the Node `node` when given (its TokenReview
+    /// then names that node), as a binder's is.
+    pub async fn kuryr_token(&self, ns: &str, sa: &str, node: Option<&str>) -> Result<String> {
+        match self.kubectl(&["create", "serviceaccount", sa, "-n", ns]).await {
+            Ok(_) => {}
+            Err(e) if format!("{e:#}").contains("already exists") => {}
+            Err(e) => return Err(e.context(format!("creating the ServiceAccount {ns}/{sa}"))),
+        }
+        let mut args = vec!["create", "token", sa, "-n", ns, "--audience", KURYR_AUDIENCE, "--duration", "24h"];
+        if let Some(n) = node {
+            args.extend(["--bound-object-kind", "Node", "--bound-object-name", n]);
+        }
+        let token = self.kubectl(&args).await.with_context(|| format!("a kuryr token for {ns}/{sa}"))?;
+        let token = token.trim().to_string();
+        anyhow::ensure!(!token.is_empty(), "TokenRequest for {ns}/{sa} returned nothing");
+        Ok(token)
+    }
+
+    /// [`KubeEnv::kuryr_token`] written to a private file in the state directory; its path.
+    pub async fn kuryr_token_file(&self, ns: &str, sa: &str, node: Option<&str>) -> Result<PathBuf> {
+        let token = self.kuryr_token(ns, sa, node).await?;
+        let out = self.state_dir.join("tokens").join(format!("{ns}.{sa}.{}.token", node.unwrap_or("unbound")));
+        write_private(&out, &token)?;
         Ok(out)
     }
 
@@ -234,6 +266,26 @@ impl Drop for KubeEnv {
             eprintln!("KURYR_KEEP_STATE=1: kept {}", self.state_dir.display());
         }
     }
+}
+
+/// The audience of the tokens kuryr's services exchange (their `--auth-audience` default).
+pub const KURYR_AUDIENCE: &str = "kuryr";
+
+/// Where [`KubeEnv::service_account_kubeconfig`] puts the account's kuryr token.
+pub fn kuryr_token_path(kubeconfig: &Path) -> PathBuf {
+    let mut p = kubeconfig.as_os_str().to_owned();
+    p.push(".kuryr-token");
+    PathBuf::from(p)
+}
+
+fn write_private(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(path.parent().context("no parent")?)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Builds a client from a kubeconfig file, the way a service run with `--kubeconfig` would.

@@ -1,12 +1,13 @@
 //! A scripted kuryr-lbaas: a real gRPC server implementing `kuryr.lbaas.v1.LoadBalancers` whose
 //! load balancer specs the test decides. It streams them as kuryr-lbaas does — a snapshot,
-//! SNAPSHOT_COMPLETE, deltas; resuming from a resume point with only what changed, or RESET and
-//! a fresh snapshot when the point is unknown — so the binder's Service dataplane can be tested
-//! on its own.
+//! SNAPSHOT_COMPLETE, deltas, a HEARTBEAT whenever quiet for [`HEARTBEAT`]; resuming from a
+//! resume point with SNAPSHOT_COMPLETE and only what changed, or RESET and a fresh snapshot when
+//! the point is unknown — so the binder's Service dataplane can be tested on its own.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use anyhow::Result;
 use futures::Stream;
@@ -18,6 +19,9 @@ use kuryr_proto::lbaas::v1::{
 };
 use tokio::sync::{broadcast, oneshot, watch};
 use tonic::{Request, Response, Status};
+
+/// How often a quiet stream carries a HEARTBEAT, as kuryr-lbaas' default `--stream-heartbeat`.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 struct State {
@@ -191,7 +195,11 @@ impl LoadBalancers for ScriptedLbaas {
             s.requests.push(req.resume_from.clone());
             let now = s.history.len();
             match s.revision_of(&req.resume_from) {
-                Some(rev) => (s.history[rev..].to_vec(), now),
+                Some(rev) => {
+                    let mut first = vec![marker(s.point(rev), LbEventType::SnapshotComplete)];
+                    first.extend_from_slice(&s.history[rev..]);
+                    (first, now)
+                }
                 None => {
                     let mut first = Vec::new();
                     if !req.resume_from.is_empty() {
@@ -227,6 +235,7 @@ impl LoadBalancers for ScriptedLbaas {
                         yield Err(Status::unavailable("stream ended by the test; resume"));
                         break;
                     }
+                    () = tokio::time::sleep(HEARTBEAT) => yield Ok(marker(String::new(), LbEventType::Heartbeat)),
                 }
             }
         };

@@ -1,5 +1,6 @@
 //! The test environment: the real parts users run, started for one test and stopped after it.
 //!
+//! - [`auth`]: calling kuryr's services with a ServiceAccount token, as their clients do.
 //! - [`kube`]: a real `kube-apiserver` with etcd on loopback (CA, serving certificates, RBAC, a
 //!   credential per service account), writing a kubeconfig.
 //! - [`cri`]: containerd + runc in a private network namespace, with locally built images, and a
@@ -28,6 +29,7 @@
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
 //! brought up by hand from the command line; the Rust side owns the lifetime (stopped on drop).
 
+pub mod auth;
 pub mod binder;
 pub mod cluster;
 pub mod conformance;

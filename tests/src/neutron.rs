@@ -58,6 +58,9 @@ pub struct NeutronCluster {
     pub neutron: Neutron,
     /// Neutron's base URL (`http://127.0.0.1:<port>`).
     pub neutron_url: String,
+    /// A token of `kuryr-pool-manager` for the kuryr audience: the suites' calls to the
+    /// allocator (GetVif, PoolManager) go as the pool manager an operator would be.
+    pub pool_manager_token: String,
 }
 
 impl std::fmt::Debug for NeutronCluster {
@@ -122,6 +125,9 @@ pub struct Svc {
     pub sock: PathBuf,
     /// `http://127.0.0.1:<port>` (`/metrics`, `/readyz`).
     pub metrics_url: String,
+    /// What [`Svc::channel`]'s calls carry: for an allocator the pool manager's token
+    /// ([`NeutronCluster::pool_manager_token`]: reads VIFs, manages pools).
+    pub token: String,
 }
 
 impl Svc {
@@ -145,9 +151,9 @@ impl Svc {
         .map_err(|e| anyhow::anyhow!("{e:#}\n{}", self.proc.logs()))
     }
 
-    /// A gRPC channel to the service.
-    pub async fn channel(&self) -> Result<tonic::transport::Channel> {
-        Ok(tonic::transport::Channel::from_shared(format!("http://{}", self.addr))?.connect().await?)
+    /// A gRPC channel to the service whose calls carry [`Svc::token`].
+    pub fn channel(&self) -> Result<kuryr_runtime::auth::client::PeerChannel> {
+        crate::auth::channel(&self.addr, &self.token)
     }
 }
 
@@ -166,7 +172,7 @@ pub fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Result<Svc> {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir)?;
-    Ok(Svc { proc, addr, sock, metrics_url: format!("http://127.0.0.1:{mport}") })
+    Ok(Svc { proc, addr, sock, metrics_url: format!("http://127.0.0.1:{mport}"), token: String::new() })
 }
 
 impl NeutronCluster {
@@ -213,6 +219,7 @@ impl NeutronCluster {
         };
         let client = Client::new(&cloud, ClientOptions::default(), Arc::new(kuryr_openstack::Metrics::unregistered()))?;
         let net = os.pod_network().context("no pod network in the env file")?;
+        let pool_manager_token = kube.kuryr_token(SYSTEM_NAMESPACE, crate::cluster::POOL_MANAGER_ACCOUNT, None).await?;
         Ok(Self {
             os,
             kube,
@@ -224,6 +231,7 @@ impl NeutronCluster {
             net,
             neutron: client.network(),
             neutron_url,
+            pool_manager_token,
         })
     }
 
@@ -271,7 +279,7 @@ impl NeutronCluster {
             args.extend(["--status-poll-min".into(), min.clone()]);
         }
         args.extend(o.extra.iter().cloned());
-        spawn("kuryr-vif-allocator", args, self.dir.path())
+        Ok(Svc { token: self.pool_manager_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path())? })
     }
 
     /// The flags of an allocator of this cluster that every suite shares — its kubeconfig, the
@@ -298,7 +306,16 @@ impl NeutronCluster {
     /// Starts a kuryr-binder for the Neutron node, inside its network namespace, on its OVS,
     /// following `allocator` over its unix socket; ADD waits at most `vif_wait`.
     pub async fn binder(&self, allocator: &Svc, vif_wait: Duration, extra: &[String]) -> Result<Binder> {
-        let mut args = vec!["--ovs-db".into(), self.node.ovsdb(), "--vif-wait-timeout".into(), secs(vif_wait)];
+        let token =
+            self.kube.kuryr_token_file(SYSTEM_NAMESPACE, crate::cluster::BINDER_ACCOUNT, Some(&self.node.host)).await?;
+        let mut args = vec![
+            "--ovs-db".into(),
+            self.node.ovsdb(),
+            "--vif-wait-timeout".into(),
+            secs(vif_wait),
+            "--auth-token-file".into(),
+            token.display().to_string(),
+        ];
         args.extend(extra.iter().cloned());
         Binder::start(&self.node.host, &self.node.netns_path(), &format!("unix:{}", allocator.sock.display()), &args)
             .await
@@ -333,6 +350,32 @@ impl NeutronCluster {
         let code = resp.status();
         anyhow::ensure!(code.is_success(), "PUT {url}: {code} {}", resp.text().await.unwrap_or_default());
         Ok(())
+    }
+
+    /// Neutron's RPC transport URL (`rabbit://openstack:<password>@127.0.0.1:<port>/`), over TLS
+    /// (the broker's TLS listener) when `tls`.
+    pub fn transport_url(&self, tls: bool) -> Result<String> {
+        let url = self.os.env_value("TRANSPORT_URL").context("no TRANSPORT_URL in the env file")?;
+        if !tls {
+            return Ok(url.to_string());
+        }
+        let plain = self.os.env_value("RABBITMQ_AMQP_PORT").context("no RABBITMQ_AMQP_PORT")?;
+        let tls_port = self.os.env_value("RABBITMQ_AMQPS_PORT").context("no RABBITMQ_AMQPS_PORT")?;
+        Ok(url.replace(&format!(":{plain}/"), &format!(":{tls_port}/")))
+    }
+
+    /// Writes the neutron.conf an operator would mount for the allocator's port events: Neutron's
+    /// `[DEFAULT] transport_url` and, with `tls`, `[oslo_messaging_rabbit] ssl` and `ssl_ca_file`
+    /// for the broker's TLS listener. Returns its path.
+    pub fn events_config(&self, tls: bool) -> Result<PathBuf> {
+        let mut text = format!("[DEFAULT]\ncore_plugin = ml2\ntransport_url = {}\n", self.transport_url(tls)?);
+        if tls {
+            let ca = self.os.env_value("RABBITMQ_CA_FILE").context("no RABBITMQ_CA_FILE")?;
+            text.push_str(&format!("[oslo_messaging_rabbit]\nssl = true\nssl_ca_file = {ca}\n"));
+        }
+        let path = self.dir.path().join(if tls { "neutron-tls.conf" } else { "neutron.conf" });
+        std::fs::write(&path, text)?;
+        Ok(path)
     }
 
     /// The ML2 extension aliases Neutron announces (`GET /v2.0/extensions`).

@@ -53,8 +53,14 @@ pub struct ServiceProcess {
 
 impl ServiceProcess {
     /// Starts `bin` with `args`, logging to a file in `log_dir`.
+    ///
+    /// A service given a ServiceAccount kubeconfig made by
+    /// [`KubeEnv::service_account_kubeconfig`](crate::kube::KubeEnv::service_account_kubeconfig)
+    /// (`--kubeconfig`) also authenticates to the other kuryr services as that account: unless
+    /// the arguments say otherwise, it gets the account's kuryr token as `--auth-token-file`, as
+    /// the deployment's projected token volume gives it.
     pub fn spawn(bin: &str, args: &[String], log_dir: &Path) -> Result<Self> {
-        Self::spawn_in_netns(bin, args, log_dir, None)
+        Self::spawn_in_netns(bin, &with_kuryr_token(args), log_dir, None)
     }
 
     /// Starts `bin` inside the network namespace at `netns` (a node of the test), via
@@ -117,6 +123,19 @@ impl ServiceProcess {
         }
         Ok(())
     }
+}
+
+/// `args` plus `--auth-token-file` for the kubeconfig's account (see [`ServiceProcess::spawn`]).
+fn with_kuryr_token(args: &[String]) -> Vec<String> {
+    let mut out = args.to_vec();
+    if args.iter().any(|a| a.starts_with("--auth-token-file") || a == "--auth=none") {
+        return out;
+    }
+    let kubeconfig = args.iter().position(|a| a == "--kubeconfig").and_then(|i| args.get(i + 1));
+    if let Some(token) = kubeconfig.map(|k| crate::kube::kuryr_token_path(Path::new(k))).filter(|t| t.is_file()) {
+        out.extend(["--auth-token-file".to_string(), token.display().to_string()]);
+    }
+    out
 }
 
 /// Polls `f` every 50 ms until it succeeds or `timeout` passes; the error names `what` and the

@@ -26,9 +26,25 @@ impl ShimOutput {
 
 /// Runs `kuryr-cni` with exactly `env` (nothing inherited) and `stdin`.
 pub fn run_shim(env: &[(&str, &str)], stdin: &[u8]) -> Result<ShimOutput> {
+    run(env, stdin, None)
+}
+
+/// [`run_shim`] as the user `uid` with the primary group `gid` (and no supplementary groups):
+/// a process other than the container runtime.
+pub fn run_shim_as(env: &[(&str, &str)], stdin: &[u8], uid: u32, gid: u32) -> Result<ShimOutput> {
+    run(env, stdin, Some((uid, gid)))
+}
+
+fn run(env: &[(&str, &str)], stdin: &[u8], user: Option<(u32, u32)>) -> Result<ShimOutput> {
+    use std::os::unix::process::CommandExt;
     let path = bin_path("kuryr-cni")?;
     let start = Instant::now();
-    let mut child = Command::new(&path)
+    let mut cmd = Command::new(&path);
+    if let Some((uid, gid)) = user {
+        // As root, std drops the supplementary groups when it changes the uid.
+        cmd.uid(uid).gid(gid);
+    }
+    let mut child = cmd
         .env_clear()
         .envs(env.iter().copied())
         .stdin(Stdio::piped())

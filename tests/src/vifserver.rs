@@ -1,10 +1,12 @@
 //! A scripted VIF allocator: a real gRPC server implementing `kuryr.allocator.v1.VifAllocator`
 //! whose VIFs the test decides. It lets the binder be tested through the real CNI path before
-//! (and independently of) the real allocator.
+//! (and independently of) the real allocator. Like the real one, it sends a HEARTBEAT whenever a
+//! stream has been quiet for [`HEARTBEAT`].
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use anyhow::Result;
 use futures::Stream;
@@ -15,6 +17,9 @@ use kuryr_proto::allocator::v1::{
 };
 use tokio::sync::{broadcast, oneshot};
 use tonic::{Request, Response, Status};
+
+/// How often a quiet stream carries a HEARTBEAT, as the allocator's default `--stream-heartbeat`.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 struct State {
@@ -196,7 +201,11 @@ impl VifAllocator for ScriptedAllocator {
             }
             yield Ok(WatchVifsResponse { resume_point: revision.to_string(), r#type: VifEventType::SnapshotComplete as i32, vif: None, node_routes: None });
             loop {
-                match rx.recv().await {
+                let Ok(next) = tokio::time::timeout(HEARTBEAT, rx.recv()).await else {
+                    yield Ok(WatchVifsResponse { resume_point: String::new(), r#type: VifEventType::Heartbeat as i32, vif: None, node_routes: None });
+                    continue;
+                };
+                match next {
                     Ok(ev) => {
                         if ev.resume_point.parse::<u64>().unwrap_or(0) <= revision { continue; }
                         let for_node = ev.vif.as_ref().and_then(|v| v.pod.as_ref()).is_some_and(|p| p.node_name == node)

@@ -22,11 +22,14 @@ use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_proto::allocator::v1::{FreePoolRequest, PoolKey, PopulatePoolRequest};
 use kuryr_proto::allocator::v1::{
     GetVifRequest, NodeRoutes, ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_proto::service_names::VIF_ALLOCATOR;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
@@ -38,7 +41,6 @@ use kuryr_vif_allocator::crd::{
 use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey};
 use serde_json::json;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 /// Bound on one expected change; a healthy allocator delivers in milliseconds.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -75,6 +77,8 @@ struct Svc {
     proc: ServiceProcess,
     addr: String,
     metrics_url: String,
+    /// What the test's calls send: a binder's token.
+    token: String,
 }
 
 /// Starts `bin` listening on a free port.
@@ -90,7 +94,7 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
 }
 
 impl Cluster {
@@ -125,7 +129,7 @@ impl Cluster {
             "info,kuryr_vif_allocator=debug",
         ];
         let args = args.iter().chain(extra).map(ToString::to_string).collect();
-        spawn("kuryr-vif-allocator", args, self.dir.path())
+        Svc { token: self.binder_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path()) }
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -166,8 +170,8 @@ impl Cluster {
 }
 
 impl Svc {
-    fn client(&self) -> VifAllocatorClient<Channel> {
-        VifAllocatorClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    fn client(&self) -> VifAllocatorClient<PeerChannel> {
+        VifAllocatorClient::new(kuryr_tests::auth::channel(&self.addr, &self.token).unwrap())
     }
 
     async fn wait_serving(&self, service: &str) {
@@ -234,11 +238,14 @@ struct NodeStream {
 
 impl NodeStream {
     async fn next(&mut self) -> Result<WatchVifsResponse, End> {
-        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            Ok(Ok(None)) => return Err(End::Ended),
-            Ok(Err(s)) => return Err(End::Failed(s)),
-            Err(_) => return Err(End::Silent),
+        let ev = loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(ev))) if ev.r#type() == VifEventType::Heartbeat => continue,
+                Ok(Ok(Some(ev))) => break ev,
+                Ok(Ok(None)) => return Err(End::Ended),
+                Ok(Err(s)) => return Err(End::Failed(s)),
+                Err(_) => return Err(End::Silent),
+            }
         };
         self.last.clone_from(&ev.resume_point);
         let name =
@@ -266,7 +273,7 @@ impl NodeStream {
             VifEventType::NodeRoutesDeleted => {
                 self.routes.remove(&ev.node_routes.as_ref().unwrap().node_name);
             }
-            VifEventType::Unspecified => panic!("unspecified event {ev:?}"),
+            VifEventType::Unspecified | VifEventType::Heartbeat => panic!("unexpected event {ev:?}"),
         }
         Ok(ev)
     }
@@ -438,6 +445,62 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     assert_eq!((warned.reason.as_deref(), warned.type_.as_deref()), (Some("VifAllocationFailed"), Some("Warning")));
     assert!(warned.note.as_deref().unwrap_or_default().contains("earlier pod"), "{warned:?}");
     assert_eq!(warned.reporting_controller.as_deref(), Some("kuryr-vif-allocator"));
+
+    // Only the binders' account may watch VIFs and report them plugged, and a binder whose token
+    // is bound to a node only for that node; without a token nothing at all.
+    let watch_n1 = || WatchVifsRequest { node_name: "n1".into(), resume_from: String::new(), binder_id: "t".into() };
+    let anonymous = VifAllocatorClient::new(kuryr_runtime::client::channel(&alloc.addr).unwrap());
+    let e = anonymous.clone().watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let as_account = |sa: &'static str, node: Option<&'static str>| {
+        let (env, addr) = (&c.env, alloc.addr.clone());
+        async move {
+            let token = env.kuryr_token("kuryr-system", sa, node).await.unwrap();
+            VifAllocatorClient::new(kuryr_tests::auth::channel(&addr, &token).unwrap())
+        }
+    };
+    let e = as_account("kuryr-lbaas", None).await.watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    let mut n2_binder = as_account("kuryr-binder", Some("n2")).await;
+    let e = n2_binder.watch_vifs(watch_n1()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message().contains("(n2)"), "{e}");
+    let forged = ReportPluggedRequest {
+        pod_uid: v1.pod.as_ref().unwrap().uid.clone(),
+        vif_id: v1.vif_id.clone(),
+        node_name: "n1".into(),
+        plugged: true,
+        host_ifname: "x".into(),
+    };
+    let e = n2_binder.report_plugged(forged.clone()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "n2's binder reported for n1: {e}");
+    let e = anonymous.clone().report_plugged(forged).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    assert!(n2_binder.watch_vifs(WatchVifsRequest { node_name: "n2".into(), ..watch_n1() }).await.is_ok());
+    assert_eq!(n1.vif("p1").state(), VifState::Allocated, "a refused report changed the VIF");
+    // The pool methods are the pool manager's: refused to others before anything else (the
+    // embedded backend then answers UNIMPLEMENTED: it has no pools).
+    let pm = |t: Option<String>| {
+        let ch = kuryr_runtime::client::channel(&alloc.addr).unwrap();
+        let creds = match t {
+            Some(t) => kuryr_runtime::auth::client::Credentials::bearer(&t).unwrap(),
+            None => kuryr_runtime::auth::client::Credentials::None,
+        };
+        PoolManagerClient::new(kuryr_runtime::auth::client::with_credentials(ch, creds))
+    };
+    let populate =
+        || PopulatePoolRequest { key: Some(PoolKey { node_name: "n1".into(), ..Default::default() }), count: 1 };
+    let manager = c.env.kuryr_token("kuryr-system", "kuryr-pool-manager", None).await.unwrap();
+    for (who, token, code) in [
+        ("anonymous", None, tonic::Code::Unauthenticated),
+        ("a binder", Some(alloc.token.clone()), tonic::Code::PermissionDenied),
+        ("the pool manager", Some(manager), tonic::Code::Unimplemented),
+    ] {
+        let e = pm(token.clone()).populate_pool(populate()).await.unwrap_err();
+        assert_eq!(e.code(), code, "PopulatePool as {who}: {e}");
+        let e = pm(token).free_pool(FreePoolRequest { key: None }).await.unwrap_err();
+        assert_eq!(e.code(), code, "FreePool as {who}: {e}");
+    }
 
     // ReportPlugged: checked, recorded, streamed.
     let mut client = alloc.client();

@@ -33,7 +33,9 @@ use kuryr_openstack::neutron::{FixedIp, Neutron, Port, PortCreate};
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, ServiceType};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
-use kuryr_proto::allocator::v1::{GetVifRequest, ListPoolsRequest, Pool, PoolKey, PopulatePoolRequest, Vif, VifState};
+use kuryr_proto::allocator::v1::{
+    FreePoolRequest, GetVifRequest, ListPoolsRequest, Pool, PoolKey, PopulatePoolRequest, Vif, VifState,
+};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::metrics::Scrape;
@@ -44,7 +46,6 @@ use kuryr_tests::shim::{ShimOutput, run_shim};
 use kuryr_tests::util::{free_port, repo_root};
 use kuryr_vif_allocator::crd::PodVif;
 use serde_json::json;
-use tonic::transport::Channel;
 
 /// Bound on changes that go through Neutron and its agent (ACTIVE takes 1–3 s unloaded, much
 /// more on a machine busy building).
@@ -64,6 +65,10 @@ struct World {
     node: NeutronNode,
     net: PodNetwork,
     neutron: Neutron,
+    /// The test's calls to the allocator (GetVif, PoolManager) go as the pool manager.
+    pool_manager_token: String,
+    /// The binder's token, bound to the node.
+    binder_token_file: PathBuf,
 }
 
 async fn world() -> World {
@@ -106,7 +111,11 @@ async fn world() -> World {
     let client =
         Client::new(&cloud, ClientOptions::default(), Arc::new(kuryr_openstack::Metrics::unregistered())).unwrap();
     let net = os.pod_network().unwrap();
+    let pool_manager_token = kube.kuryr_token("kuryr-system", "kuryr-pool-manager", None).await.unwrap();
+    let binder_token_file = kube.kuryr_token_file("kuryr-system", "kuryr-binder", Some(&node.host)).await.unwrap();
     World {
+        pool_manager_token,
+        binder_token_file,
         os,
         _kube: kube,
         admin,
@@ -127,6 +136,8 @@ struct Svc {
     /// The unix socket (the binder in the node's namespace reaches the allocator through it).
     sock: PathBuf,
     metrics: String,
+    /// What the test's calls send.
+    token: String,
 }
 
 fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
@@ -143,7 +154,7 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, sock, metrics: format!("http://127.0.0.1:{mport}") }
+    Svc { proc, addr, sock, metrics: format!("http://127.0.0.1:{mport}"), token: String::new() }
 }
 
 impl World {
@@ -183,7 +194,8 @@ impl World {
             "--log",
             "info,kuryr_vif_allocator=debug",
         ];
-        spawn("kuryr-vif-allocator", args.iter().map(ToString::to_string).collect(), self.dir.path())
+        let svc = spawn("kuryr-vif-allocator", args.iter().map(ToString::to_string).collect(), self.dir.path());
+        Svc { token: self.pool_manager_token.clone(), ..svc }
     }
 
     fn pods(&self) -> Api<Pod> {
@@ -237,8 +249,8 @@ async fn wait_serving(svc: &Svc) {
     .unwrap_or_else(|e| panic!("{e:#}\n{}", svc.proc.logs()));
 }
 
-async fn channel(svc: &Svc) -> Channel {
-    Channel::from_shared(format!("http://{}", svc.addr)).unwrap().connect().await.unwrap()
+async fn channel(svc: &Svc) -> kuryr_runtime::auth::client::PeerChannel {
+    kuryr_tests::auth::channel(&svc.addr, &svc.token).unwrap()
 }
 
 async fn vif(svc: &Svc, uid: &str, timeout: Duration) -> Vif {
@@ -391,7 +403,14 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
             &w.node.host,
             &w.node.netns_path(),
             &format!("unix:{}", alloc.sock.display()),
-            &["--ovs-db".into(), w.node.ovsdb(), "--vif-wait-timeout".into(), format!("{}s", SLOW.as_secs())],
+            &[
+                "--ovs-db".into(),
+                w.node.ovsdb(),
+                "--vif-wait-timeout".into(),
+                format!("{}s", SLOW.as_secs()),
+                "--auth-token-file".into(),
+                w.binder_token_file.display().to_string(),
+            ],
         )
         .await
         .unwrap(),
@@ -438,6 +457,23 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
     assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad}");
     let bad = pm.populate_pool(PopulatePoolRequest { key: None, count: 1 }).await.unwrap_err();
     assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad}");
+    // Bounded: at most 100 ports a call, only for nodes that exist.
+    let bad = pm.populate_pool(PopulatePoolRequest { key: Some(key.clone()), count: 1000 }).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad}");
+    let nowhere = PoolKey { node_name: "no-such-node".into(), ..Default::default() };
+    let bad = pm.populate_pool(PopulatePoolRequest { key: Some(nowhere), count: 1 }).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad}");
+    assert!(bad.message().contains("no-such-node"), "{bad}");
+    // Only the pool manager's account: a binder's token may not, and no token is no call.
+    let binder_token = std::fs::read_to_string(&w.binder_token_file).unwrap();
+    let mut as_binder = PoolManagerClient::new(kuryr_tests::auth::channel(&alloc.addr, &binder_token).unwrap());
+    let denied = as_binder.free_pool(FreePoolRequest { key: None }).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied}");
+    let denied = as_binder.populate_pool(PopulatePoolRequest { key: Some(key.clone()), count: 1 }).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied}");
+    let mut anonymous = PoolManagerClient::new(kuryr_tests::auth::channel(&alloc.addr, "").unwrap());
+    let denied = anonymous.free_pool(FreePoolRequest { key: None }).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::Unauthenticated, "{denied}");
     let t = Instant::now();
     let uid_b = w.create_pod("b").await;
     let vb = vif(&alloc, &uid_b, SLOW).await;

@@ -86,7 +86,8 @@ impl Fixture {
             .iter()
             .map(ToString::to_string),
         );
-        spawn("kuryr-vif-allocator", args, self.c.dir.path()).unwrap()
+        let svc = spawn("kuryr-vif-allocator", args, self.c.dir.path()).unwrap();
+        Svc { token: self.c.pool_manager_token.clone(), ..svc }
     }
 
     async fn create_pod(&self, ns: &str, name: &str) -> String {
@@ -135,7 +136,7 @@ impl Fixture {
 }
 
 async fn vif(alloc: &Svc, uid: &str) -> Vif {
-    let c = VifAllocatorClient::new(alloc.channel().await.unwrap());
+    let c = VifAllocatorClient::new(alloc.channel().unwrap());
     wait_until(&format!("a VIF for pod {uid}"), SLOW, || {
         let mut c = c.clone();
         async move { Ok(c.get_vif(GetVifRequest { pod_uid: uid.into() }).await?.into_inner()) }
@@ -278,7 +279,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
         "no NamespaceNetworkReady Event for team-a"
     );
     // Pools are per namespace network.
-    let pm = PoolManagerClient::new(alloc.channel().await.unwrap());
+    let pm = PoolManagerClient::new(alloc.channel().unwrap());
     wait_until("a pool on each namespace network", SLOW, || {
         let mut pm = pm.clone();
         let want: BTreeSet<String> = [net_a.clone(), net_b.clone()].into();
@@ -395,7 +396,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
     assert!(router_ports.iter().all(|p| p.network_id != net_b), "router interface left on team-b's network");
     let tagged = f.c.neutron.list_ports(&Filter::new().tags(&[CLUSTER_TAG])).await.unwrap();
     assert!(tagged.iter().all(|p| p.network_id == net_a), "a cluster port off team-a's network: {tagged:?}");
-    let mut pm = PoolManagerClient::new(alloc.channel().await.unwrap());
+    let mut pm = PoolManagerClient::new(alloc.channel().unwrap());
     let pools = pm.list_pools(ListPoolsRequest {}).await.unwrap().into_inner().pools;
     assert!(
         pools.iter().all(|p| p.key.as_ref().is_some_and(|k| k.network_id != net_b) || p.free_port_ids.is_empty()),

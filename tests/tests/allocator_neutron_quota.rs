@@ -57,7 +57,7 @@ async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_rai
     // creates in flight at once could let Neutron's quota (reservations, no lock) admit a third
     // port, which the allocator cannot prevent and the test is not about.
     let mut uids = Vec::new();
-    let mut vifs = VifAllocatorClient::new(alloc.channel().await.unwrap());
+    let mut vifs = VifAllocatorClient::new(alloc.channel().unwrap());
     for name in ["q0", "q1"] {
         let made = pods.create(&PostParams::default(), &c.pod(name)).await.unwrap();
         uids.push(made.metadata.uid.unwrap());
@@ -194,7 +194,7 @@ async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_rai
     alloc.wait_ready(SLOW).await.unwrap();
     let made = pods.create(&PostParams::default(), &c.pod("r0")).await.unwrap();
     let uid = made.metadata.uid.unwrap();
-    let vifs = VifAllocatorClient::new(alloc.channel().await.unwrap());
+    let vifs = VifAllocatorClient::new(alloc.channel().unwrap());
     let refill_failed = r#"kuryr_allocator_neutron_pool_refill_failures_total{reason="neutron_quota_exceeded"}"#;
     wait_until("the pod's port created and a refill refused by the quota", SLOW, || {
         let (mut vifs, uid, alloc) = (vifs.clone(), uid.clone(), &alloc);

@@ -70,8 +70,9 @@ impl Replica {
     }
 }
 
-fn channel(addr: &str) -> tonic::transport::Channel {
-    kuryr_runtime::client::channel(addr).unwrap()
+/// A channel to `addr` whose calls carry a binder's `token`.
+fn channel(addr: &str, token: &str) -> kuryr_runtime::auth::client::PeerChannel {
+    kuryr_tests::auth::channel(addr, token).unwrap()
 }
 
 fn node_name(i: usize) -> String {
@@ -121,11 +122,12 @@ async fn binder(
     seen: Seen,
     redirects: Arc<Mutex<usize>>,
     stop: watch::Receiver<bool>,
+    token: String,
 ) {
     let mut target = replicas[0].clone();
     let mut next = 1;
     while !*stop.borrow() {
-        let mut client = VifAllocatorClient::new(channel(&target));
+        let mut client = VifAllocatorClient::new(channel(&target, &token));
         let req =
             WatchVifsRequest { node_name: node.clone(), resume_from: String::new(), binder_id: format!("test/{node}") };
         let failed = match client.watch_vifs(req).await {
@@ -244,7 +246,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let mut b = replica("alloc-b");
     for r in [&a, &b] {
         wait_until(&format!("{} SERVING", r.id), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(channel(&r.addr), VIF_ALLOCATOR).await
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&r.addr)?, VIF_ALLOCATOR).await
         })
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
@@ -297,6 +299,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
                 seen.clone(),
                 redirects.clone(),
                 stop.clone(),
+                c.binder_token.clone(),
             ))
         })
         .collect();
@@ -348,7 +351,8 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     // `a` learns who took a shard at its next Lease round; until then it answers "no owner right
     // now" (also UNAVAILABLE, for the client to retry). Retry as a client would until it names one.
     let refused = wait_until("a refusal naming the owner", PHASE_TIMEOUT, || async {
-        let refused = VifAllocatorClient::new(channel(&a.addr)).watch_vifs(req()).await.map(drop).unwrap_err();
+        let refused =
+            VifAllocatorClient::new(channel(&a.addr, &c.binder_token)).watch_vifs(req()).await.map(drop).unwrap_err();
         anyhow::ensure!(refused.code() == tonic::Code::Unavailable, "{refused:?}");
         anyhow::ensure!(refused.metadata().get(OWNER_METADATA).is_some(), "no owner named yet: {}", refused.message());
         Ok(refused)
@@ -358,11 +362,13 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     assert!(refused.message().contains(&b.id), "{}", refused.message());
     let owner = refused.metadata().get(OWNER_METADATA).unwrap().to_str().unwrap().to_string();
     assert_eq!(owner, b.addr);
-    let mut stream = VifAllocatorClient::new(channel(&owner)).watch_vifs(req()).await.unwrap().into_inner();
+    let mut stream =
+        VifAllocatorClient::new(channel(&owner, &c.binder_token)).watch_vifs(req()).await.unwrap().into_inner();
     let mut got = 0;
     loop {
         let ev = tokio::time::timeout(Duration::from_secs(20), stream.message()).await.unwrap().unwrap().unwrap();
         match ev.r#type() {
+            VifEventType::Heartbeat => {}
             VifEventType::VifApplied => {
                 assert_eq!(ev.vif.unwrap().pod.unwrap().node_name, *node);
                 got += 1;

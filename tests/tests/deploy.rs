@@ -91,7 +91,7 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         );
         assert_eq!(
             kinds(&objs, "ServiceAccount"),
-            ["kuryr-binder", "kuryr-lbaas", "kuryr-policy", "kuryr-vif-allocator", "kuryr-watcher"]
+            ["kuryr-binder", "kuryr-lbaas", "kuryr-policy", "kuryr-pool-manager", "kuryr-vif-allocator", "kuryr-watcher"]
         );
         assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-policy", "kuryr-vif-allocator", "kuryr-watcher"]);
         assert_eq!(kinds(&objs, "DaemonSet"), ["kuryr-binder"]);
@@ -100,6 +100,26 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
             let name = o["metadata"]["name"].as_str().unwrap();
             assert_eq!(o["spec"]["template"]["spec"]["serviceAccountName"], name, "{overlay}: {name}");
             assert_eq!(o["metadata"]["namespace"], "kuryr-system", "{overlay}: {name}");
+        }
+        // Whoever calls another kuryr service gets a projected token for the kuryr audience
+        // only, where --auth-token-file expects it.
+        for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas"] {
+            let o = objs.iter().find(|o| o["metadata"]["name"] == name && o["spec"]["template"].is_object()).unwrap();
+            let spec = &o["spec"]["template"]["spec"];
+            let volume = spec["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "kuryr-token");
+            let source = &volume.unwrap_or_else(|| panic!("{overlay}: {name} has no kuryr-token volume"))["projected"]
+                ["sources"][0]["serviceAccountToken"];
+            assert_eq!(
+                (source["audience"].as_str(), source["path"].as_str()),
+                (Some("kuryr"), Some("token")),
+                "{name}"
+            );
+            let mounted = spec["containers"][0]["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m["name"] == "kuryr-token" && m["mountPath"] == "/var/run/secrets/kuryr");
+            assert!(mounted, "{overlay}: {name} does not mount its kuryr token at /var/run/secrets/kuryr");
         }
         // Nothing needs cluster DNS or the `kubernetes` ClusterIP to start: the services find each
         // other through their EndpointSlices (k8s: targets), and the API server's address comes

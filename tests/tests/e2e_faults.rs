@@ -8,7 +8,11 @@
 //! - the same with kuryr-watcher: the allocator loses its subscription and picks up again when
 //!   the watcher is back;
 //! - kuryr-binder stopped with SIGTERM on one node and killed with SIGKILL on the other while pods
-//!   run and new ones start, pods deleted while it is down and after it is back.
+//!   run and new ones start, pods deleted while it is down and after it is back;
+//! - kuryr-vif-allocator stopped with SIGSTOP (its connections stay open, it sends nothing) while
+//!   pods run and new ones are created: the binders tell it from a quiet allocator by the missing
+//!   heartbeats alone, are NOT_SERVING within their `--stream-idle-timeout`, and resume once it
+//!   runs again (SIGCONT).
 //!
 //! Each converges to the same state (the checks of [`kuryr_tests::cluster::checks`]): every pod
 //! Running with distinct addresses that are its PodVif's and allocated to it in a block of its
@@ -29,7 +33,7 @@ use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
-use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
+use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions, ServiceKind, StreamTiming};
 use kuryr_tests::kubelet::PodPhase;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::services::wait_until;
@@ -58,6 +62,10 @@ const CONSISTENT_TIMEOUT: Duration = Duration::from_secs(30);
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pods created in the API at once.
 const CREATE_CONCURRENCY: usize = 8;
+/// The services' `--stream-heartbeat` in the SIGSTOP scenario...
+const HEARTBEAT: &str = "300ms";
+/// ... and their readers' `--stream-idle-timeout` (the binders' too).
+const IDLE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// One cluster at a time in this binary.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -79,13 +87,28 @@ async fn binder_restarts_keep_running_pods_and_start_new_ones() {
     with_cluster("binder restarts", binder_restarts).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_allocator_is_told_from_a_quiet_one_by_its_heartbeats() {
+    let timing = StreamTiming { heartbeat: HEARTBEAT.into(), idle_timeout: format!("{}ms", IDLE_TIMEOUT.as_millis()) };
+    let opts = ClusterOptions { stream_timing: Some(timing), ..ClusterOptions::default() };
+    with_cluster_options("allocator SIGSTOP", opts, allocator_stopped).await;
+}
+
 /// Starts a two-node cluster, runs `scenario` on it, shuts it down and checks that nothing of it
 /// is left on the host; the services' logs are printed when the scenario fails.
 async fn with_cluster(name: &str, scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>) {
+    with_cluster_options(name, ClusterOptions::default(), scenario).await;
+}
+
+/// [`with_cluster`] with `opts`.
+async fn with_cluster_options(
+    name: &str,
+    opts: ClusterOptions,
+    scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>,
+) {
     let _turn = ONE_AT_A_TIME.lock().await;
     let t = Instant::now();
-    let mut cluster =
-        Cluster::start(ClusterOptions::default()).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
     eprintln!("{name}: cluster up in {:?}", cluster.started_in());
     let outcome = scenario(&mut cluster).await;
     if outcome.is_err() {
@@ -268,6 +291,85 @@ async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
     eprintln!("{pings} pings between all {} pods answered", running.len());
 
     delete_all_and_check(cluster).await
+}
+
+/// Pods run; the allocator is quiet for three idle timeouts (its heartbeats keep every binder's
+/// VIF stream up), then stopped with SIGSTOP while new pods are created: each binder notices by
+/// the silence alone and is NOT_SERVING within a few idle timeouts, the running pods keep their
+/// networks; SIGCONT → the binders resume, the new pods get networks, everything converges.
+async fn allocator_stopped(cluster: &mut Cluster) -> Result<()> {
+    let client = cluster.client();
+    create_namespace(&client).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let first = spread(cluster, "old", 4);
+    create_pods(pods.clone(), first.clone(), Arc::default()).await?;
+    let before = checks::wait_running(cluster, NAMESPACE, first.len(), CONVERGE_TIMEOUT).await?;
+
+    tokio::time::sleep(3 * IDLE_TIMEOUT).await;
+    for n in cluster.nodes() {
+        binder_serving(n).await.with_context(|| format!("{}: a quiet allocator taken for dead", n.name))?;
+        let logs = n.node.binder_logs();
+        ensure!(!logs.contains("VIF stream lost"), "{}: a quiet allocator was taken for dead:\n{logs}", n.name);
+    }
+
+    let pid = cluster.allocator().pid().context("the allocator has no pid")?;
+    signal(pid, "-STOP").await?;
+    let stopped = Instant::now();
+    let late = spread(cluster, "late", 2);
+    let creating = tokio::spawn(create_pods(pods.clone(), late.clone(), Arc::default()));
+    let outage = async {
+        for n in cluster.nodes() {
+            wait_until(&format!("{}: binder NOT_SERVING", n.name), 5 * IDLE_TIMEOUT, || async {
+                ensure!(binder_serving(n).await.is_err(), "still SERVING");
+                Ok(())
+            })
+            .await?;
+        }
+        let noticed = stopped.elapsed();
+        eprintln!("allocator stopped (SIGSTOP): both binders NOT_SERVING after {noticed:?}");
+        for n in cluster.nodes() {
+            let logs = n.node.binder_logs();
+            ensure!(logs.contains("not even a heartbeat"), "{}: not noticed by its silence:\n{logs}", n.name);
+        }
+        let pings = checks::reachable(&before, &before).await?;
+        eprintln!("{pings} pings between the running pods answered while the allocator is stopped");
+        tokio::time::sleep(OUTAGE).await;
+        anyhow::Ok(())
+    }
+    .await;
+    // Running again whatever happened, so that the cluster shuts down cleanly.
+    signal(pid, "-CONT").await?;
+    outage?;
+
+    let t = Instant::now();
+    for n in cluster.nodes() {
+        wait_until(&format!("{}: binder SERVING again", n.name), CONVERGE_TIMEOUT, || binder_serving(n)).await?;
+    }
+    eprintln!("allocator running again (SIGCONT): both binders SERVING after {:?}", t.elapsed());
+    creating.await??;
+    let expected = first.len() + late.len();
+    let running = checks::wait_running(cluster, NAMESPACE, expected, CONVERGE_TIMEOUT)
+        .await
+        .map_err(|e| e.context(kubelet_summary(cluster)))?;
+    for p in running.iter().filter(|p| p.name.starts_with("old")) {
+        let was = before.iter().find(|b| b.name == p.name).context("an unknown old pod")?;
+        ensure!(p == was, "{} changed over the allocator's stop: {was:?} → {p:?}", p.name);
+    }
+    converged(cluster, &running).await?;
+    delete_all_and_check(cluster).await
+}
+
+/// Whether the node's binder reports its CNI service SERVING (its VIF stream live).
+async fn binder_serving(n: &ClusterNode) -> Result<()> {
+    let channel = kuryr_runtime::client::channel(&n.node.binder.grpc_target())?;
+    kuryr_runtime::client::check_serving(channel, kuryr_proto::service_names::CNI).await
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to `pid`.
+async fn signal(pid: u32, sig: &str) -> Result<()> {
+    let status = tokio::process::Command::new("kill").args([sig, &pid.to_string()]).status().await?;
+    ensure!(status.success(), "kill {sig} {pid}: {status}");
+    Ok(())
 }
 
 /// The checks every scenario ends with while its pods run: the allocator's records agree with

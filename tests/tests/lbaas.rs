@@ -12,7 +12,8 @@
 //! an Event and headless nothing; deleting a Service streams LB_DELETED, deletes the record and lets the
 //! Service go; kill -9 and restart: the same load balancers at the same generations, Services
 //! deleted or created meanwhile handled, records without a Service removed; bad requests are
-//! INVALID_ARGUMENT.
+//! INVALID_ARGUMENT. Heartbeats: a quiet watcher is not taken for dead, a stopped one (SIGSTOP)
+//! is, after `--stream-idle-timeout`, and lbaas' own quiet stream carries heartbeats.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,13 +31,13 @@ use kuryr_proto::lbaas::v1::{
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_proto::service_names::LOAD_BALANCERS;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::free_port;
 use serde_json::json;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 /// Bound on one expected change; a healthy lbaas delivers in milliseconds.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -65,6 +66,8 @@ struct Svc {
     proc: ServiceProcess,
     addr: String,
     metrics_url: String,
+    /// What the test's calls send: a binder's token.
+    token: String,
 }
 
 fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
@@ -79,7 +82,7 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
         "3s".into(),
     ]);
     let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
 }
 
 impl Cluster {
@@ -108,7 +111,10 @@ impl Cluster {
             "info,kuryr_lbaas=debug",
         ];
         args.extend(extra);
-        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
+        Svc {
+            token: self.binder_token.clone(),
+            ..(spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path()))
+        }
     }
 
     fn services(&self) -> Api<Service> {
@@ -180,8 +186,8 @@ fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str
 }
 
 impl Svc {
-    fn client(&self) -> LoadBalancersClient<Channel> {
-        LoadBalancersClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    fn client(&self) -> LoadBalancersClient<PeerChannel> {
+        LoadBalancersClient::new(kuryr_tests::auth::channel(&self.addr, &self.token).unwrap())
     }
 
     async fn wait_serving(&self) {
@@ -248,11 +254,14 @@ impl LbStream {
     }
 
     async fn next(&mut self) -> Result<WatchLoadBalancersResponse, End> {
-        let ev = match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(ev))) => ev,
-            Ok(Ok(None)) => return Err(End::Ended),
-            Ok(Err(s)) => return Err(End::Failed(s)),
-            Err(_) => return Err(End::Silent),
+        let ev = loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(ev))) if ev.r#type() == LbEventType::Heartbeat => continue,
+                Ok(Ok(Some(ev))) => break ev,
+                Ok(Ok(None)) => return Err(End::Ended),
+                Ok(Err(s)) => return Err(End::Failed(s)),
+                Err(_) => return Err(End::Silent),
+            }
         };
         self.last.clone_from(&ev.resume_point);
         self.types.push(ev.r#type());
@@ -273,7 +282,7 @@ impl LbStream {
                 self.specs.remove(&key);
                 self.deleted.insert(key);
             }
-            LbEventType::Unspecified => panic!("unspecified event {ev:?}"),
+            LbEventType::Unspecified | LbEventType::Heartbeat => panic!("unexpected event {ev:?}"),
         }
         Ok(ev)
     }
@@ -340,6 +349,25 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert!(forbidden(Api::<EndpointSlice>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<Secret>::all(sa.clone()).list(&ListParams::default()).await.map(drop)));
     assert!(forbidden(Api::<Service>::namespaced(sa, NS).delete("x", &DeleteParams::default()).await.map(drop)));
+
+    // Only the binders' account reads the specs: no token is UNAUTHENTICATED, another account's
+    // PERMISSION_DENIED, on every method.
+    let anonymous = LoadBalancersClient::new(with_credentials(
+        kuryr_runtime::client::channel(&lbaas.addr).unwrap(),
+        kuryr_runtime::auth::client::Credentials::None,
+    ));
+    let other = c.env.kuryr_token("kuryr-system", "kuryr-vif-allocator", None).await.unwrap();
+    let other = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &other).unwrap());
+    for (who, mut client, code) in [
+        ("anonymous", anonymous, tonic::Code::Unauthenticated),
+        ("the allocator", other, tonic::Code::PermissionDenied),
+    ] {
+        let watch = WatchLoadBalancersRequest { resume_from: String::new(), subscriber: String::new() };
+        let e = client.watch_load_balancers(watch).await.unwrap_err();
+        assert_eq!(e.code(), code, "{who}: {e}");
+        let e = client.list_load_balancers(ListLoadBalancersRequest::default()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{who}: {e}");
+    }
 
     // Bad requests name the field; unknown Services are NOT_FOUND.
     let mut client = lbaas.client();
@@ -473,7 +501,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert!(w.spec("web").generation > before, "{} after {before}", w.spec("web").generation);
     assert_eq!(w.types.last(), Some(&LbEventType::LbApplied));
 
-    // A reconnect resumes: only what changed meanwhile, no snapshot.
+    // A reconnect resumes: SNAPSHOT_COMPLETE (caught up as of the point), then only what changed
+    // meanwhile, no snapshot.
     let resume = w.last.clone();
     let at = w.spec("web").generation;
     drop(w);
@@ -493,6 +522,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     .await
     .unwrap();
     let mut w = lbaas.watch(&resume).await;
+    let ev = w.next().await.unwrap();
+    assert_eq!((ev.r#type(), ev.resume_point.as_str()), (LbEventType::SnapshotComplete, resume.as_str()), "{ev:?}");
     let ev = w.next().await.unwrap();
     assert_eq!(ev.r#type(), LbEventType::LbApplied, "{ev:?}");
     let spec = ev.spec.unwrap();
@@ -748,4 +779,94 @@ async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_a
     })
     .await
     .unwrap();
+}
+
+/// The one number of `metric` (no labels) in a Prometheus exposition.
+fn metric_value(exposition: &str, metric: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(metric).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {metric} in:\n{exposition}"))
+}
+
+/// Heartbeats tell a quiet stream from a dead one. A quiet but healthy watcher keeps lbaas
+/// SERVING well past lbaas' `--stream-idle-timeout`, because its heartbeats keep coming; a
+/// stopped watcher (SIGSTOP: its connections stay open, nothing is sent) is noticed by its
+/// silence alone — lbaas drops the stream and is NOT_SERVING until the watcher runs again, then
+/// resumes. lbaas' own quiet WatchLoadBalancers carries heartbeats with no resume point, and
+/// keeps doing so while its watcher is away.
+#[tokio::test]
+async fn heartbeats_tell_a_quiet_watcher_from_a_stopped_one() {
+    const HEARTBEAT: &str = "300ms";
+    const IDLE: Duration = Duration::from_millis(1500);
+    let c = cluster().await;
+    let watcher = c.0.watcher(None, &["--shutdown-grace", "3s", "--stream-heartbeat", HEARTBEAT]).unwrap();
+    let idle = format!("{}ms", IDLE.as_millis());
+    let lbaas = c.lbaas_with(
+        &watcher,
+        &["--service-finalizer", "all", "--stream-heartbeat", HEARTBEAT, "--stream-idle-timeout", &idle],
+    );
+    lbaas.wait_serving().await;
+    let mut w = lbaas.watch("").await;
+    w.until("the snapshot", |s| s.live).await;
+    let reconnects = |m: &str| metric_value(m, "kuryr_lbaas_watcher_reconnects_total");
+    let before = reconnects(&lbaas.metrics().await);
+
+    // Nothing changes for three idle timeouts: heartbeats only, on both streams. (What the API
+    // server itself still settles — the `kubernetes` Service's slice — restarts the count.)
+    let mut quiet_since = tokio::time::Instant::now();
+    let mut beats = 0;
+    while quiet_since.elapsed() < 3 * IDLE {
+        let ev = tokio::time::timeout(EVENT_TIMEOUT, w.stream.message()).await.unwrap().unwrap().unwrap();
+        if ev.r#type() != LbEventType::Heartbeat {
+            assert_eq!(ev.r#type(), LbEventType::LbApplied, "{ev:?}");
+            assert!(quiet_since.elapsed() < EVENT_TIMEOUT, "never quiet");
+            (quiet_since, beats) = (tokio::time::Instant::now(), 0);
+            continue;
+        }
+        assert_eq!((ev.resume_point.as_str(), ev.spec.is_none()), ("", true), "{ev:?}");
+        beats += 1;
+    }
+    // One every 300 ms; the default interval (5 s) would have sent none.
+    assert!(beats >= 5, "{beats} heartbeats in {:?}", quiet_since.elapsed());
+    kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&lbaas.addr).unwrap(), LOAD_BALANCERS)
+        .await
+        .unwrap_or_else(|e| panic!("a quiet watcher was taken for dead: {e:#}\n{}", lbaas.proc.logs()));
+    assert_eq!(reconnects(&lbaas.metrics().await), before, "a quiet watcher was taken for dead");
+
+    // Stopped: the connection stays open, and only the silence tells.
+    let pid = watcher.proc.pid().unwrap().to_string();
+    let signal = |sig: &'static str| {
+        let pid = pid.clone();
+        async move {
+            let ok = tokio::process::Command::new("kill").args([sig, &pid]).status().await.unwrap().success();
+            assert!(ok, "kill {sig} {pid}");
+        }
+    };
+    signal("-STOP").await;
+    let stopped = tokio::time::Instant::now();
+    wait_until("kuryr-lbaas NOT_SERVING", PHASE_TIMEOUT, || async {
+        let serving =
+            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&lbaas.addr)?, LOAD_BALANCERS).await;
+        anyhow::ensure!(serving.is_err(), "still SERVING");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+    let noticed = stopped.elapsed();
+    // The idle timer runs from the last heartbeat, up to one interval before the stop.
+    assert!(noticed >= IDLE / 2, "NOT_SERVING after {noticed:?}, long before the idle timeout: something else broke");
+    assert!(noticed < 5 * IDLE, "NOT_SERVING only after {noticed:?}: --stream-idle-timeout was not applied");
+    assert!(reconnects(&lbaas.metrics().await) > before);
+    // lbaas still serves what it has, and says it is alive.
+    let ev = tokio::time::timeout(EVENT_TIMEOUT, w.stream.message()).await.unwrap().unwrap().unwrap();
+    assert_eq!(ev.r#type(), LbEventType::Heartbeat);
+
+    // Running again: the follower reconnects and lbaas is SERVING again.
+    signal("-CONT").await;
+    lbaas.wait_serving().await;
+    assert!(lbaas.proc.logs().contains("not even a heartbeat"), "{}", lbaas.proc.logs());
+    c.create_service("after", json!({"ports": [{"port": 80}]})).await;
+    w.until("after", |s| s.specs.contains_key(&key("after"))).await;
 }

@@ -388,7 +388,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert!(
         c.services().get("web").await.unwrap().metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER)
     );
-    let got = LoadBalancersClient::new(kuryr_runtime::client::channel(&lbaas.addr).unwrap())
+    let got = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token).unwrap())
         .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
         .await
         .unwrap()

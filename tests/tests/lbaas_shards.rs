@@ -267,14 +267,15 @@ struct StreamState {
 type Shared = Arc<Mutex<StreamState>>;
 
 /// Follows WatchLoadBalancers of `addr` in the background, from a snapshot.
-fn follow(addr: String, who: &str) -> Shared {
+fn follow(addr: String, who: &str, token: &str) -> Shared {
+    let token = token.to_string();
     let state: Shared = Arc::default();
     let s = state.clone();
     let subscriber = format!("test/{who}");
     tokio::spawn(async move {
         let req = WatchLoadBalancersRequest { resume_from: String::new(), subscriber };
         let opened = wait_until("WatchLoadBalancers", PHASE_TIMEOUT, || async {
-            let mut c = LoadBalancersClient::new(kuryr_runtime::client::channel(&addr)?);
+            let mut c = LoadBalancersClient::new(kuryr_tests::auth::channel(&addr, &token)?);
             Ok(c.watch_load_balancers(req.clone()).await?.into_inner())
         })
         .await;
@@ -287,6 +288,9 @@ fn follow(addr: String, who: &str) -> Shared {
         };
         loop {
             let msg = stream.message().await;
+            if matches!(&msg, Ok(Some(ev)) if ev.r#type() == LbEventType::Heartbeat) {
+                continue;
+            }
             let mut st = s.lock().unwrap();
             let ev = match msg {
                 Ok(Some(ev)) => ev,
@@ -313,7 +317,7 @@ fn follow(addr: String, who: &str) -> Shared {
                 LbEventType::LbDeleted => {
                     st.specs.remove(&key);
                 }
-                LbEventType::Unspecified => {}
+                LbEventType::Unspecified | LbEventType::Heartbeat => continue,
             }
             let live = st.live;
             if live {
@@ -382,8 +386,8 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     }
 
     // 2. A burst of Services: split between the replicas, streamed by both.
-    let wa = follow(a.addr.clone(), "a");
-    let wb = follow(b.addr.clone(), "b");
+    let wa = follow(a.addr.clone(), "a", &c.binder_token);
+    let wb = follow(b.addr.clone(), "b", &c.binder_token);
     let started = Instant::now();
     create_burst(&c, 0..BURST).await;
     let mut names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
@@ -453,7 +457,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     let a = c.lbaas(&watcher, "lb-a");
     a.wait_serving().await;
     c.wait_split(&[&a, &b]).await;
-    let wa = follow(a.addr.clone(), "a2");
+    let wa = follow(a.addr.clone(), "a2", &c.binder_token);
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     // A round or two for whatever the rebalance would still do.
     tokio::time::sleep(TICK * 3).await;

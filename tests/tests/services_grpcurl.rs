@@ -1,9 +1,11 @@
 //! Every service can be inspected with grpcurl over TCP and over its unix socket — health,
-//! reflection v1 and v1alpha, and its own API — even while what it depends on is unreachable;
+//! reflection v1 and v1alpha, and its own APIs (reflection lists exactly those: no other service's
+//! API) — even while what it depends on is unreachable;
 //! it reports NOT_SERVING meanwhile, answers malformed requests with INVALID_ARGUMENT, counts
 //! calls by status code in its metrics, flips to SERVING once its dependencies are up, and exits
 //! promptly on SIGTERM, removing its socket.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use kuryr_tests::kube::KubeEnv;
@@ -14,6 +16,8 @@ use kuryr_tests::vifserver::ScriptedAllocator;
 struct Svc {
     bin: &'static str,
     api: &'static str,
+    /// The other kuryr APIs the binary serves.
+    also: &'static [&'static str],
     /// The flag naming the dependency (pointed at a dead port in the first test).
     dep_flag: Option<&'static str>,
     /// A malformed request and the method it is sent to.
@@ -24,24 +28,28 @@ const SERVICES: &[Svc] = &[
     Svc {
         bin: "kuryr-watcher",
         api: "kuryr.watcher.v1.Watcher",
+        also: &[],
         dep_flag: None,
         bad_call: ("kuryr.watcher.v1.Watcher/Subscribe", r#"{"kinds":["KIND_UNSPECIFIED"]}"#),
     },
     Svc {
         bin: "kuryr-vif-allocator",
         api: "kuryr.allocator.v1.VifAllocator",
+        also: &["kuryr.allocator.v1.PoolManager"],
         dep_flag: Some("--watcher"),
         bad_call: ("kuryr.allocator.v1.VifAllocator/WatchVifs", r#"{"node_name":""}"#),
     },
     Svc {
         bin: "kuryr-lbaas",
         api: "kuryr.lbaas.v1.LoadBalancers",
+        also: &[],
         dep_flag: Some("--watcher"),
         bad_call: ("kuryr.lbaas.v1.LoadBalancers/GetLoadBalancer", r#"{"name":"x"}"#),
     },
     Svc {
         bin: "kuryr-binder",
         api: "kuryr.binder.v1.Cni",
+        also: &[],
         dep_flag: Some("--allocator"),
         bad_call: ("kuryr.binder.v1.Cni/Add", r#"{"shim_version":"0.0.0-not-this"}"#),
     },
@@ -65,10 +73,16 @@ fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<R
     let port = free_port()?;
     let mport = free_port()?;
     let socket = dir.join(format!("{}.sock", svc.bin));
-    let tcp = format!("127.0.0.1:{port}");
+    // The binder serves on its unix socket only: there its "TCP" target is the socket too.
+    let (tcp, listen) = if svc.bin == "kuryr-binder" {
+        (format!("unix://{}", socket.display()), format!("unix:{}", socket.display()))
+    } else {
+        let tcp = format!("127.0.0.1:{port}");
+        (tcp.clone(), format!("{tcp},unix:{}", socket.display()))
+    };
     let mut args = vec![
         "--listen".to_string(),
-        format!("{tcp},unix:{}", socket.display()),
+        listen,
         "--metrics-listen".to_string(),
         format!("127.0.0.1:{mport}"),
         "--shutdown-grace".to_string(),
@@ -123,17 +137,26 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
             })
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
-            for want in [
+            // Exactly what the binary serves: health, reflection and its own APIs, no other's.
+            let mut want: BTreeSet<&str> = [
                 "grpc.health.v1.Health",
                 "grpc.reflection.v1.ServerReflection",
                 "grpc.reflection.v1alpha.ServerReflection",
                 svc.api,
-            ] {
-                assert!(listed.lines().any(|l| l == want), "{}: {want} not listed over {target}:\n{listed}", svc.bin);
+            ]
+            .into();
+            want.extend(svc.also);
+            let got: BTreeSet<&str> = listed.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+            assert_eq!(got, want, "{}: services listed over {target}", svc.bin);
+            // Reflection describes the service's own APIs, and not the others'.
+            for api in std::iter::once(&svc.api).chain(svc.also) {
+                let (ok, described) = grpcurl(&["-plaintext", target, "describe", api]).await.unwrap();
+                assert!(ok && described.contains("is a service"), "{}: describe {api} failed: {described}", svc.bin);
             }
-            // Reflection describes the service's own API.
-            let (ok, described) = grpcurl(&["-plaintext", target, "describe", svc.api]).await.unwrap();
-            assert!(ok && described.contains("is a service"), "{}: describe failed: {described}", svc.bin);
+            for other in SERVICES.iter().filter(|o| o.bin != svc.bin) {
+                let (ok, described) = grpcurl(&["-plaintext", target, "describe", other.api]).await.unwrap();
+                assert!(!ok, "{}: describes {}, which it does not serve: {described}", svc.bin, other.api);
+            }
         }
         // The older reflection protocol answers too.
         let (ok, out) = grpcurl(&[
@@ -158,17 +181,18 @@ async fn every_service_is_inspectable_while_its_dependencies_are_down() {
         let h = health(&r.tcp, "").await.unwrap();
         assert!(h.contains("\"NOT_SERVING\""), "{}: {h}", svc.bin);
 
-        // A malformed request is refused naming the problem.
+        // A malformed request is refused naming the problem (the binder, root on its socket); the
+        // services' APIs want a ServiceAccount token before anything else.
         let (method, body) = svc.bad_call;
         let (ok, out) = grpcurl(&["-plaintext", "-d", body, &r.tcp, method]).await.unwrap();
         assert!(!ok, "{}: {method} accepted {body}", svc.bin);
-        let expected = if svc.bin == "kuryr-binder" { "FailedPrecondition" } else { "InvalidArgument" };
+        let expected = if svc.bin == "kuryr-binder" { "FailedPrecondition" } else { "Unauthenticated" };
         assert!(out.contains(expected), "{}: {method} {body}: {out}", svc.bin);
 
         // Metrics count calls by code.
         let metrics = http_get(&r.metrics).await.unwrap();
         let (service, m) = method.split_once('/').unwrap();
-        let code = if svc.bin == "kuryr-binder" { "FAILED_PRECONDITION" } else { "INVALID_ARGUMENT" };
+        let code = if svc.bin == "kuryr-binder" { "FAILED_PRECONDITION" } else { "UNAUTHENTICATED" };
         let line = format!(r#"grpc_server_handled_total{{service="{service}",method="{m}",code="{code}"}} 1"#);
         assert!(metrics.contains(&line), "{}: metrics lack {line}:\n{metrics}", svc.bin);
 
@@ -196,6 +220,14 @@ async fn services_become_serving_once_their_dependencies_are() {
     // The allocator's and lbaas' shard Leases live in their namespace, as when deployed.
     kube.kubectl(&["create", "namespace", "kuryr-system"]).await.unwrap();
     let watcher = start(&SERVICES[0], dir.path(), &["--kubeconfig".into(), kubeconfig.clone()]).unwrap();
+    // The services run with the admin kubeconfig here; towards each other they authenticate as
+    // their own ServiceAccounts, with tokens for the kuryr audience.
+    let token_of = async |sa: &str| {
+        let f = kube.kuryr_token_file("kuryr-system", sa, None).await.unwrap();
+        ["--auth-token-file".to_string(), f.display().to_string()]
+    };
+    let [af, allocator_token] = token_of("kuryr-vif-allocator").await;
+    let [lf, lbaas_token] = token_of("kuryr-lbaas").await;
     let allocator = start(
         &SERVICES[1],
         dir.path(),
@@ -206,13 +238,18 @@ async fn services_become_serving_once_their_dependencies_are() {
             kubeconfig.clone(),
             "--network-cidrs".into(),
             "10.244.0.0/16".into(),
+            af,
+            allocator_token,
         ],
     )
     .unwrap();
     // lbaas serves once its records (ServiceLoadBalancers) are loaded and the watcher is live.
-    let lbaas =
-        start(&SERVICES[2], dir.path(), &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig])
-            .unwrap();
+    let lbaas = start(
+        &SERVICES[2],
+        dir.path(),
+        &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig, lf, lbaas_token],
+    )
+    .unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
     // scripted allocator (the real one is covered by the end-to-end suite).
     let scripted = ScriptedAllocator::new(true).serve_unix(&dir.path().join("alloc.sock")).await.unwrap();
@@ -240,6 +277,17 @@ async fn services_become_serving_once_their_dependencies_are() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
     }
+    // grpcurl calls the APIs with a ServiceAccount token for the kuryr audience, of the account
+    // whose role the method is; without one it is told so.
+    let binder_token = kube.kuryr_token("kuryr-system", "kuryr-binder", None).await.unwrap();
+    let [h, header] = kuryr_tests::auth::grpcurl_header(&binder_token);
+    let get_vif =
+        ["-plaintext", "-d", r#"{"pod_uid":"nope"}"#, allocator.tcp.as_str(), "kuryr.allocator.v1.VifAllocator/GetVif"];
+    let (ok, out) = grpcurl(&get_vif).await.unwrap();
+    assert!(!ok && out.contains("Unauthenticated"), "{out}");
+    let (ok, out) = grpcurl(&[&[h.as_str(), header.as_str()][..], &get_vif].concat()).await.unwrap();
+    assert!(!ok && out.contains("NotFound"), "with the binder's token: {out}");
+
     // The binder answers VERSION for its own shim version.
     let body = format!(r#"{{"shim_version":"{}"}}"#, env!("CARGO_PKG_VERSION"));
     let (ok, out) = grpcurl(&["-plaintext", "-d", &body, &binder.unix, "kuryr.binder.v1.Cni/Version"]).await.unwrap();

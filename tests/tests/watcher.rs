@@ -18,12 +18,12 @@ use kuryr_proto::service_names::WATCHER;
 use kuryr_proto::watcher::v1::object::Body;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Filter, Kind, Object, SubscribeRequest, SubscribeResponse};
+use kuryr_runtime::auth::client::{Credentials, PeerChannel, with_credentials};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::{free_port, repo_root, unique_id};
 use serde_json::json;
 use tonic::Streaming;
-use tonic::transport::Channel;
 
 /// Bound on one expected event; a healthy watcher delivers in milliseconds.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(15);
@@ -36,9 +36,15 @@ struct Watcher {
     proc: ServiceProcess,
     addr: String,
     metrics_url: String,
+    /// What the test's Subscribe calls send: a subscriber account's token (or nothing).
+    token: Option<String>,
 }
 
 fn start_watcher(kubeconfig: &Path, dir: &Path) -> Watcher {
+    start_watcher_with(kubeconfig, dir, &[])
+}
+
+fn start_watcher_with(kubeconfig: &Path, dir: &Path, extra: &[&str]) -> Watcher {
     let (port, mport) = (free_port().unwrap(), free_port().unwrap());
     let addr = format!("127.0.0.1:{port}");
     let args = [
@@ -53,13 +59,18 @@ fn start_watcher(kubeconfig: &Path, dir: &Path) -> Watcher {
         "--log".to_string(),
         "info,kuryr_watcher=debug".to_string(),
     ];
+    let args: Vec<String> = args.into_iter().chain(extra.iter().map(ToString::to_string)).collect();
     let proc = ServiceProcess::spawn("kuryr-watcher", &args, dir).unwrap();
-    Watcher { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+    Watcher { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: None }
 }
 
 impl Watcher {
-    fn client(&self) -> WatcherClient<Channel> {
-        WatcherClient::new(kuryr_runtime::client::channel(&self.addr).unwrap())
+    fn client(&self) -> WatcherClient<PeerChannel> {
+        let creds = match &self.token {
+            Some(t) => Credentials::bearer(t).unwrap(),
+            None => Credentials::None,
+        };
+        WatcherClient::new(with_credentials(kuryr_runtime::client::channel(&self.addr).unwrap(), creds))
     }
 
     async fn health(&self) -> anyhow::Result<()> {
@@ -101,12 +112,16 @@ struct Sub {
 }
 
 impl Sub {
+    /// The next event but heartbeats.
     async fn next(&mut self) -> SubscribeResponse {
-        match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-            Ok(Ok(Some(r))) => r,
-            Ok(Ok(None)) => panic!("the stream ended"),
-            Ok(Err(s)) => panic!("the stream failed: {s}"),
-            Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+        loop {
+            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
+                Ok(Ok(Some(r))) if r.r#type() == EventType::Heartbeat => continue,
+                Ok(Ok(Some(r))) => return r,
+                Ok(Ok(None)) => panic!("the stream ended"),
+                Ok(Err(s)) => panic!("the stream failed: {s}"),
+                Err(_) => panic!("no event within {EVENT_TIMEOUT:?}"),
+            }
         }
     }
 
@@ -136,10 +151,14 @@ impl Sub {
         }
     }
 
-    /// Asserts that nothing arrives for a while.
+    /// Asserts that nothing but heartbeats arrives for a while.
     async fn assert_quiet(&mut self) {
-        if let Ok(ev) = tokio::time::timeout(QUIET, self.stream.message()).await {
-            panic!("expected no event, got {ev:?}");
+        let until = tokio::time::Instant::now() + QUIET;
+        while let Ok(ev) = tokio::time::timeout_at(until, self.stream.message()).await {
+            // Heartbeats say only that the watcher is there.
+            if !matches!(&ev, Ok(Some(r)) if r.r#type() == EventType::Heartbeat) {
+                panic!("expected no event, got {ev:?}");
+            }
         }
     }
 }
@@ -239,6 +258,27 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
 
     let mut w = start_watcher(&kubeconfig, dir.path());
     w.wait_serving().await;
+
+    // Subscribe is for kuryr's own services, by their ServiceAccount tokens (audience kuryr),
+    // checked with TokenReview: no token, a token of another audience (the watcher's own, for
+    // the Kubernetes API) and one of an account that is not a subscriber are refused.
+    let e =
+        w.subscribe(&[Kind::Pod], Filter::default(), "", "test/auth").await.err().expect("Subscribe without a token");
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let api_token = std::fs::read_to_string(&kubeconfig).unwrap();
+    let api_token = api_token.lines().find_map(|l| l.trim().strip_prefix("token: ")).unwrap().to_string();
+    w.token = Some(api_token);
+    let e = w
+        .subscribe(&[Kind::Pod], Filter::default(), "", "test/auth")
+        .await
+        .err()
+        .expect("Subscribe with a token for the API server");
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    w.token = Some(env.kuryr_token("kuryr-system", "kuryr-binder", None).await.unwrap());
+    let e = w.subscribe(&[Kind::Pod], Filter::default(), "", "test/auth").await.err().expect("Subscribe as the binder");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message().contains("kuryr-binder"), "{e}");
+    w.token = Some(env.kuryr_token("kuryr-system", "kuryr-vif-allocator", None).await.unwrap());
 
     // The account it runs as reads those kinds and can do nothing else.
     let sa = kuryr_tests::kube::client_from_kubeconfig(&kubeconfig).await.unwrap();
@@ -388,7 +428,8 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
     mine.assert_quiet().await;
     drop(mine);
 
-    // (d) Resume: only what was missed while away, no snapshot.
+    // (d) Resume: only what was missed while away, no snapshot (a SNAPSHOT_COMPLETE marker at the
+    // resume point says that the subscriber is caught up).
     let mut s3 = w.subscribe(&[Kind::Pod], filter.clone(), "", "test/resume").await.unwrap();
     s3.snapshot().await;
     pods.create(&pp, &pod("r1", "node-b", false)).await.unwrap();
@@ -402,6 +443,12 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
         .unwrap();
     pods.delete("mine", &grace0).await.unwrap();
     let mut s3 = w.subscribe(&[Kind::Pod], filter.clone(), &last, "test/resume").await.unwrap();
+    // Caught up as of the resume point: SNAPSHOT_COMPLETE there, then only what was missed.
+    let ev = s3.next().await;
+    assert_eq!(
+        (ev.r#type(), ev.resume_point.as_str(), ev.object.is_none()),
+        (EventType::SnapshotComplete, last.as_str(), true)
+    );
     let mut seen = Vec::new();
     for _ in 0..4 {
         let ev = s3.next().await;
@@ -441,6 +488,7 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
 
     // Replicas share nothing: a client switching to another one gets RESET + snapshot.
     let mut other = start_watcher(&kubeconfig, dir.path());
+    other.token.clone_from(&w.token);
     other.wait_serving().await;
     let mut s = other.subscribe(&[Kind::Pod], filter.clone(), &last, "test/other-replica").await.unwrap();
     assert_eq!(s.next().await.r#type(), EventType::Reset);
@@ -450,7 +498,9 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
 
     // (f) A restarted watcher is a new epoch: the old point gets RESET + snapshot.
     w.proc.kill().await.unwrap();
+    let token = w.token.take();
     let mut w = start_watcher(&kubeconfig, dir.path());
+    w.token = token;
     w.wait_serving().await;
     let mut s = w.subscribe(&[Kind::Pod], filter.clone(), &last, "test/after-restart").await.unwrap();
     assert_eq!(s.next().await.r#type(), EventType::Reset);
@@ -461,14 +511,19 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
     // Open streams end promptly, with UNAVAILABLE, when the watcher is told to stop.
     let took = w.proc.terminate(Duration::from_secs(10)).await.unwrap();
     assert!(took < Duration::from_secs(5), "took {took:?} to stop");
-    match tokio::time::timeout(EVENT_TIMEOUT, s.stream.message()).await.unwrap() {
-        Err(status) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
-        Ok(other) => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+    loop {
+        match tokio::time::timeout(EVENT_TIMEOUT, s.stream.message()).await.unwrap() {
+            Err(status) => break assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
+            Ok(Some(r)) if r.r#type() == EventType::Heartbeat => {}
+            Ok(other) => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+        }
     }
 }
 
 /// (e) Started while the API is unreachable: inspectable, NOT_SERVING, Subscribe UNAVAILABLE, and
-/// the failing watches are counted.
+/// the failing watches are counted. Tokens cannot be checked without the API either (a token
+/// refused as UNAVAILABLE, not as UNAUTHENTICATED); what the service itself does is seen with
+/// `--auth=none`.
 #[tokio::test]
 async fn watcher_without_an_api_is_not_serving_and_refuses_subscribers() {
     let dir = tempfile::tempdir().unwrap();
@@ -482,7 +537,21 @@ async fn watcher_without_an_api_is_not_serving_and_refuses_subscribers() {
         ),
     )
     .unwrap();
-    let w = start_watcher(&kubeconfig, dir.path());
+    let checked = start_watcher(&kubeconfig, dir.path());
+    wait_until("the token check to fail as UNAVAILABLE", Duration::from_secs(20), || async {
+        let mut c = WatcherClient::new(with_credentials(
+            kuryr_runtime::client::channel(&checked.addr)?,
+            Credentials::bearer("e30.eyJleHAiOjk5OTk5OTk5OTk5fQ.c2ln")?,
+        ));
+        let req = SubscribeRequest { kinds: vec![Kind::Pod as i32], ..Default::default() };
+        let e = c.subscribe(req).await.err().ok_or_else(|| anyhow::anyhow!("accepted"))?;
+        anyhow::ensure!(e.code() == tonic::Code::Unavailable, "{e}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", checked.proc.logs()));
+    drop(checked);
+    let w = start_watcher_with(&kubeconfig, dir.path(), &["--auth=none"]);
     // Answers health (so it is up), and says NOT_SERVING.
     let status = wait_until("kuryr-watcher to answer health checks", Duration::from_secs(20), || async {
         match w.health().await {

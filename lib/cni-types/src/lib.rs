@@ -38,8 +38,8 @@ pub use cidr::{IpCidr, ParseCidrError};
 pub use command::{Command, MAX_IFNAME_LEN, env, validate_container_id, validate_ifname};
 pub use error::{CniError, PLUGIN_SPECIFIC_MIN, code};
 pub use netconf::{
-    DEFAULT_BINDER_SOCKET, DEFAULT_TIMEOUT_SECONDS, MAX_CONFIG_BYTES, NON_ADD_TIMEOUT_CAP_SECONDS, NetConf,
-    ValidAttachment,
+    DEFAULT_BINDER_SOCKET, DEFAULT_TIMEOUT_SECONDS, MAX_CONFIG_BYTES, MAX_TIMEOUT_SECONDS, NON_ADD_TIMEOUT_CAP_SECONDS,
+    NetConf, ValidAttachment,
 };
 pub use result::{CniResult, Dns, Interface, InvalidResult, IpConfig, Route};
 pub use version::{CniVersion, SUPPORTED_VERSIONS, requested_version, version_result};

@@ -19,6 +19,11 @@ pub const DEFAULT_BINDER_SOCKET: &str = "/run/kuryr/binder.sock";
 /// port; the runtime's own sandbox timeout is about 4 minutes, so 2 leaves room for its retry.
 pub const DEFAULT_TIMEOUT_SECONDS: u64 = 120;
 
+/// The longest `timeoutSeconds` accepted. The runtime's own sandbox timeout is about 4
+/// minutes; an hour is far past any real ADD, and far below what a gRPC deadline can carry
+/// (10^8 hours), so the deadline is always sent as the runtime asked.
+pub const MAX_TIMEOUT_SECONDS: u64 = 3600;
+
 /// The longest any operation but ADD may take: DEL, CHECK, STATUS and GC touch only local state,
 /// so a binder that has not answered in this long is stuck, and the runtime should hear so.
 pub const NON_ADD_TIMEOUT_CAP_SECONDS: u64 = 30;
@@ -97,8 +102,10 @@ impl NetConf {
         let name = w.name.filter(|s| !s.is_empty()).ok_or_else(|| missing("name"))?;
         let plugin_type = w.plugin_type.filter(|s| !s.is_empty()).ok_or_else(|| missing("type"))?;
         let timeout_seconds = w.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT_SECONDS);
-        if timeout_seconds == 0 {
-            return Err(CniError::invalid_config("timeoutSeconds must be at least 1"));
+        if timeout_seconds == 0 || timeout_seconds > MAX_TIMEOUT_SECONDS {
+            return Err(CniError::invalid_config(format!(
+                "timeoutSeconds must be from 1 to {MAX_TIMEOUT_SECONDS}, not {timeout_seconds}"
+            )));
         }
         let binder_socket = absolute("binderSocket", w.binder_socket.as_deref().unwrap_or(DEFAULT_BINDER_SOCKET))?;
         let log_file = w.log_file.as_deref().map(|p| absolute("logFile", p)).transpose()?;
@@ -228,6 +235,14 @@ mod tests {
             (r#"{"cniVersion":"1.0.0","name":"n"}"#, 7, "\"type\""),
             (r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":0}"#, 7, "timeoutSeconds"),
             (r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":-1}"#, 7, "invalid value: integer `-1`"),
+            (r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":3601}"#, 7, "from 1 to 3600, not 3601"),
+            (r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":360000000000}"#, 7, "timeoutSeconds"),
+            (
+                r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":18446744073709551615}"#,
+                7,
+                "timeoutSeconds",
+            ),
+            (r#"{"cniVersion":"1.0.0","name":"n","type":"t","timeoutSeconds":1e300}"#, 7, "expected u64"),
             (r#"{"cniVersion":"1.0.0","name":"n","type":"t","binderSocket":"b.sock"}"#, 7, "binderSocket \"b.sock\""),
             (r#"{"cniVersion":"1.0.0","name":"n","type":"t","logFile":"x.log"}"#, 7, "logFile \"x.log\""),
             (

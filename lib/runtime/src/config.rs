@@ -28,6 +28,83 @@ pub struct CommonArgs {
     /// How long to wait for in-flight requests and streams to finish after SIGTERM before exiting.
     #[arg(long, env = "KURYR_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+
+    #[command(flatten)]
+    pub auth: AuthArgs,
+}
+
+/// How calls between kuryr's services are authenticated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AuthMode {
+    /// ServiceAccount tokens: callers send one (audience `--auth-audience`), checked with the
+    /// Kubernetes TokenReview API, and each method admits only the accounts whose role it is.
+    Token,
+    /// INSECURE, for development only: nothing is checked and nothing is sent; anyone who can
+    /// reach the port can call every method.
+    None,
+}
+
+/// Authentication between kuryr's services; every service takes these.
+#[derive(Clone, Debug, Args)]
+pub struct AuthArgs {
+    /// How calls to this service's API are authenticated, and whether calls it makes to other
+    /// kuryr services carry a token. `none` is INSECURE: for development only.
+    #[arg(long = "auth", env = "KURYR_AUTH", value_enum, default_value = "token")]
+    pub mode: AuthMode,
+
+    /// The audience kuryr's ServiceAccount tokens are issued for; tokens for any other
+    /// audience (such as the Kubernetes API's) are refused.
+    #[arg(long, env = "KURYR_AUTH_AUDIENCE", default_value = "kuryr")]
+    pub auth_audience: String,
+
+    /// The token this service sends to other kuryr services: a projected ServiceAccount token
+    /// with the audience above, read again as the kubelet rotates it.
+    #[arg(long, env = "KURYR_AUTH_TOKEN_FILE", default_value = "/var/run/secrets/kuryr/token")]
+    pub auth_token_file: std::path::PathBuf,
+
+    /// The longest a checked token is trusted without asking the API server again (never past
+    /// shortly before it expires): how long a deleted ServiceAccount may go on calling.
+    #[arg(long, env = "KURYR_AUTH_CACHE_TTL", default_value = "5m", value_parser = parse_duration)]
+    pub auth_cache_ttl: Duration,
+}
+
+impl AuthArgs {
+    /// What calls to other kuryr services carry.
+    pub fn credentials(&self) -> crate::auth::client::Credentials {
+        match self.mode {
+            AuthMode::Token => {
+                crate::auth::client::Credentials::Token(crate::auth::client::TokenFile::new(&self.auth_token_file))
+            }
+            AuthMode::None => crate::auth::client::Credentials::None,
+        }
+    }
+
+    /// The gate for this service's own methods: the accounts `rules` name, their tokens checked
+    /// with the API server of `kubeconfig` (in-cluster when `None`); everyone with `none`.
+    #[cfg(feature = "kube")]
+    pub fn gate(
+        &self,
+        kubeconfig: Option<std::path::PathBuf>,
+        rules: crate::auth::Rules,
+        registry: &mut prometheus_client::registry::Registry,
+    ) -> std::sync::Arc<dyn crate::auth::Gate> {
+        use std::sync::Arc;
+        match self.mode {
+            AuthMode::Token => {
+                let reviewer = Arc::new(crate::auth::token::TokenReviewer::new(
+                    kubeconfig,
+                    &self.auth_audience,
+                    self.auth_cache_ttl,
+                ));
+                reviewer.register(registry);
+                Arc::new(crate::auth::token::Accounts::new(reviewer, rules))
+            }
+            AuthMode::None => {
+                tracing::warn!("--auth=none: INSECURE, for development only: every caller may call every method");
+                Arc::new(crate::auth::Insecure)
+            }
+        }
+    }
 }
 
 /// Parses durations written as `250ms`, `10s`, `2m` or a bare number of seconds.
@@ -48,8 +125,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}`: must be a non-negative duration"));
     }
+    // Far below what the clock can add to now without overflowing.
+    if secs > MAX_DURATION.as_secs_f64() {
+        return Err(format!("`{s}`: longer than a year"));
+    }
     Ok(Duration::from_secs_f64(secs))
 }
+
+/// The longest duration a flag takes.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 
 #[cfg(test)]
 mod tests {
@@ -62,5 +146,7 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("99999999999999999999999h").unwrap_err().contains("longer than a year"));
+        assert!(parse_duration("18446744073709551616").is_err());
     }
 }

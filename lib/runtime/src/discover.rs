@@ -21,12 +21,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher::Event;
 use kube::runtime::{WatchStreamExt, watcher as watch};
 use tonic::transport::channel::Change;
 use tonic::transport::{Channel, Endpoint};
-
-use crate::client::CONNECT_TIMEOUT;
 
 /// The prefix of a target that names a Kubernetes Service.
 pub const SCHEME: &str = "k8s:";
@@ -173,7 +171,8 @@ async fn follow(
 ) {
     let namespace = service.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
     let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &namespace);
-    let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={}", service.service));
+    // Watch calls shorter than the client's read timeout (a quiet Service is not a dead server).
+    let config = crate::watch_config().labels(&format!("{SERVICE_NAME_LABEL}={}", service.service));
     let mut events = watch(api, config).default_backoff().boxed();
     let mut slices = Slices::default();
     let mut current: BTreeSet<SocketAddr> = BTreeSet::new();
@@ -197,8 +196,9 @@ async fn follow(
             }
         }
         for addr in added {
-            let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-                Ok(e) => e.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true),
+            // The same connect timeout, call deadline and keepalive as any other kuryr channel.
+            let endpoint = match crate::client::endpoint(&format!("http://{addr}")) {
+                Ok(e) => e.tcp_nodelay(true),
                 Err(e) => {
                     tracing::warn!(target = %service, %addr, error = %e, "unusable endpoint");
                     continue;

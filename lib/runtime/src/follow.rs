@@ -1,86 +1,126 @@
-//! Following the watcher's `Subscribe` stream, as its consumers do.
-//!
-//! The stream is resumed after a break with the point of the last event that carried one; when
-//! the watcher cannot resume (another replica, a restart) it sends RESET and a snapshot, which
-//! the consumer treats as a re-list. Reconnects back off from 100 ms to 5 s, and start from
-//! 100 ms again once the stream has been live. The first break after the stream was live is
-//! logged as a warning, the failed reconnects that follow at debug level.
+//! Streams between kuryr services, at the gRPC edge: the flags of both ends (the server's
+//! heartbeat, the reader's idle timeout) and the watcher's `Subscribe` as a
+//! [`kuryr_stream::follow::Source`], which the allocator and lbaas follow with the one follower
+//! of [`kuryr_stream::follow`] (resume, RESET, idle timeout, jittered backoff).
 
+use std::fmt;
 use std::time::Duration;
 
+use clap::Args;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
-use kuryr_proto::watcher::v1::{SubscribeRequest, SubscribeResponse};
-use tonic::transport::Channel;
+use kuryr_proto::watcher::v1::{EventType, SubscribeRequest, SubscribeResponse};
+use kuryr_stream::follow::{FollowConfig, Follower, Mark, Source};
+use tonic::{Status, Streaming};
 
-use crate::Shutdown;
+use crate::auth::client::PeerChannel;
+use crate::config::parse_duration;
 
-/// The first delay before reconnecting; it doubles after each failure.
-pub const RECONNECT_MIN: Duration = Duration::from_millis(100);
-/// The longest delay before reconnecting.
-pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// The heartbeat of the streams a service serves (`Subscribe`, `WatchVifs`, `WatchLoadBalancers`).
+#[derive(Clone, Debug, Args)]
+pub struct HeartbeatArgs {
+    /// Streams this service serves carry a HEARTBEAT event whenever nothing else was sent for
+    /// this long, so that their readers can tell a quiet stream from a server that is gone,
+    /// stopped or stuck.
+    #[arg(long, env = "KURYR_STREAM_HEARTBEAT", default_value = "5s", value_parser = parse_heartbeat)]
+    pub stream_heartbeat: Duration,
+}
 
-/// Follows the watcher over `channel` with `request` (its `resume_from` is the starting point)
-/// until shutdown.
-///
-/// `on_event` is called with every event, after its resume point was taken; it returns whether
-/// the stream is live now (the event was SNAPSHOT_COMPLETE), which resets the backoff.
-/// `on_break` is called each time the stream breaks or cannot be opened, before the backoff.
-pub async fn follow_watcher<E, B>(
-    channel: Channel,
-    mut request: SubscribeRequest,
-    shutdown: &Shutdown,
-    mut on_event: E,
-    mut on_break: B,
-) where
-    E: FnMut(SubscribeResponse) -> bool,
-    B: FnMut(),
-{
-    let mut client = WatcherClient::new(channel);
-    let mut delay = RECONNECT_MIN;
-    let mut logged_down = false;
-    loop {
-        let opened = tokio::select! {
-            r = client.subscribe(request.clone()) => r,
-            () = shutdown.clone().wait() => return,
-        };
-        let why = match opened {
-            Ok(resp) => {
-                let mut stream = resp.into_inner();
-                loop {
-                    let msg = tokio::select! {
-                        m = stream.message() => m,
-                        () = shutdown.clone().wait() => return,
-                    };
-                    match msg {
-                        Ok(Some(ev)) => {
-                            if !ev.resume_point.is_empty() {
-                                request.resume_from.clone_from(&ev.resume_point);
-                            }
-                            if on_event(ev) {
-                                delay = RECONNECT_MIN;
-                                logged_down = false;
-                            }
-                        }
-                        Ok(None) => break "the watcher ended the stream".to_string(),
-                        Err(s) => break format!("the stream broke: {}: {}", s.code(), s.message()),
-                    }
-                }
-            }
-            Err(s) => format!("cannot subscribe: {}: {}", s.code(), s.message()),
-        };
-        on_break();
-        if logged_down {
-            tracing::debug!(error = why, retry_in = ?delay, "watcher still unavailable");
-        } else {
-            tracing::warn!(error = why, "watcher unavailable; reconnecting with backoff");
-            logged_down = true;
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = shutdown.clone().wait() => return,
-        }
-        delay = (delay * 2).min(RECONNECT_MAX);
+/// How a service reads the streams of the others.
+#[derive(Clone, Debug, Args)]
+pub struct FollowArgs {
+    /// A stream this service reads from another kuryr service on which nothing arrives for this
+    /// long — not even a heartbeat — is taken for dead (a stopped, partitioned or stuck peer): it
+    /// is dropped and reopened with backoff, and what depends on it is NOT_SERVING meanwhile.
+    /// Keep it a few times the peers' --stream-heartbeat.
+    #[arg(long, env = "KURYR_STREAM_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_idle_timeout)]
+    pub stream_idle_timeout: Duration,
+}
+
+impl FollowArgs {
+    /// The follower's configuration.
+    pub fn config(&self) -> FollowConfig {
+        FollowConfig::with_idle_timeout(self.stream_idle_timeout)
     }
+}
+
+fn at_least(s: &str, min: Duration) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < min {
+        return Err(format!("`{s}`: at least {min:?}"));
+    }
+    Ok(d)
+}
+
+/// A heartbeat interval: at least 100 ms (more often is only load).
+pub fn parse_heartbeat(s: &str) -> Result<Duration, String> {
+    at_least(s, Duration::from_millis(100))
+}
+
+/// An idle timeout: at least 500 ms.
+pub fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
+    at_least(s, Duration::from_millis(500))
+}
+
+/// A failed call or stream, as followers log it: `CODE: message`.
+#[derive(Debug)]
+pub struct Failed(pub Status);
+
+impl fmt::Display for Failed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.0.code(), self.0.message())
+    }
+}
+
+/// The next message of a gRPC stream, for [`Source::next`] implementations.
+pub async fn next_message<T>(stream: &mut Streaming<T>) -> Result<Option<T>, Failed> {
+    stream.message().await.map_err(Failed)
+}
+
+/// The watcher's `Subscribe` stream for one request (its `resume_from` is set by the follower).
+#[derive(Debug)]
+pub struct WatcherSource {
+    client: WatcherClient<PeerChannel>,
+    request: SubscribeRequest,
+}
+
+impl Source for WatcherSource {
+    type Event = SubscribeResponse;
+    type Error = Failed;
+    type Stream = Streaming<SubscribeResponse>;
+
+    async fn open(&mut self, resume_from: &str) -> Result<Self::Stream, Failed> {
+        let mut req = self.request.clone();
+        resume_from.clone_into(&mut req.resume_from);
+        Ok(self.client.subscribe(req).await.map_err(Failed)?.into_inner())
+    }
+
+    async fn next(stream: &mut Self::Stream) -> Result<Option<SubscribeResponse>, Failed> {
+        next_message(stream).await
+    }
+
+    fn mark(event: &SubscribeResponse) -> Mark {
+        match event.r#type() {
+            EventType::Reset => Mark::Reset,
+            EventType::SnapshotComplete => Mark::SnapshotComplete,
+            EventType::Heartbeat => Mark::Heartbeat,
+            EventType::Applied | EventType::Deleted | EventType::Unspecified => Mark::Change,
+        }
+    }
+
+    fn resume_point(event: &SubscribeResponse) -> &str {
+        &event.resume_point
+    }
+}
+
+/// A follower of the watcher over `channel` with `request`, starting from its `resume_from`.
+pub fn follow_watcher(
+    channel: PeerChannel,
+    request: SubscribeRequest,
+    config: FollowConfig,
+) -> Follower<WatcherSource> {
+    let resume = request.resume_from.clone();
+    Follower::new(WatcherSource { client: WatcherClient::new(channel), request }, "the watcher", config)
+        .resuming_from(resume)
 }
 
 #[cfg(test)]
@@ -89,10 +129,10 @@ mod tests {
 
     use std::sync::{Arc, Mutex};
 
-    use kuryr_proto::watcher::v1::EventType;
     use kuryr_proto::watcher::v1::watcher_server::{Watcher, WatcherServer};
+    use kuryr_stream::Followed;
     use tokio_stream::wrappers::TcpListenerStream;
-    use tonic::{Request, Response, Status};
+    use tonic::{Request, Response};
 
     use super::*;
 
@@ -129,17 +169,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn resumes_from_the_last_point_after_each_break() {
+    async fn follows_a_real_server_resuming_after_each_break() {
         let fake = Fake::default();
         *fake.scripts.lock().unwrap() = vec![
             vec![
                 ("e-snapshot", EventType::Reset),
                 ("e-snapshot", EventType::Applied),
                 ("e-0", EventType::SnapshotComplete),
+                ("", EventType::Heartbeat),
                 ("e-1", EventType::Applied),
                 ("", EventType::Applied),
             ],
-            vec![("e-2", EventType::Deleted)],
+            vec![("e-1", EventType::SnapshotComplete), ("e-2", EventType::Deleted)],
         ];
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -148,26 +189,40 @@ mod tests {
             .serve_with_incoming(TcpListenerStream::new(listener));
         tokio::spawn(server);
 
-        let (trigger, shutdown) = crate::shutdown::channel();
-        let (mut seen, mut breaks) = (Vec::new(), 0);
-        let req = SubscribeRequest { subscriber: "test".into(), ..Default::default() };
-        let on_event = |ev: SubscribeResponse| {
-            seen.push(ev.resume_point.clone());
-            ev.r#type() == EventType::SnapshotComplete
-        };
-        let on_break = || {
-            breaks += 1;
-            // Third break: the second stream ended and one reconnect was refused.
-            if breaks == 3 {
-                trigger.trigger();
-            }
-        };
         let channel = crate::client::channel(&addr.to_string()).unwrap();
-        tokio::time::timeout(Duration::from_secs(10), follow_watcher(channel, req, &shutdown, on_event, on_break))
-            .await
-            .unwrap();
-        assert_eq!(seen, ["e-snapshot", "e-snapshot", "e-0", "e-1", "", "e-2"]);
-        assert_eq!(breaks, 3);
+        let channel = crate::auth::client::with_credentials(channel, crate::auth::client::Credentials::None);
+        let req = SubscribeRequest { subscriber: "test".into(), ..Default::default() };
+        let mut f = follow_watcher(channel, req, FollowConfig::default());
+        let mut seen = Vec::new();
+        let mut downs = Vec::new();
+        while downs.len() < 3 {
+            match tokio::time::timeout(Duration::from_secs(10), f.next()).await.unwrap() {
+                Followed::Event(ev) => seen.push(format!("{:?}@{}", ev.r#type(), ev.resume_point)),
+                Followed::Down(why) => downs.push(why),
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                "Reset@e-snapshot",
+                "Applied@e-snapshot",
+                "SnapshotComplete@e-0",
+                "Applied@e-1",
+                "Applied@",
+                "SnapshotComplete@e-1",
+                "Deleted@e-2"
+            ]
+        );
+        assert_eq!(downs[0], "the server ended the stream");
+        assert!(downs[2].contains("Unavailable: no more"), "{downs:?}");
         assert_eq!(*fake.resumed_from.lock().unwrap(), ["", "e-1", "e-2"]);
+    }
+
+    #[test]
+    fn flags_refuse_useless_values() {
+        assert_eq!(parse_heartbeat("5s"), Ok(Duration::from_secs(5)));
+        assert!(parse_heartbeat("10ms").unwrap_err().contains("at least"));
+        assert_eq!(parse_idle_timeout("15s"), Ok(Duration::from_secs(15)));
+        assert!(parse_idle_timeout("0").is_err());
     }
 }

@@ -6,13 +6,17 @@
 //!   listener, Prometheus metrics over HTTP, graceful shutdown with a bounded drain.
 //! - [`health`]: readiness per service; [`deps`]: NOT_SERVING while a dependency is unreachable.
 //! - [`metrics`]: the registry, per-call gRPC metrics with millisecond buckets.
-//! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: the watcher's
-//!   Subscribe stream, resumed after breaks.
+//! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: streams between
+//!   services at the gRPC edge (heartbeat and idle-timeout flags, the watcher's Subscribe as a
+//!   source for the one follower of `kuryr_stream::follow`).
+//! - [`auth`]: who may call what: unix peer credentials, ServiceAccount tokens, per-method rules.
+//! - [`readiness`]: SERVING while every one of a service's named conditions holds.
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
 //! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment;
 //!   `discover`: `k8s:NAMESPACE/SERVICE:PORT` targets, balanced over the Service's ready endpoints
 //!   (no cluster DNS needed).
 
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod deps;
@@ -24,6 +28,7 @@ pub mod health;
 pub mod k8s;
 pub mod listen;
 pub mod metrics;
+pub mod readiness;
 pub mod retry;
 pub mod server;
 pub mod shutdown;
@@ -32,8 +37,8 @@ pub mod telemetry;
 pub use config::CommonArgs;
 pub use health::Health;
 #[cfg(feature = "kube")]
-pub use k8s::kube_client;
+pub use k8s::{kube_client, watch_config};
 pub use listen::ListenAddr;
 pub use retry::retry;
-pub use server::Runtime;
+pub use server::{Runtime, Services};
 pub use shutdown::Shutdown;

@@ -5,6 +5,7 @@
 //! Latency histograms use millisecond-scale buckets: the CNI path is measured in milliseconds, and
 //! a histogram whose smallest bucket is seconds cannot tell a healthy node from a slow one.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -53,21 +54,49 @@ pub struct HandledLabels {
     pub code: String,
 }
 
+/// The label of every path that is not a known method: requests for made-up paths are counted,
+/// under one series, instead of each adding series of its own (memory without bound).
+pub const UNKNOWN: &str = "unknown";
+
 /// gRPC server metrics.
 #[derive(Debug)]
 pub struct GrpcMetrics {
     started: Family<MethodLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     latency: Family<MethodLabels, Histogram, fn() -> Histogram>,
+    /// `/package.Service/Method` → its labels, for every method of the contracts served.
+    known: HashMap<String, MethodLabels>,
+}
+
+/// Every method of the services described in `sets` (encoded `FileDescriptorSet`s), by path.
+pub fn methods_of(sets: &[&[u8]]) -> HashMap<String, MethodLabels> {
+    let mut out = HashMap::new();
+    for bytes in sets {
+        let Ok(set) = <prost_types::FileDescriptorSet as prost::Message>::decode(*bytes) else { continue };
+        for file in set.file {
+            let package = file.package.unwrap_or_default();
+            for svc in file.service {
+                let svc_name = svc.name.unwrap_or_default();
+                let service = if package.is_empty() { svc_name } else { format!("{package}.{svc_name}") };
+                for m in svc.method {
+                    let method = m.name.unwrap_or_default();
+                    out.insert(format!("/{service}/{method}"), MethodLabels { service: service.clone(), method });
+                }
+            }
+        }
+    }
+    out
 }
 
 impl GrpcMetrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Arc<Self> {
+    /// Creates the metrics and registers them. Calls are labelled with their method only when
+    /// it is one of `known` (see [`methods_of`]); every other path is [`UNKNOWN`].
+    pub fn register(registry: &mut Registry, known: HashMap<String, MethodLabels>) -> Arc<Self> {
         let m = Self {
             started: Family::default(),
             handled: Family::default(),
             latency: Family::new_with_constructor(latency_histogram),
+            known,
         };
         registry.register("grpc_server_started", "gRPC calls started", m.started.clone());
         registry.register("grpc_server_handled", "gRPC calls finished, by status code", m.handled.clone());
@@ -112,8 +141,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
-        let (service, method) = split_path(req.uri().path());
-        let labels = MethodLabels { service, method };
+        let labels = self.metrics.labels(req.uri().path());
         self.metrics.started.get_or_create(&labels).inc();
         let mut recorder = Recorder { metrics: self.metrics.clone(), labels, start: Instant::now(), code: None };
         let fut = self.inner.call(req);
@@ -128,11 +156,14 @@ where
     }
 }
 
-fn split_path(path: &str) -> (String, String) {
-    let mut parts = path.trim_start_matches('/').splitn(2, '/');
-    let service = parts.next().unwrap_or_default().to_string();
-    let method = parts.next().unwrap_or_default().to_string();
-    (service, method)
+impl GrpcMetrics {
+    /// The labels of a request path: its method's, or [`UNKNOWN`] for both.
+    fn labels(&self, path: &str) -> MethodLabels {
+        self.known
+            .get(path)
+            .cloned()
+            .unwrap_or_else(|| MethodLabels { service: UNKNOWN.to_string(), method: UNKNOWN.to_string() })
+    }
 }
 
 /// Records the call when the response body is finished or dropped.
@@ -273,7 +304,14 @@ mod tests {
 
     #[test]
     fn paths_and_codes() {
-        assert_eq!(split_path("/kuryr.binder.v1.Cni/Add"), ("kuryr.binder.v1.Cni".into(), "Add".into()));
+        let mut registry = Registry::default();
+        let m = GrpcMetrics::register(&mut registry, methods_of(&[kuryr_proto::FILE_DESCRIPTOR_SET]));
+        let l = m.labels("/kuryr.binder.v1.Cni/Add");
+        assert_eq!((l.service.as_str(), l.method.as_str()), ("kuryr.binder.v1.Cni", "Add"));
+        for made_up in ["/kuryr.binder.v1.Cni/Nope", "/x/y", "", "/", "/kuryr.binder.v1.Cni/Add/extra"] {
+            let l = m.labels(made_up);
+            assert_eq!((l.service.as_str(), l.method.as_str()), (UNKNOWN, UNKNOWN), "{made_up}");
+        }
         assert_eq!(code_name("12"), "UNIMPLEMENTED");
         assert_eq!(code_name("99"), "CODE_99");
     }

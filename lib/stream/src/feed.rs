@@ -1,24 +1,32 @@
-//! Fan-out: one task per subscriber sends a snapshot (or nothing, when resuming), then the
-//! log's history from its cursor on, encoded by the service into its own messages.
+//! Fan-out: one task per subscriber sends a snapshot (or, when resuming, only SNAPSHOT_COMPLETE),
+//! then the log's history from its cursor on, encoded by the service into its own messages.
 //!
 //! - The snapshot and its cursor are taken under one lock, so between snapshot and live nothing
 //!   is lost or duplicated.
+//! - A resumed stream begins with SNAPSHOT_COMPLETE at its cursor: the subscriber is caught up as
+//!   of its resume point, exactly as after a snapshot, and can tell that it is live again.
 //! - Each subscriber has a bounded buffer; a subscriber that does not read only holds up its own
 //!   task. When it falls so far behind that its cursor leaves the history, it gets RESET and a
 //!   fresh snapshot in place, on the same stream ([`How::Lagged`]), rather than the server
 //!   keeping an unbounded backlog for it.
-//! - At shutdown the stream ends with [`Subscriber::closing`] (UNAVAILABLE for gRPC), telling the
-//!   subscriber to reconnect — to another replica, or to this one once it is back.
+//! - With [`Options::heartbeat`], a stream on which nothing was sent for that long gets
+//!   [`Event::Heartbeat`] — also while changes the subscriber does not want keep the task busy —
+//!   so that its reader can tell a quiet stream from a server that is gone or stuck
+//!   ([`crate::follow`] drops a stream silent for longer than its idle timeout).
+//! - The stream ends with the item its `stop` future yields (for gRPC an UNAVAILABLE status
+//!   telling the subscriber to reconnect: at shutdown, or when its keys moved to another replica).
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use crate::epoch::Epoch;
-use crate::log::{Change, Lagged, NotReady, SharedLog, Start, lock};
+use crate::log::{Change, Lagged, LogHandle, NotReady, Start};
 
 /// Deltas copied out of the history per lock.
 const BATCH: usize = 256;
@@ -32,8 +40,11 @@ pub enum Event<'a, K, V> {
     Applied(&'a K, &'a Arc<V>),
     /// A key is gone; its last value.
     Deleted(&'a K, &'a Arc<V>),
-    /// The snapshot is complete; deltas follow.
+    /// The snapshot is complete (or the stream resumed): deltas follow.
     SnapshotComplete,
+    /// Nothing was sent for [`Options::heartbeat`]. Its resume point is empty: a heartbeat says
+    /// the server is alive, not where the subscriber is.
+    Heartbeat,
 }
 
 /// How a stream began (or began again), for logs and metrics.
@@ -71,19 +82,29 @@ pub trait Subscriber<K, V>: Send + Sync + 'static {
         true
     }
 
-    /// Encodes one event; `point` is its resume point.
+    /// Encodes one event; `point` is its resume point (empty for heartbeats).
     fn encode(&self, point: String, event: Event<'_, K, V>) -> Self::Item;
-
-    /// The last item sent when the server shuts down, if any.
-    fn closing(&self) -> Option<Self::Item> {
-        None
-    }
 
     /// Called when the stream begins, and again each time it falls out of the history.
     fn started(&self, _how: How) {}
 
     /// Called once when the stream ends.
     fn ended(&self) {}
+}
+
+/// How streams are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Items queued before the task waits for the reader.
+    pub buffer: usize,
+    /// Send [`Event::Heartbeat`] whenever nothing else was sent for this long; never when `None`.
+    pub heartbeat: Option<Duration>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { buffer: 128, heartbeat: None }
+    }
 }
 
 /// A stream opened by [`subscribe`].
@@ -100,35 +121,44 @@ pub struct Opened<T> {
 }
 
 /// Opens a stream of `log` for `sub`, resuming from `resume_from` when possible. The stream runs
-/// in its own task, inside `span`, until the subscriber goes away, the log is dropped, or
-/// `shutdown` completes. `buffer` items are queued before the task waits for the reader.
-pub fn subscribe<K, V, S, F>(
-    log: &SharedLog<K, V>,
+/// in its own task, inside `span`, until the subscriber goes away, the log is dropped, or `stop`
+/// completes — then the item `stop` yields is the stream's last.
+pub fn subscribe<K, V, L, S, F>(
+    log: &L,
     resume_from: &str,
     sub: S,
-    buffer: usize,
-    shutdown: F,
+    options: Options,
+    stop: F,
     span: tracing::Span,
 ) -> Result<Opened<S::Item>, NotReady>
 where
     K: Ord + Clone + Send + Sync + 'static,
     V: PartialEq + Send + Sync + 'static,
+    L: LogHandle<K, V>,
     S: Subscriber<K, V>,
-    F: Future<Output = ()> + Send + 'static,
+    F: Future<Output = S::Item> + Send + 'static,
 {
-    let (start, epoch, revisions) = {
-        let l = lock(log);
-        (l.start(resume_from, |k, v| sub.wants(k, v))?, l.epoch().clone(), l.revisions())
-    };
+    let (start, epoch, revisions) = log.with_log(|l| {
+        Ok::<_, NotReady>((l.start(resume_from, |k, v| sub.wants(k, v))?, l.epoch().clone(), l.revisions()))
+    })?;
     let (how, items, cursor) = match &start {
         Start::Resume { cursor } => (How::Resume, 0, *cursor),
         Start::Snapshot { reset, items, cursor } => {
             (if *reset { How::Reset } else { How::Snapshot }, items.len(), *cursor)
         }
     };
-    let (tx, rx) = mpsc::channel(buffer.max(1));
-    let feed = Feed { log: log.clone(), sub, epoch, tx, revisions };
-    tokio::spawn(feed.run(start, how, shutdown).instrument(span));
+    let (tx, rx) = mpsc::channel(options.buffer.max(1));
+    let feed = Feed {
+        log: log.clone(),
+        sub,
+        epoch,
+        tx,
+        revisions,
+        heartbeat: options.heartbeat,
+        last_sent: Instant::now(),
+        _marker: std::marker::PhantomData,
+    };
+    tokio::spawn(feed.run(start, how, stop).instrument(span));
     Ok(Opened { rx, how, items, cursor })
 }
 
@@ -141,44 +171,50 @@ enum Ended {
     LogGone,
 }
 
-struct Feed<K, V, S: Subscriber<K, V>> {
-    log: SharedLog<K, V>,
+struct Feed<K, V, L, S: Subscriber<K, V>> {
+    log: L,
     sub: S,
     epoch: Epoch,
     tx: mpsc::Sender<S::Item>,
     revisions: watch::Receiver<u64>,
+    heartbeat: Option<Duration>,
+    /// When the subscriber was last sent something: the next heartbeat is due `heartbeat` after.
+    last_sent: Instant,
+    _marker: std::marker::PhantomData<fn() -> (K, V)>,
 }
 
-impl<K, V, S> Feed<K, V, S>
+impl<K, V, L, S> Feed<K, V, L, S>
 where
     K: Ord + Clone + Send + Sync + 'static,
     V: PartialEq + Send + Sync + 'static,
+    L: LogHandle<K, V>,
     S: Subscriber<K, V>,
 {
-    async fn run(mut self, start: Start<K, V>, how: How, shutdown: impl Future<Output = ()>) {
+    async fn run(mut self, start: Start<K, V>, how: How, stop: impl Future<Output = S::Item>) {
         self.sub.started(how);
         let ended = tokio::select! {
             res = self.serve(start) => match res {
                 Ok(never) => match never {},
-                Err(ended) => Some(ended),
+                Err(ended) => Err(ended),
             },
-            () = shutdown => None,
+            last = stop => Ok(last),
         };
         match ended {
-            None => {
-                if let Some(last) = self.sub.closing() {
-                    let _ = self.tx.try_send(last);
-                }
-                tracing::info!("stream ended: shutting down");
+            Ok(last) => {
+                let _ = self.tx.try_send(last);
+                tracing::info!("stream ended by the server");
             }
-            Some(why) => tracing::info!(?why, "stream ended"),
+            Err(why) => tracing::info!(?why, "stream ended"),
         }
         self.sub.ended();
     }
 
     async fn serve(&mut self, start: Start<K, V>) -> Result<Infallible, Ended> {
         let mut cursor = match start {
-            Start::Resume { cursor } => cursor,
+            Start::Resume { cursor } => {
+                self.send(self.sub.encode(self.epoch.point(cursor), Event::SnapshotComplete)).await?;
+                cursor
+            }
             Start::Snapshot { reset, items, cursor } => {
                 self.send_snapshot(reset, items, cursor).await?;
                 cursor
@@ -187,12 +223,18 @@ where
         loop {
             // Marked seen before reading, so a delta recorded after this read wakes the wait.
             self.revisions.borrow_and_update();
-            let batch = lock(&self.log).since(cursor, BATCH);
+            let batch = self.log.with_log(|l| l.since(cursor, BATCH));
+            // Due also while deltas this subscriber does not want keep the loop busy.
+            if self.heartbeat.is_some_and(|every| self.last_sent.elapsed() >= every) {
+                self.send(self.sub.encode(String::new(), Event::Heartbeat)).await?;
+            }
             match batch {
                 Ok(deltas) if deltas.is_empty() => {
+                    let due = self.last_sent + self.heartbeat.unwrap_or_default();
                     tokio::select! {
                         changed = self.revisions.changed() => changed.map_err(|_| Ended::LogGone)?,
                         () = self.tx.closed() => return Err(Ended::Gone),
+                        () = tokio::time::sleep_until(due), if self.heartbeat.is_some() => {}
                     }
                 }
                 Ok(deltas) => {
@@ -212,7 +254,7 @@ where
                 Err(Lagged(at)) => {
                     tracing::warn!(cursor = at, "stream fell out of the history; sending RESET and a new snapshot");
                     self.sub.started(How::Lagged);
-                    let (items, now) = lock(&self.log).snapshot(|k, v| self.sub.wants(k, v));
+                    let (items, now) = self.log.with_log(|l| l.snapshot(|k, v| self.sub.wants(k, v)));
                     self.send_snapshot(true, items, now).await?;
                     cursor = now;
                 }
@@ -220,7 +262,7 @@ where
         }
     }
 
-    async fn send_snapshot(&self, reset: bool, items: Vec<(K, Arc<V>)>, cursor: u64) -> Result<(), Ended> {
+    async fn send_snapshot(&mut self, reset: bool, items: Vec<(K, Arc<V>)>, cursor: u64) -> Result<(), Ended> {
         let point = self.epoch.snapshot_point();
         if reset {
             self.send(self.sub.encode(point.clone(), Event::Reset)).await?;
@@ -231,8 +273,10 @@ where
         self.send(self.sub.encode(self.epoch.point(cursor), Event::SnapshotComplete)).await
     }
 
-    async fn send(&self, item: S::Item) -> Result<(), Ended> {
-        self.tx.send(item).await.map_err(|_| Ended::Gone)
+    async fn send(&mut self, item: S::Item) -> Result<(), Ended> {
+        self.tx.send(item).await.map_err(|_| Ended::Gone)?;
+        self.last_sent = Instant::now();
+        Ok(())
     }
 }
 
@@ -246,7 +290,7 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::*;
-    use crate::log::Log;
+    use crate::log::{Log, SharedLog, lock};
 
     /// Encodes events as text; wants even values only; records how it started.
     #[derive(Clone, Default)]
@@ -263,10 +307,8 @@ mod tests {
                 Event::Applied(k, v) => format!("{k}={v}@{point}"),
                 Event::Deleted(k, v) => format!("-{k}({v})@{point}"),
                 Event::SnapshotComplete => format!("COMPLETE@{point}"),
+                Event::Heartbeat => format!("BEAT@{point}"),
             }
-        }
-        fn closing(&self) -> Option<String> {
-            Some("CLOSING".into())
         }
         fn started(&self, how: How) {
             self.0.lock().unwrap().push(how);
@@ -284,21 +326,25 @@ mod tests {
     async fn take(rx: &mut mpsc::Receiver<String>, n: usize) -> Vec<String> {
         let mut out = Vec::new();
         for _ in 0..n {
-            let got = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+            let got = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await.unwrap().unwrap();
             out.push(got);
         }
         out
     }
 
-    fn never() -> impl Future<Output = ()> + Send + 'static {
+    fn never() -> impl Future<Output = String> + Send + 'static {
         std::future::pending()
+    }
+
+    fn opts(buffer: usize) -> Options {
+        Options { buffer, heartbeat: None }
     }
 
     #[tokio::test(start_paused = true)]
     async fn snapshot_then_filtered_deltas_then_resume() {
         let log = log(16);
         let sub = Text::default();
-        let mut o = subscribe(&log, "", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        let mut o = subscribe(&log, "", sub.clone(), opts(8), never(), tracing::Span::none()).unwrap();
         assert_eq!((o.how, o.items, o.cursor), (How::Snapshot, 1, 0));
         assert_eq!(take(&mut o.rx, 2).await, ["a=2@e-snapshot", "COMPLETE@e-0"]);
         {
@@ -310,12 +356,12 @@ mod tests {
         }
         assert_eq!(take(&mut o.rx, 3).await, ["c=4@e-1", "a=6@e-3", "-c(4)@e-4"]);
         drop(o);
-        // Resuming from e-1 replays only what came after it.
-        let mut o = subscribe(&log, "e-1", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        // Resuming from e-1: caught up as of e-1, then only what came after it.
+        let mut o = subscribe(&log, "e-1", sub.clone(), opts(8), never(), tracing::Span::none()).unwrap();
         assert_eq!(o.how, How::Resume);
-        assert_eq!(take(&mut o.rx, 2).await, ["a=6@e-3", "-c(4)@e-4"]);
+        assert_eq!(take(&mut o.rx, 3).await, ["COMPLETE@e-1", "a=6@e-3", "-c(4)@e-4"]);
         // Another epoch's point: RESET and a snapshot.
-        let mut o = subscribe(&log, "x-1", sub.clone(), 8, never(), tracing::Span::none()).unwrap();
+        let mut o = subscribe(&log, "x-1", sub.clone(), opts(8), never(), tracing::Span::none()).unwrap();
         assert_eq!(take(&mut o.rx, 3).await, ["RESET@e-snapshot", "a=6@e-snapshot", "COMPLETE@e-4"]);
         assert_eq!(*sub.0.lock().unwrap(), [How::Snapshot, How::Resume, How::Reset]);
     }
@@ -325,7 +371,7 @@ mod tests {
         let log = log(4);
         let sub = Text::default();
         // A buffer of 1: the task blocks on the second item until the test reads.
-        let mut o = subscribe(&log, "", sub.clone(), 1, never(), tracing::Span::none()).unwrap();
+        let mut o = subscribe(&log, "", sub.clone(), opts(1), never(), tracing::Span::none()).unwrap();
         assert_eq!(take(&mut o.rx, 2).await, ["a=2@e-snapshot", "COMPLETE@e-0"]);
         {
             let mut l = lock(&log);
@@ -351,12 +397,47 @@ mod tests {
         let (tx, rx) = oneshot::channel::<()>();
         let stop = async move {
             let _ = rx.await;
+            "CLOSING".to_string()
         };
-        let mut o = subscribe(&log, "", Text::default(), 8, stop, tracing::Span::none()).unwrap();
+        let mut o = subscribe(&log, "", Text::default(), opts(8), stop, tracing::Span::none()).unwrap();
         assert_eq!(take(&mut o.rx, 2).await.len(), 2);
         tx.send(()).unwrap();
         assert_eq!(take(&mut o.rx, 1).await, ["CLOSING"]);
         assert_eq!(o.rx.recv().await, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quiet_streams_get_heartbeats_even_while_unwanted_changes_flow() {
+        let log = log(64);
+        let o = Options { buffer: 8, heartbeat: Some(Duration::from_secs(5)) };
+        let mut s = subscribe(&log, "", Text::default(), o, never(), tracing::Span::none()).unwrap();
+        assert_eq!(take(&mut s.rx, 2).await, ["a=2@e-snapshot", "COMPLETE@e-0"]);
+        let opened = tokio::time::Instant::now();
+        assert_eq!(take(&mut s.rx, 1).await, ["BEAT@"]);
+        assert_eq!(opened.elapsed(), Duration::from_secs(5), "one interval after the last item");
+        // A wanted change resets the interval.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        lock(&log).upsert("c".into(), 8);
+        assert_eq!(take(&mut s.rx, 1).await, ["c=8@e-1"]);
+        let sent = tokio::time::Instant::now();
+        // Unwanted (odd) changes every second send nothing, but the heartbeat still comes.
+        let writer = {
+            let log = log.clone();
+            tokio::spawn(async move {
+                for i in 0..20u32 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    lock(&log).upsert("b".into(), 2 * i + 11);
+                }
+            })
+        };
+        assert_eq!(take(&mut s.rx, 1).await, ["BEAT@"]);
+        let gap = sent.elapsed();
+        assert!(gap >= Duration::from_secs(5) && gap <= Duration::from_secs(6), "{gap:?}");
+        writer.await.unwrap();
+        // Without a heartbeat configured, nothing comes.
+        let mut s = subscribe(&log, "", Text::default(), opts(8), never(), tracing::Span::none()).unwrap();
+        assert_eq!(take(&mut s.rx, 3).await.last().map(String::as_str), Some("COMPLETE@e-21"));
+        assert!(tokio::time::timeout(Duration::from_secs(60), s.rx.recv()).await.is_err());
     }
 
     #[test]
@@ -364,7 +445,7 @@ mod tests {
         let log: SharedLog<String, u32> = Log::new(Epoch::fixed("e"), 4).shared();
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let _guard = rt.enter();
-        let err = subscribe(&log, "", Text::default(), 8, never(), tracing::Span::none()).unwrap_err();
+        let err = subscribe(&log, "", Text::default(), opts(8), never(), tracing::Span::none()).unwrap_err();
         assert_eq!(err, NotReady);
     }
 }

@@ -11,8 +11,16 @@
 //!   ([`NotReady`]), so state loaded at start-up is part of the first snapshot, not a delta, and
 //!   the first resume point is `<epoch>-0`.
 //! - Values are held behind `Arc`, shared by the state, the history and in-flight snapshots.
+//! - Values can also be dropped without a delta ([`Log::forget`], when another replica serves
+//!   them from now on); resume points from before that are refused, so nobody resumes across
+//!   the gap.
+//!
+//! The log is usually shared as [`SharedLog`]; a service whose index holds more than the log
+//! (derived state, per-kind bookkeeping) keeps it inside that index, behind the index's own lock,
+//! and streams it through [`LogHandle`].
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::RangeBounds;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::watch;
@@ -100,6 +108,8 @@ pub struct Log<K, V> {
     capacity: usize,
     /// The revision of the latest delta (0 before any).
     revision: u64,
+    /// Resume points before this revision are refused: values were dropped without deltas then.
+    resume_floor: u64,
     ready: bool,
     /// Tells streams a new revision exists; sent under the lock, so a stream that marks the
     /// value seen before reading the history cannot miss a delta.
@@ -117,6 +127,29 @@ pub fn lock<K, V>(log: &SharedLog<K, V>) -> MutexGuard<'_, Log<K, V>> {
     log.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Where streams read a log from: a [`SharedLog`], or an index that keeps its log behind its
+/// own lock (anything `Arc<Mutex<T>>` whose `T` is `AsRef<Log>`).
+pub trait LogHandle<K, V>: Clone + Send + Sync + 'static {
+    /// Runs `f` on the log under its lock. `f` must be short and never block.
+    fn with_log<R>(&self, f: impl FnOnce(&Log<K, V>) -> R) -> R;
+}
+
+impl<K, V, T> LogHandle<K, V> for Arc<Mutex<T>>
+where
+    T: AsRef<Log<K, V>> + Send + 'static,
+{
+    fn with_log<R>(&self, f: impl FnOnce(&Log<K, V>) -> R) -> R {
+        // As in [`lock`]: the state is plain collections updated without awaiting.
+        f(self.lock().unwrap_or_else(PoisonError::into_inner).as_ref())
+    }
+}
+
+impl<K, V> AsRef<Log<K, V>> for Log<K, V> {
+    fn as_ref(&self) -> &Log<K, V> {
+        self
+    }
+}
+
 impl<K: Ord + Clone, V: PartialEq> Log<K, V> {
     /// An empty log keeping up to `capacity` deltas (at least 1).
     pub fn new(epoch: Epoch, capacity: usize) -> Self {
@@ -126,6 +159,7 @@ impl<K: Ord + Clone, V: PartialEq> Log<K, V> {
             history: VecDeque::new(),
             capacity: capacity.max(1),
             revision: 0,
+            resume_floor: 0,
             ready: false,
             revision_tx: watch::Sender::new(0),
             ready_tx: watch::Sender::new(false),
@@ -188,6 +222,11 @@ impl<K: Ord + Clone, V: PartialEq> Log<K, V> {
         self.items.iter()
     }
 
+    /// The keys and values in `range`, in key order.
+    pub fn range<R: RangeBounds<K>>(&self, range: R) -> impl Iterator<Item = (&K, &Arc<V>)> {
+        self.items.range(range)
+    }
+
     /// Sets the value of `key`; returns whether anything changed (and was recorded).
     pub fn upsert(&mut self, key: K, value: V) -> bool {
         if self.items.get(&key).is_some_and(|old| **old == value) {
@@ -204,6 +243,20 @@ impl<K: Ord + Clone, V: PartialEq> Log<K, V> {
         let old = self.items.remove(key)?;
         self.record(key.clone(), Change::Deleted(old.clone()));
         Some(old)
+    }
+
+    /// Drops the values `which` selects without recording anything: their subscribers are served
+    /// elsewhere from now on (their shard moved to another replica). Resume points from before
+    /// are refused from now on (RESET and a snapshot), since the history after them does not
+    /// tell everything. Returns how many were dropped.
+    pub fn forget(&mut self, which: impl Fn(&K, &V) -> bool) -> usize {
+        let before = self.items.len();
+        self.items.retain(|k, v| !which(k, v));
+        let dropped = before - self.items.len();
+        if dropped > 0 {
+            self.resume_floor = self.revision;
+        }
+        dropped
     }
 
     fn record(&mut self, key: K, change: Change<V>) {
@@ -238,7 +291,7 @@ impl<K: Ord + Clone, V: PartialEq> Log<K, V> {
             return Ok(Start::Snapshot { reset: false, items, cursor });
         }
         match self.epoch.revision_of(resume_from) {
-            Some(cursor) if self.can_resume(cursor) => Ok(Start::Resume { cursor }),
+            Some(cursor) if cursor >= self.resume_floor && self.can_resume(cursor) => Ok(Start::Resume { cursor }),
             _ => {
                 let (items, cursor) = self.snapshot(wants);
                 Ok(Start::Snapshot { reset: true, items, cursor })
@@ -340,6 +393,22 @@ mod tests {
             assert!(reset, "{bad}");
             assert_eq!((items.len(), cursor), (5, 5), "{bad}");
         }
+    }
+
+    #[test]
+    fn forgotten_values_leave_no_delta_and_no_resume_across_the_gap() {
+        let mut log = ready(16);
+        for (k, v) in [("a", 1), ("b", 2), ("c", 3)] {
+            log.upsert(k.into(), v);
+        }
+        assert_eq!(log.forget(|_, v| *v >= 2), 2);
+        assert_eq!((log.revision(), log.len()), (3, 1), "dropped silently");
+        assert_eq!(log.range("a".to_string()..).count(), 1);
+        assert!(matches!(log.start("e-2", |_, _| true), Ok(Start::Snapshot { reset: true, .. })));
+        assert!(matches!(log.start("e-3", |_, _| true), Ok(Start::Resume { cursor: 3 })));
+        assert_eq!(log.forget(|_, _| false), 0);
+        log.upsert("d".into(), 4);
+        assert!(matches!(log.start("e-3", |_, _| true), Ok(Start::Resume { cursor: 3 })), "nothing dropped since");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! unplugging. A restarted binder reloads them, so DEL, CHECK and GC keep working for pods that
 //! were plugged before the restart, and a crash mid-ADD leaves a record for DEL or GC to clean.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -12,6 +12,20 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use serde::{Deserialize, Serialize};
 
 use crate::hostport::mapping::PortMapping;
+
+/// Where an attachment is in its life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// ADD is plugging it. A record found in this state at start-up belongs to an ADD the binder
+    /// died in (a crash, `kill -9`, a panic in a release build, which aborts): the runtime saw
+    /// that ADD fail, so what it made is rolled back ([`crate::cni::CniService::recover`]).
+    Adding,
+    /// ADD returned it to the runtime: live until DEL or GC. Records written before states
+    /// existed read as this, so an upgrade never rolls back a live pod.
+    #[default]
+    Ready,
+}
 
 /// One attachment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +49,13 @@ pub struct Attachment {
     /// The host ports the runtime asked for (`runtimeConfig.portMappings`).
     #[serde(default)]
     pub port_mappings: Vec<PortMapping>,
+    #[serde(default)]
+    pub state: State,
+    /// The MACs of the host and pod ends, once plugged: a repeated ADD answers with them.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub host_mac: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sandbox_mac: String,
 }
 
 impl Attachment {
@@ -97,6 +118,32 @@ impl Attachments {
     /// pod namespaces) lives in the kernel and does not survive a machine crash either, while a
     /// binder crash cannot lose a renamed file.
     pub fn put(&self, a: &Attachment) -> io::Result<()> {
+        self.write(a)?;
+        self.lock().insert(a.key(), a.clone());
+        Ok(())
+    }
+
+    /// Records `a` unless another attachment of the same pod (another container or interface)
+    /// is `live`; in one step under the lock, so two ADDs can never both claim one pod. Returns
+    /// the pod's other records, none of them live (stale: for the caller to remove), or the live
+    /// one that stood in the way (nothing recorded then).
+    pub fn claim(
+        &self,
+        a: &Attachment,
+        live: impl Fn(&Attachment) -> bool,
+    ) -> io::Result<Result<Vec<Attachment>, Attachment>> {
+        let mut map = self.lock();
+        let others: Vec<Attachment> =
+            map.values().filter(|o| o.pod_uid == a.pod_uid && o.key() != a.key()).cloned().collect();
+        if let Some(l) = others.iter().find(|o| live(o)) {
+            return Ok(Err(l.clone()));
+        }
+        self.write(a)?;
+        map.insert(a.key(), a.clone());
+        Ok(Ok(others))
+    }
+
+    fn write(&self, a: &Attachment) -> io::Result<()> {
         let path = self.path(&a.container_id, &a.ifname);
         let tmp = path.with_extension("tmp");
         let bytes = serde_json::to_vec_pretty(a).map_err(io::Error::other)?;
@@ -105,9 +152,7 @@ impl Attachments {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&bytes)?;
         }
-        std::fs::rename(&tmp, &path)?;
-        self.lock().insert(a.key(), a.clone());
-        Ok(())
+        std::fs::rename(&tmp, &path)
     }
 
     /// Removes a record; absent is fine.
@@ -132,6 +177,54 @@ impl Attachments {
     }
 }
 
+type Key = (String, String);
+
+/// One async lock per attachment key: ADD, DEL, GC and the rollback of a failed ADD of the same
+/// container and interface run one after another, so that a retried ADD never meets the
+/// half-made or half-undone work of an earlier one. Entries go away with their last holder.
+#[derive(Clone, Debug, Default)]
+pub struct KeyLocks {
+    map: Arc<Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>>,
+}
+
+/// Holds the lock of one key until dropped.
+#[derive(Debug)]
+pub struct KeyGuard {
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+    key: Key,
+    locks: KeyLocks,
+}
+
+impl KeyLocks {
+    /// Waits for and takes the lock of `(container_id, ifname)`.
+    pub async fn lock(&self, container_id: &str, ifname: &str) -> KeyGuard {
+        let key = (container_id.to_string(), ifname.to_string());
+        let m = self.map.lock().unwrap_or_else(PoisonError::into_inner).entry(key.clone()).or_default().clone();
+        KeyGuard { guard: Some(m.lock_owned().await), key, locks: self.clone() }
+    }
+
+    /// Keys with a lock held or awaited (for tests).
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Whether no key is locked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for KeyGuard {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut map = self.locks.map.lock().unwrap_or_else(PoisonError::into_inner);
+        // Only the map holds it now: nobody holds or awaits this key.
+        if map.get(&self.key).is_some_and(|m| Arc::strong_count(m) == 1) {
+            map.remove(&self.key);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,7 +243,53 @@ mod tests {
             bridge: "kuryr0".into(),
             ips: vec!["10.0.0.5".parse().unwrap()],
             port_mappings: Vec::new(),
+            state: State::Ready,
+            host_mac: String::new(),
+            sandbox_mac: String::new(),
         }
+    }
+
+    #[test]
+    fn records_without_a_state_are_live() {
+        let old = r#"{"container_id":"c","ifname":"eth0","netns":"/n","host_ifname":"kv1","pod_uid":"u",
+            "pod_namespace":"ns","pod_name":"p","vif_id":"v","driver":"bridge","bridge":"kuryr0"}"#;
+        let a: Attachment = serde_json::from_str(old).unwrap();
+        assert_eq!(a.state, State::Ready);
+        let mut b = att("c");
+        b.state = State::Adding;
+        let back: Attachment = serde_json::from_slice(&serde_json::to_vec(&b).unwrap()).unwrap();
+        assert_eq!(back.state, State::Adding);
+    }
+
+    #[test]
+    fn a_pod_is_claimed_once_while_live() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Attachments::open(dir.path()).unwrap();
+        let first = att("c1");
+        assert_eq!(a.claim(&first, |_| true).unwrap().unwrap(), vec![]);
+        // Another container of the same pod: refused while the first is live ...
+        let second = att("c2");
+        assert_eq!(a.claim(&second, |_| true).unwrap().unwrap_err(), first);
+        assert!(a.get("c2", "eth0").is_none());
+        // ... taken, with the first handed back as stale, once it is not.
+        assert_eq!(a.claim(&second, |_| false).unwrap().unwrap(), vec![first.clone()]);
+        // The same key again is not a conflict with itself.
+        assert!(a.claim(&second, |o| o.container_id == "c2").unwrap().is_ok());
+    }
+
+    #[tokio::test]
+    async fn key_locks_serialise_one_key_and_clean_up() {
+        let locks = KeyLocks::default();
+        let g = locks.lock("c", "eth0").await;
+        let other = locks.lock("c", "eth1").await;
+        let l2 = locks.clone();
+        let waiter = tokio::spawn(async move { l2.lock("c", "eth0").await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        drop(g);
+        drop(waiter.await.unwrap());
+        drop(other);
+        assert!(locks.is_empty());
     }
 
     #[test]

@@ -15,8 +15,9 @@ use tonic::{Request, Response, Status};
 use ipnet::IpNet;
 use kuryr_cni_types::{CniError, code};
 
-use crate::attachments::{Attachment, Attachments};
+use crate::attachments::{Attachment, Attachments, KeyGuard, KeyLocks, State};
 use crate::metrics::CniMetrics;
+use crate::netns::NetnsError;
 use crate::plug::{self, BindingDriver, PlugError, PlugSpec};
 use crate::vifs::{self, VifCache, Wait};
 
@@ -45,7 +46,16 @@ pub struct CniService {
     /// Bridges already made ready with these gateway addresses, so that ADD does not redo it
     /// (a netlink round on a thread of its own) for every pod.
     pub bridges_ready: Arc<Mutex<HashSet<BridgeKey>>>,
+    /// One lock per attachment: operations on one container interface never overlap.
+    pub locks: KeyLocks,
 }
+
+/// How long a report to the allocator may take when nothing waits on its answer (DEL, GC, a
+/// rollback): the allocator learns of deleted pods from Kubernetes anyway, so a hung or
+/// partitioned allocator must not hold up the runtime.
+const UNPLUG_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest single plug report; ADD retries within its own deadline.
+const PLUG_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn required<'a>(var: &str, value: &'a str) -> CniResult<&'a str> {
     if value.is_empty() {
@@ -64,10 +74,41 @@ fn netns_path(netns: &str) -> Option<PathBuf> {
 
 fn plug_failure(e: PlugError, what: &str) -> CniError {
     match &e {
-        PlugError::NetnsMissing { .. } | PlugError::IfnameExists { .. } => {
+        PlugError::NetnsMissing { .. }
+        | PlugError::IfnameExists { .. }
+        | PlugError::Netns(NetnsError::NotAPod { .. } | NetnsError::NotANetns { .. }) => {
             CniError::new(code::INVALID_ENVIRONMENT, format!("{what}: {e}"))
         }
         _ => CniError::new(code::IO, format!("{what}: {e}")).with_details(format!("{e:?}")),
+    }
+}
+
+/// `CNI_NETNS` as a pod's network namespace: a namespace file, neither the binder's own nor
+/// the host's (code 4 otherwise, naming it).
+fn pod_netns(netns: &Path) -> CniResult<()> {
+    crate::netns::check_pod(netns).map_err(|e| match e {
+        NetnsError::NotFound { .. } | NetnsError::NotANetns { .. } | NetnsError::NotAPod { .. } => {
+            CniError::new(code::INVALID_ENVIRONMENT, format!("CNI_NETNS: {e}"))
+        }
+        e => CniError::new(code::IO, format!("CNI_NETNS: {e}")).with_details(format!("{e:?}")),
+    })
+}
+
+/// Whether the sandbox of an attachment still has its namespace.
+fn netns_alive(att: &Attachment) -> bool {
+    !att.netns.is_empty() && crate::netns::check_pod(Path::new(&att.netns)).is_ok()
+}
+
+/// The binding driver an attachment was plugged with, from its record.
+fn driver_of_record(att: &Attachment) -> BindingDriver {
+    match att.driver.as_str() {
+        "ovs" => BindingDriver::Ovs {
+            bridge: att.bridge.clone(),
+            iface_id: att.vif_id.clone(),
+            attached_mac: String::new(),
+            vm_uuid: att.pod_uid.clone(),
+        },
+        _ => BindingDriver::Bridge { bridge: att.bridge.clone() },
     }
 }
 
@@ -88,7 +129,13 @@ fn driver_of(vif: &Vif, pod_uid: &str) -> CniResult<BindingDriver> {
 }
 
 /// Records what ADD has done so far and undoes it if ADD does not finish — on an error, and
-/// also when the shim gives up and the request is dropped mid-way.
+/// also when the shim gives up and the request is dropped mid-way. The attachment's lock goes
+/// with the rollback, so a retried ADD starts only once it is done.
+///
+/// This is the in-process rollback. It does not run when the binder dies mid-ADD (a crash,
+/// `kill -9`, or a panic in a release build, whose profile aborts): then the record, written
+/// in state [`State::Adding`] before anything was made, is rolled back at the next start
+/// ([`CniService::recover`]).
 struct AddGuard {
     svc: Option<CniService>,
     att: Attachment,
@@ -98,6 +145,7 @@ struct AddGuard {
     /// plug has undone itself, and the pod's `ifname` may belong to someone else).
     plugged: bool,
     reported: bool,
+    key: Option<KeyGuard>,
 }
 
 impl AddGuard {
@@ -111,6 +159,7 @@ impl Drop for AddGuard {
         let Some(svc) = self.svc.take() else { return };
         let (att, netns, driver, plugged, reported) =
             (self.att.clone(), self.netns.clone(), self.driver.clone(), self.plugged, self.reported);
+        let key = self.key.take();
         tracing::info!(
             container = att.container_id,
             pod = format!("{}/{}", att.pod_namespace, att.pod_name),
@@ -123,6 +172,7 @@ impl Drop for AddGuard {
             } else if let Err(e) = svc.attachments.remove(&att.container_id, &att.ifname) {
                 tracing::error!(container = att.container_id, error = %e, "cannot remove the attachment record");
             }
+            drop(key);
         });
     }
 }
@@ -142,9 +192,13 @@ impl CniService {
                 plugged: false,
                 host_ifname: att.host_ifname.clone(),
             };
-            if let Err(e) = self.allocator.client().report_plugged(req).await {
+            let mut call = tonic::Request::new(req);
+            call.set_timeout(UNPLUG_REPORT_TIMEOUT);
+            let mut client = self.allocator.client();
+            let sent = tokio::time::timeout(UNPLUG_REPORT_TIMEOUT, client.report_plugged(call)).await;
+            if let Err(e) = sent.unwrap_or_else(|_| Err(Status::deadline_exceeded("no answer"))) {
                 // The allocator learns of the pod's deletion from Kubernetes anyway; the report only
-                // speeds it up, so it is not worth failing DEL over.
+                // speeds it up, so it is not worth failing (or holding up) DEL over.
                 tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered");
             }
         }
@@ -168,7 +222,12 @@ impl CniService {
         };
         let mut delay = Duration::from_millis(50);
         loop {
-            match self.allocator.client().report_plugged(req.clone()).await {
+            let limit = deadline.saturating_duration_since(Instant::now()).min(PLUG_REPORT_TIMEOUT);
+            let mut call = tonic::Request::new(req.clone());
+            call.set_timeout(limit);
+            let mut client = self.allocator.client();
+            let sent = tokio::time::timeout(limit, client.report_plugged(call)).await;
+            match sent.unwrap_or_else(|_| Err(Status::deadline_exceeded("the allocator did not answer in time"))) {
                 Ok(_) => return Ok(()),
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     return Err(CniError::new(
@@ -207,17 +266,74 @@ impl CniService {
             .map_err(|e| CniError::new(code::INVALID_CONFIG, e))?;
         let args = kuryr_cni_types::CniArgs::parse(&r.cni_args)?;
         let netns = PathBuf::from(netns);
-        if !netns.exists() {
-            return Err(CniError::new(
-                code::INVALID_ENVIRONMENT,
-                format!("CNI_NETNS {} does not exist", netns.display()),
-            ));
-        }
+        pod_netns(&netns)?;
         let pod_uid = args.pod_uid().map(str::to_string).ok_or_else(|| {
             CniError::new(code::INVALID_ENVIRONMENT, "CNI_ARGS lacks K8S_POD_UID: kuryr matches pods to VIFs by UID")
         })?;
         let pod = format!("{}/{}", args.pod_namespace().unwrap_or("?"), args.pod_name().unwrap_or("?"));
-        let deadline = start + self.vif_wait;
+        // A deadline past what the clock can hold is no deadline.
+        let deadline = start.checked_add(self.vif_wait).unwrap_or(start + Duration::from_secs(86_400 * 365));
+
+        let key = self.locks.lock(container_id, ifname).await;
+        if let Some(existing) = self.attachments.get(container_id, ifname) {
+            match existing.state {
+                // The runtime retrying an ADD that succeeded: the same answer, the record untouched.
+                State::Ready => return self.repeat_add(&existing, &pod_uid, &netns, ifname),
+                // An earlier ADD whose rollback did not finish (it failed): finish it first.
+                State::Adding => {
+                    let old = PathBuf::from(&existing.netns);
+                    self.teardown(&existing, Some(old), driver_of_record(&existing), true).await;
+                }
+            }
+        }
+        let mut att = Attachment {
+            container_id: container_id.to_string(),
+            ifname: ifname.to_string(),
+            netns: netns.display().to_string(),
+            host_ifname: plug::host_ifname(container_id, ifname),
+            pod_uid: pod_uid.clone(),
+            pod_namespace: args.pod_namespace().unwrap_or_default().to_string(),
+            pod_name: args.pod_name().unwrap_or_default().to_string(),
+            vif_id: String::new(),
+            driver: "bridge".into(),
+            bridge: String::new(),
+            ips: Vec::new(),
+            port_mappings,
+            state: State::Adding,
+            host_mac: String::new(),
+            sandbox_mac: String::new(),
+        };
+        // Claim the pod before anything else, in one step with the check, so that two ADDs can
+        // never both take one pod's VIF: a pod attached under another container whose sandbox
+        // still exists is refused; one whose sandbox is gone is stale and cleaned up.
+        let stale = match self.attachments.claim(&att, netns_alive) {
+            Ok(Ok(stale)) => stale,
+            Ok(Err(live)) => {
+                return Err(CniError::new(
+                    code::INVALID_ENVIRONMENT,
+                    format!(
+                        "pod {pod} ({pod_uid}) is already attached as container {} interface {} in {}; \
+                         DEL that attachment first",
+                        live.container_id, live.ifname, live.netns
+                    ),
+                ));
+            }
+            Err(e) => return Err(CniError::new(code::IO, format!("cannot record the attachment: {e}"))),
+        };
+        let mut guard = AddGuard {
+            svc: Some(self.clone()),
+            att: att.clone(),
+            netns: netns.clone(),
+            driver: BindingDriver::Bridge { bridge: String::new() },
+            plugged: false,
+            reported: false,
+            key: Some(key),
+        };
+        for old in stale {
+            tracing::info!(container = old.container_id, pod, "removing the attachment of a sandbox that is gone");
+            let _old_key = self.locks.lock(&old.container_id, &old.ifname).await;
+            self.teardown(&old, None, driver_of_record(&old), true).await;
+        }
 
         let vif = match self.vifs.wait_for(&pod_uid, self.vif_wait, vifs::pluggable).await {
             Wait::Vif(v) => v,
@@ -235,38 +351,24 @@ impl CniService {
         let driver = driver_of(&vif, &pod_uid)?;
         let spec = PlugSpec::from_vif(container_id, &netns, ifname, &vif, driver.clone())
             .map_err(|e| CniError::new(code::IO, format!("the VIF of pod {pod} is unusable: {e}")))?;
-        let att = Attachment {
-            container_id: container_id.to_string(),
-            ifname: ifname.to_string(),
-            netns: netns.display().to_string(),
-            host_ifname: spec.host_ifname.clone(),
-            pod_uid: pod_uid.clone(),
-            pod_namespace: args.pod_namespace().unwrap_or_default().to_string(),
-            pod_name: args.pod_name().unwrap_or_default().to_string(),
-            vif_id: vif.vif_id.clone(),
-            driver: match driver {
-                BindingDriver::Bridge { .. } => "bridge",
-                BindingDriver::Ovs { .. } => "ovs",
-            }
-            .into(),
-            bridge: match &driver {
-                BindingDriver::Bridge { bridge } | BindingDriver::Ovs { bridge, .. } => bridge.clone(),
-            },
-            ips: spec.ips.iter().map(|ip| ip.address.addr()).collect(),
-            port_mappings,
+        att.host_ifname.clone_from(&spec.host_ifname);
+        att.vif_id.clone_from(&vif.vif_id);
+        att.driver = match driver {
+            BindingDriver::Bridge { .. } => "bridge",
+            BindingDriver::Ovs { .. } => "ovs",
+        }
+        .into();
+        att.bridge = match &driver {
+            BindingDriver::Bridge { bridge } | BindingDriver::Ovs { bridge, .. } => bridge.clone(),
         };
-        // Record first: a crash from here on leaves a record that DEL or GC can act on.
+        att.ips = spec.ips.iter().map(|ip| ip.address.addr()).collect();
+        // Recorded before plugging: a crash from here on leaves a record that the next start
+        // (or DEL, or GC) acts on.
         self.attachments
             .put(&att)
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
-        let mut guard = AddGuard {
-            svc: Some(self.clone()),
-            att: att.clone(),
-            netns: netns.clone(),
-            driver: driver.clone(),
-            plugged: false,
-            reported: false,
-        };
+        guard.att = att.clone();
+        guard.driver = driver.clone();
 
         let t_plug = Instant::now();
         let bridge_key = match &driver {
@@ -316,6 +418,12 @@ impl CniService {
                 ));
             }
         };
+        att.state = State::Ready;
+        att.host_mac.clone_from(&plugged.host_mac);
+        att.sandbox_mac.clone_from(&plugged.sandbox_mac);
+        self.attachments
+            .put(&att)
+            .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
         guard.disarm();
         self.metrics.observe_vif_wait(vif_known);
         let ready_wait = t_ready.elapsed();
@@ -332,22 +440,83 @@ impl CniService {
         Ok(result_for(&vif, ifname, &netns, &plugged))
     }
 
+    /// An ADD of an attachment that is live: the runtime retrying one that succeeded (as the
+    /// spec allows). The answer is what the first ADD answered; the record is never touched.
+    /// The same container and interface for another pod or namespace is refused (code 4).
+    fn repeat_add(&self, att: &Attachment, pod_uid: &str, netns: &Path, ifname: &str) -> CniResult<pb::CniResult> {
+        if att.pod_uid != pod_uid || Path::new(&att.netns) != netns {
+            return Err(CniError::new(
+                code::INVALID_ENVIRONMENT,
+                format!(
+                    "container {} interface {ifname} is already attached to pod {}/{} ({}) in {}; DEL it first",
+                    att.container_id, att.pod_namespace, att.pod_name, att.pod_uid, att.netns
+                ),
+            ));
+        }
+        let vif = self.vifs.get(pod_uid).ok_or_else(|| {
+            CniError::new(
+                code::UNKNOWN_CONTAINER,
+                format!("pod {}/{} ({pod_uid}) no longer has a VIF", att.pod_namespace, att.pod_name),
+            )
+        })?;
+        if vif.vif_id != att.vif_id {
+            return Err(CniError::new(
+                code::INVALID_ENVIRONMENT,
+                format!(
+                    "pod {}/{} has another VIF ({}) than the one attached ({}); DEL and ADD again",
+                    att.pod_namespace, att.pod_name, vif.vif_id, att.vif_id
+                ),
+            ));
+        }
+        let plugged = plug::Plugged {
+            host_ifname: att.host_ifname.clone(),
+            host_mac: att.host_mac.clone(),
+            sandbox_ifname: ifname.to_string(),
+            sandbox_mac: if att.sandbox_mac.is_empty() { vif.mac.clone() } else { att.sandbox_mac.clone() },
+            sandbox: netns.to_path_buf(),
+            mtu: vif.mtu,
+        };
+        tracing::info!(container = att.container_id, ifname, "repeated ADD: answered from the live attachment");
+        Ok(result_for(&vif, ifname, netns, &plugged))
+    }
+
+    /// Rolls back the ADDs the binder died in (records left in [`State::Adding`]); run at
+    /// start-up. The runtime saw those ADDs fail and retries them or sends DEL; either way
+    /// nothing half-made may stay.
+    pub async fn recover(&self) {
+        for att in self.attachments.all().into_iter().filter(|a| a.state == State::Adding) {
+            let _key = self.locks.lock(&att.container_id, &att.ifname).await;
+            let Some(att) = self.attachments.get(&att.container_id, &att.ifname).filter(|a| a.state == State::Adding)
+            else {
+                continue;
+            };
+            tracing::warn!(
+                container = att.container_id,
+                ifname = att.ifname,
+                pod = format!("{}/{}", att.pod_namespace, att.pod_name),
+                "rolling back an ADD the binder exited in"
+            );
+            let netns = netns_path(&att.netns);
+            self.teardown(&att, netns, driver_of_record(&att), true).await;
+        }
+    }
+
     pub async fn del(&self, r: &pb::CniRequest) -> CniResult<()> {
         let container_id = required("CNI_CONTAINERID", &r.container_id)?;
         let ifname = required("CNI_IFNAME", &r.ifname)?;
         parse_conf(&r.config)?;
         let netns = netns_path(&r.netns);
+        // A namespace that is gone is fine (DEL is idempotent); the binder's or the host's is
+        // not a pod's, and DEL is refused before anything is touched.
+        if let Some(p) = &netns
+            && let Err(e @ NetnsError::NotAPod { .. }) = crate::netns::check_pod(p)
+        {
+            return Err(CniError::new(code::INVALID_ENVIRONMENT, format!("CNI_NETNS: {e}")));
+        }
+        let _key = self.locks.lock(container_id, ifname).await;
         match self.attachments.get(container_id, ifname) {
             Some(att) => {
-                let driver = match att.driver.as_str() {
-                    "ovs" => BindingDriver::Ovs {
-                        bridge: att.bridge.clone(),
-                        iface_id: att.vif_id.clone(),
-                        attached_mac: String::new(),
-                        vm_uuid: att.pod_uid.clone(),
-                    },
-                    _ => BindingDriver::Bridge { bridge: att.bridge.clone() },
-                };
+                let driver = driver_of_record(&att);
                 self.teardown(&att, netns, driver, true).await;
             }
             None => {
@@ -373,6 +542,7 @@ impl CniService {
         let prev = conf.prev_result.as_ref().ok_or_else(|| {
             CniError::new(code::INVALID_CONFIG, "CHECK needs prevResult in the network configuration")
         })?;
+        pod_netns(Path::new(netns))?;
         let att = self.attachments.get(container_id, ifname).ok_or_else(|| {
             CniError::new(
                 code::UNKNOWN_CONTAINER,
@@ -422,16 +592,10 @@ impl CniService {
                 known_hosts.push(att.host_ifname.clone());
                 continue;
             }
-            let driver = match att.driver.as_str() {
-                "ovs" => BindingDriver::Ovs {
-                    bridge: att.bridge.clone(),
-                    iface_id: att.vif_id.clone(),
-                    attached_mac: String::new(),
-                    vm_uuid: att.pod_uid.clone(),
-                },
-                _ => BindingDriver::Bridge { bridge: att.bridge.clone() },
-            };
-            self.teardown(&att, netns_path(&att.netns), driver, true).await;
+            let _key = self.locks.lock(&att.container_id, &att.ifname).await;
+            // Looked up again under the lock: a DEL may have removed it meanwhile.
+            let Some(att) = self.attachments.get(&att.container_id, &att.ifname) else { continue };
+            self.teardown(&att, netns_path(&att.netns), driver_of_record(&att), true).await;
             removed.push(pb::Attachment { container_id: att.container_id, ifname: att.ifname });
         }
         // Host ends with no record at all (a record lost with a crashed disk, say).
@@ -509,13 +673,12 @@ fn result_for(vif: &Vif, ifname: &str, netns: &Path, plugged: &plug::Plugged) ->
     pb::CniResult { interfaces, ips, routes, dns }
 }
 
-/// Refuses a shim of another version, so that a half-upgraded node fails loudly.
+/// Refuses a shim of another version, so that a half-upgraded node fails loudly. The answer
+/// names neither version: the caller learns that it is incompatible, not what would be.
 pub fn check_shim_version(v: &str) -> Result<(), Status> {
     if v != crate::VERSION {
-        let msg = format!(
-            "kuryr-cni {v} does not match kuryr-binder {}: install the kuryr-cni shipped with this binder",
-            crate::VERSION
-        );
+        let msg = "this kuryr-cni is incompatible with the kuryr-binder it called: install the kuryr-cni \
+                   shipped with the binder";
         return Err(Status::from(CniError::new(code::INCOMPATIBLE_VERSION, msg)));
     }
     Ok(())
@@ -592,7 +755,10 @@ mod tests {
     fn a_shim_of_another_version_is_refused_with_code_1() {
         let s = check_shim_version("0.0.0-x").unwrap_err();
         assert_eq!(s.code(), tonic::Code::FailedPrecondition);
-        assert_eq!(CniError::from_status(&s).unwrap().code, code::INCOMPATIBLE_VERSION);
+        let e = CniError::from_status(&s).unwrap();
+        assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+        assert!(e.msg.contains("incompatible"), "{}", e.msg);
+        assert!(!e.msg.contains(crate::VERSION) && !e.msg.contains("0.0.0-x"), "{}", e.msg);
         assert!(check_shim_version(crate::VERSION).is_ok());
     }
 }

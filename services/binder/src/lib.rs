@@ -4,10 +4,11 @@
 //! operations (`kuryr.binder.v1.Cni`, [`cni`]) on a unix socket, plugs VIFs into pod network
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
-//! stream is live. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
-//! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]) and, with `--policy`, the
-//! node's NetworkPolicy rules from kuryr-policy's stream ([`policy`]), all in the node's nftables
-//! table `inet kuryr` ([`table`]); its health does not depend on the latter two.
+//! stream is live, and again whenever the stream is down or silent for longer than
+//! `--stream-idle-timeout`. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the
+//! node's Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]) and, with `--policy`,
+//! the node's NetworkPolicy rules from kuryr-policy's stream ([`policy`]), all in the node's
+//! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter two.
 
 pub mod attachments;
 pub mod cni;
@@ -25,16 +26,24 @@ pub mod upstream;
 pub mod vifs;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::with_credentials;
+use kuryr_runtime::auth::local::LocalCallers;
+use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::config::parse_duration;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
+use kuryr_runtime::follow::FollowArgs;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 
 /// The binder's version; the shim must send the same.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The largest CNI request accepted.
+pub const MAX_REQUEST: usize = kuryr_cni_types::MAX_CONFIG_BYTES + 64 * 1024;
 
 /// The CNI specification versions served.
 pub const SUPPORTED_CNI_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
@@ -43,15 +52,34 @@ pub const SUPPORTED_CNI_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kuryr-binder", version, about = "Plugs pod VIFs on this node; serves the kuryr-cni shim.")]
 pub struct Config {
-    /// gRPC listen addresses, comma-separated or repeated: HOST:PORT or unix:/path. The shim
-    /// talks to the unix socket; the TCP address is for health checks and grpcurl.
-    #[arg(
-        long,
-        env = "KURYR_BINDER_LISTEN",
-        value_delimiter = ',',
-        default_value = "unix:/run/kuryr/binder.sock,127.0.0.1:9630"
-    )]
+    /// gRPC listen addresses: unix:/path, comma-separated or repeated. The shim talks to the
+    /// unix socket (created mode 0600); CNI calls on it are admitted only from root and
+    /// `--cni-allow-uid`/`--cni-allow-gid`, by the kernel's peer credentials. TCP addresses are
+    /// refused here.
+    #[arg(long, env = "KURYR_BINDER_LISTEN", value_delimiter = ',', default_value = "unix:/run/kuryr/binder.sock")]
     pub listen: Vec<ListenAddr>,
+
+    /// Also serve on this TCP address (HOST:PORT), for tools on other hosts. Off by default:
+    /// the runtime needs only the unix socket. Calls on it are authenticated as the services'
+    /// are (`--auth`): a ServiceAccount token checked with TokenReview (`--kubeconfig`), and the
+    /// CNI operations only for `--cni-tcp-accounts`; health and reflection stay open.
+    #[arg(long, env = "KURYR_BINDER_TCP_LISTEN")]
+    pub tcp_listen: Option<ListenAddr>,
+
+    /// The ServiceAccounts (`namespace:name`, comma-separated) that may call the CNI operations
+    /// over `--tcp-listen`; none by default.
+    #[arg(long, env = "KURYR_CNI_TCP_ACCOUNTS", value_delimiter = ',')]
+    pub cni_tcp_accounts: Vec<AccountRef>,
+
+    /// More uids whose processes may call the CNI operations on the unix socket (root always
+    /// may), comma-separated. They also need access to the socket file, which is 0600 root.
+    #[arg(long, env = "KURYR_CNI_ALLOW_UID", value_delimiter = ',')]
+    pub cni_allow_uid: Vec<u32>,
+
+    /// Primary gids whose processes may call the CNI operations on the unix socket,
+    /// comma-separated (see --cni-allow-uid).
+    #[arg(long, env = "KURYR_CNI_ALLOW_GID", value_delimiter = ',')]
+    pub cni_allow_gid: Vec<u32>,
 
     /// HTTP address for Prometheus metrics (/metrics) and probes (/livez, /readyz).
     #[arg(long, env = "KURYR_BINDER_METRICS_LISTEN", default_value = "0.0.0.0:9631")]
@@ -75,8 +103,9 @@ pub struct Config {
     #[arg(long, env = "KURYR_POLICY")]
     pub policy: Option<String>,
 
-    /// The kubeconfig used to find k8s: targets; in-cluster configuration (or $KUBECONFIG) when
-    /// unset. Not read unless a target is a k8s: one.
+    /// The kubeconfig used to find k8s: targets and to check the tokens of callers on
+    /// `--tcp-listen` (TokenReview); in-cluster configuration (or $KUBECONFIG) when unset. Not
+    /// read unless a target is a k8s: one or --tcp-listen is set.
     #[arg(long, env = "KURYR_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
@@ -111,13 +140,40 @@ pub struct Config {
     #[arg(long, env = "KURYR_OVS_DB")]
     pub ovs_db: Option<String>,
 
+    /// How the VIF and load balancer streams are read.
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
 }
 
 /// Runs the binder until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    if let Some(tcp) = config.listen.iter().find(|l| matches!(l, ListenAddr::Tcp { .. })) {
+        anyhow::bail!(
+            "--listen {tcp}: the binder serves CNI on unix sockets only; anyone on the node (or in a \
+             hostNetwork pod) can reach a TCP port. --tcp-listen serves TCP with authentication"
+        );
+    }
+    if let Some(unix @ ListenAddr::Unix(_)) = &config.tcp_listen {
+        anyhow::bail!("--tcp-listen {unix}: takes HOST:PORT; unix sockets go in --listen");
+    }
     let mut rt = Runtime::new("kuryr-binder", &config.common)?;
+    let local = LocalCallers::new(config.cni_allow_uid.clone(), config.cni_allow_gid.clone());
+    let gate = match &config.tcp_listen {
+        Some(_) => {
+            let rules = Rules::new().allow(
+                service_names::CNI,
+                &["Add", "Del", "Check", "Status", "Gc", "Version"],
+                &config.cni_tcp_accounts,
+            );
+            local.with_remote(config.common.auth.gate(config.kubeconfig.clone(), rules, rt.registry()))
+        }
+        None => local,
+    };
+    rt.set_gate(Arc::new(gate));
+    let credentials = config.common.auth.credentials();
     let node = match config.node_name.clone() {
         Some(n) => n,
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_string(),
@@ -135,18 +191,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let allocator = upstream::Allocator::new(
         kuryr_runtime::discover::channel(&config.allocator, config.kubeconfig.clone())
             .map_err(|e| anyhow::anyhow!("--allocator: {e}"))?,
+        credentials.clone(),
     );
     let vifs = vifs::VifCache::default();
     let binder_id = format!("{node}/{}", std::process::id());
     tracing::info!(node, allocator = config.allocator, "binder starting");
-    tokio::spawn(vifs.clone().follow(
-        allocator.clone(),
-        node.clone(),
-        binder_id,
-        rt.health(),
-        service_names::CNI,
-        rt.shutdown(),
-    ));
+    let follower = vifs::follower(allocator.clone(), node.clone(), binder_id, config.follow.config());
+    tokio::spawn(vifs.clone().follow(follower, rt.health(), service_names::CNI, rt.shutdown()));
     tokio::spawn(noderoutes::run(vifs.clone(), node.clone(), rt.shutdown()));
     // Pods reaching themselves through a Service or a host port need it, with or without lbaas.
     tokio::spawn(lb::hairpin::run(vifs.clone(), rt.shutdown()));
@@ -168,10 +219,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(target) = &config.lbaas {
         let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
             .map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
+        let lbaas = with_credentials(lbaas, credentials.clone());
         tracing::info!(lbaas = target, "Service dataplane enabled");
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,
             format!("binder/{node}"),
+            config.follow.config(),
             rt.shutdown(),
         );
     }
@@ -197,9 +250,19 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         ovs_db: config.ovs_db.clone(),
         metrics: metrics::CniMetrics::register(rt.registry()),
         bridges_ready: Default::default(),
+        locks: Default::default(),
     };
-    let routes = tonic::service::Routes::new(CniServer::new(service));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    // ADDs the previous run died in are undone before (or, per attachment, instead of) any
+    // new operation on them: each takes its attachment's lock.
+    tokio::spawn({
+        let service = service.clone();
+        async move { service.recover().await }
+    });
+    // A request carries the network configuration (at most 1 MiB, as the shim enforces) and a
+    // few short strings.
+    let cni = CniServer::new(service).max_decoding_message_size(MAX_REQUEST);
+    let listen: Vec<ListenAddr> = config.listen.iter().chain(&config.tcp_listen).cloned().collect();
+    rt.serve(Services::new(cni), &listen, Some(&config.metrics_listen)).await
 }
 
 /// A `cniVersion` this plugin speaks (the error lists the supported ones).

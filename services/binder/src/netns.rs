@@ -50,6 +50,11 @@ pub enum NetnsError {
     /// The thread ended without an answer: the closure panicked.
     #[error("the network namespace thread ended without an answer (it panicked)")]
     ThreadDied,
+    /// The path is a namespace, but not one a pod may be given: the binder's own or the host's
+    /// (`/proc/self/ns/net`, `/proc/1/ns/net`). Plugging or unplugging there would rewire the
+    /// node itself.
+    #[error("{} is the {which} network namespace, not a pod's", path.display())]
+    NotAPod { path: PathBuf, which: &'static str },
 }
 
 impl NetnsError {
@@ -101,6 +106,42 @@ fn enter_file(file: &File, path: &Path) -> Result<(), NetnsError> {
         Errno::EINVAL => NetnsError::NotANetns { path: path.to_path_buf(), source },
         source => NetnsError::Enter { path: path.to_path_buf(), source },
     })
+}
+
+/// The file system type of namespace files (`NSFS_MAGIC`): what `/proc/<pid>/ns/*` and their
+/// bind mounts under `/var/run/netns` are.
+fn is_nsfs(file: &File) -> bool {
+    nix::sys::statfs::fstatfs(file).is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::NSFS_MAGIC)
+}
+
+/// Namespaces a pod may never be given, with what to call them in an error.
+const FORBIDDEN: &[(&str, &str)] = &[("/proc/self/ns/net", "binder's own"), ("/proc/1/ns/net", "host's")];
+
+/// Checks that `file` (opened from `path`) is a network namespace a pod may own: a namespace
+/// file (nsfs; [`NetnsError::NotANetns`] otherwise) that is neither the binder's own nor the
+/// host's ([`NetnsError::NotAPod`]), compared by device and inode as the kernel identifies
+/// namespaces. That it is a *network* namespace, not another kind, is checked by `setns`
+/// (`CLONE_NEWNET`) when it is entered.
+pub fn check_pod_file(file: &File, path: &Path) -> Result<(), NetnsError> {
+    use std::os::unix::fs::MetadataExt;
+    if !is_nsfs(file) {
+        return Err(NetnsError::NotANetns { path: path.to_path_buf(), source: Errno::EINVAL });
+    }
+    let meta = file.metadata().map_err(|source| NetnsError::Open { path: path.to_path_buf(), source })?;
+    for (forbidden, which) in FORBIDDEN {
+        // A /proc entry that cannot be read cannot be the one given either.
+        if let Ok(m) = std::fs::metadata(forbidden)
+            && (m.dev(), m.ino()) == (meta.dev(), meta.ino())
+        {
+            return Err(NetnsError::NotAPod { path: path.to_path_buf(), which });
+        }
+    }
+    Ok(())
+}
+
+/// [`check_pod_file`] on the file at `path`; a missing path is [`NetnsError::NotFound`].
+pub fn check_pod(path: &Path) -> Result<(), NetnsError> {
+    check_pod_file(&open(path)?, path)
 }
 
 /// The calling thread's own network namespace, as `/proc` shows it.
@@ -204,6 +245,38 @@ mod tests {
         assert!(matches!(err, NetnsError::NotANetns { .. } | NetnsError::Enter { .. }), "{err:?}");
         assert!(!ran);
         assert_eq!(inode("/proc/thread-self/ns/net"), before);
+    }
+
+    #[test]
+    fn own_and_host_namespaces_are_not_pods() {
+        for p in ["/proc/self/ns/net", "/proc/thread-self/ns/net"] {
+            let err = check_pod(Path::new(p)).unwrap_err();
+            assert!(matches!(err, NetnsError::NotAPod { .. }), "{p}: {err:?}");
+        }
+        // Where pid 1 lives outside this process's reach (a container without hostPID) its
+        // namespace cannot even be opened.
+        let err = check_pod(Path::new("/proc/1/ns/net")).unwrap_err();
+        assert!(matches!(err, NetnsError::NotAPod { .. } | NetnsError::Open { .. }), "{err:?}");
+        // Another kind of file is not a namespace at all.
+        let f = tempfile::NamedTempFile::new().unwrap();
+        assert!(matches!(check_pod(f.path()).unwrap_err(), NetnsError::NotANetns { .. }));
+        assert!(matches!(check_pod(Path::new("/proc/self/status")).unwrap_err(), NetnsError::NotANetns { .. }));
+        assert!(matches!(check_pod(Path::new("/nonexistent/ns")).unwrap_err(), NetnsError::NotFound { .. }));
+    }
+
+    #[test]
+    fn a_namespace_of_its_own_is_a_pod() {
+        let made = std::thread::spawn(|| {
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).ok()?;
+            Some(File::open("/proc/thread-self/ns/net").unwrap())
+        })
+        .join()
+        .unwrap();
+        let Some(file) = made else {
+            eprintln!("skipped: creating a network namespace needs CAP_SYS_ADMIN");
+            return;
+        };
+        check_pod_file(&file, Path::new("new")).unwrap();
     }
 
     #[tokio::test]

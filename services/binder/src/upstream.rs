@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
-use tonic::transport::Channel;
+use kuryr_runtime::auth::client::{Credentials, PeerChannel, with_credentials};
 
 /// The gRPC metadata an allocator replica names a node's owner in.
 pub const OWNER_METADATA: &str = "kuryr-shard-owner";
@@ -16,21 +16,24 @@ pub const OWNER_METADATA: &str = "kuryr-shard-owner";
 struct Current {
     /// The owner's endpoint, when following a redirect; `None`: `--allocator`.
     owner: Option<String>,
-    channel: Channel,
+    channel: PeerChannel,
 }
 
 /// The allocator this node follows; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Allocator {
-    default: Channel,
+    default: PeerChannel,
     current: Arc<Mutex<Current>>,
+    /// What calls to an owner followed by redirect carry, as those to `default` do.
+    credentials: Credentials,
 }
 
 impl Allocator {
-    /// Talks to `default` (`--allocator`) until redirected.
-    pub fn new(default: Channel) -> Self {
+    /// Talks to `default` (`--allocator`) until redirected; every call carries `credentials`.
+    pub fn new(default: tonic::transport::Channel, credentials: Credentials) -> Self {
+        let default = with_credentials(default, credentials.clone());
         let current = Current { owner: None, channel: default.clone() };
-        Self { default, current: Arc::new(Mutex::new(current)) }
+        Self { default, current: Arc::new(Mutex::new(current)), credentials }
     }
 
     fn lock(&self) -> MutexGuard<'_, Current> {
@@ -38,7 +41,7 @@ impl Allocator {
     }
 
     /// A client of the allocator to talk to now.
-    pub fn client(&self) -> VifAllocatorClient<Channel> {
+    pub fn client(&self) -> VifAllocatorClient<PeerChannel> {
         VifAllocatorClient::new(self.lock().channel.clone())
     }
 
@@ -57,6 +60,7 @@ impl Allocator {
         }
         match kuryr_runtime::client::channel(&owner) {
             Ok(channel) => {
+                let channel = with_credentials(channel, self.credentials.clone());
                 *cur = Current { owner: Some(owner.clone()), channel };
                 Some(owner)
             }
@@ -92,7 +96,7 @@ mod tests {
 
     #[tokio::test]
     async fn follows_redirects_and_falls_back() {
-        let a = Allocator::new(kuryr_runtime::client::channel("127.0.0.1:1").unwrap());
+        let a = Allocator::new(kuryr_runtime::client::channel("127.0.0.1:1").unwrap(), Credentials::None);
         assert_eq!(a.owner(), None);
         assert_eq!(a.redirect(&tonic::Status::unavailable("no trailer")), None);
         assert_eq!(a.redirect(&redirect_to("127.0.0.1:2")).as_deref(), Some("127.0.0.1:2"));

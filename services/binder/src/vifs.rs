@@ -1,16 +1,21 @@
 //! The binder's view of its node's VIFs, fed by the allocator's `WatchVifs` stream.
 //!
 //! CNI ADD waits here — on the stream, never by polling — for the pod's VIF to appear and then to
-//! become ready. The stream is followed with a resume point so that a reconnect does not replay
-//! everything; while it is down the binder is NOT_SERVING, and ADD keeps waiting on what it has.
+//! become ready. The stream is followed by the one follower of [`kuryr_stream::follow`] with a
+//! resume point, so that a reconnect does not replay everything; while it is down — broken, or
+//! silent (not even a heartbeat) for longer than `--stream-idle-timeout`, as when the allocator is
+//! stopped or partitioned away — the binder is NOT_SERVING, and ADD keeps waiting on what it has.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use kuryr_proto::allocator::v1::{NodeRoutes, Vif, VifEventType, VifState, WatchVifsRequest, WatchVifsResponse};
+use kuryr_runtime::follow::{Failed, next_message};
 use kuryr_runtime::{Health, Shutdown};
+use kuryr_stream::follow::{Failure, FollowConfig, Followed, Follower, Mark, Retry, Source};
 use tokio::sync::watch;
+use tonic::Streaming;
 
 use crate::upstream::Allocator;
 
@@ -18,9 +23,8 @@ use crate::upstream::Allocator;
 /// was deleted is answered "unknown container" instead of waiting out its deadline.
 const TOMBSTONES: usize = 4096;
 
-/// Reconnect delays after the stream breaks.
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(5);
+/// Redirects followed at once (without backoff) before the stream was live again.
+const FRESH_REDIRECTS: u32 = 2;
 
 /// What a waiter learns.
 #[derive(Debug)]
@@ -38,7 +42,6 @@ struct State {
     vifs: HashMap<String, Vif>,
     node_routes: HashMap<String, NodeRoutes>,
     tombstones: VecDeque<String>,
-    resume: String,
     live: bool,
 }
 
@@ -112,9 +115,6 @@ impl VifCache {
     pub fn apply(&self, ev: &WatchVifsResponse) {
         {
             let mut s = self.lock();
-            if !ev.resume_point.is_empty() {
-                s.resume = ev.resume_point.clone();
-            }
             match ev.r#type() {
                 VifEventType::Reset => {
                     s.vifs.clear();
@@ -149,7 +149,7 @@ impl VifCache {
                         s.node_routes.remove(&r.node_name);
                     }
                 }
-                VifEventType::Unspecified => {}
+                VifEventType::Unspecified | VifEventType::Heartbeat => {}
             }
         }
         self.changed.send_modify(|n| *n += 1);
@@ -160,102 +160,127 @@ impl VifCache {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    fn resume_point(&self) -> String {
-        self.lock().resume.clone()
-    }
-
-    /// Follows the allocator's stream for `node` until shutdown, reconnecting with backoff and
-    /// resuming where it left off. Marks `service` SERVING while the stream is live. A replica
-    /// that does not serve the node names its owner, which is followed at once; an owner that
-    /// cannot be reached twice in a row is given up for `--allocator`.
+    /// Follows the allocator's stream for its node until shutdown (see [`follower`]). Marks
+    /// `service` SERVING while the stream is live, NOT_SERVING as soon as the follower reports it
+    /// down.
     pub async fn follow(
         self,
-        allocator: Allocator,
-        node: String,
-        binder_id: String,
+        mut follower: Follower<VifSource>,
         health: Health,
         service: &'static str,
         shutdown: Shutdown,
     ) {
         health.register(service).await;
-        let mut delay = RETRY_MIN;
-        // Redirects followed since the stream was last live, and failures of the owner followed.
-        let (mut hops, mut owner_failures) = (0u32, 0u32);
         loop {
-            let mut client = allocator.client();
-            let req = WatchVifsRequest {
-                node_name: node.clone(),
-                resume_from: self.resume_point(),
-                binder_id: binder_id.clone(),
-            };
-            let res = tokio::select! {
-                r = client.watch_vifs(req) => r,
+            let next = tokio::select! {
+                next = follower.next() => next,
                 () = shutdown.clone().wait() => return,
             };
-            match res {
-                Ok(resp) => {
-                    let mut stream = resp.into_inner();
-                    loop {
-                        let msg = tokio::select! {
-                            m = stream.message() => m,
-                            () = shutdown.clone().wait() => return,
-                        };
-                        match msg {
-                            Ok(Some(ev)) => {
-                                let was_live = self.is_live();
-                                self.apply(&ev);
-                                if !was_live && self.is_live() {
-                                    let from = allocator.owner().unwrap_or_else(|| "--allocator".into());
-                                    tracing::info!(node, allocator = from, "VIF stream live");
-                                    health.set_serving(service).await;
-                                    delay = RETRY_MIN;
-                                    (hops, owner_failures) = (0, 0);
-                                }
-                            }
-                            Ok(None) => {
-                                tracing::warn!(node, "VIF stream ended by the allocator; reconnecting");
-                                break;
-                            }
-                            Err(e) => {
-                                tracing::warn!(node, code = ?e.code(), error = e.message(), "VIF stream broke; reconnecting");
-                                if let Some(owner) = allocator.redirect(&e) {
-                                    tracing::info!(node, owner, "the node's allocator moved; following it");
-                                    (hops, owner_failures) = (hops + 1, 0);
-                                }
-                                break;
-                            }
-                        }
+            match next {
+                Followed::Event(ev) => {
+                    let was_live = self.is_live();
+                    self.apply(&ev);
+                    if !was_live && self.is_live() {
+                        let source = follower.source();
+                        let from = source.allocator.owner().unwrap_or_else(|| "--allocator".into());
+                        tracing::info!(node = source.node, allocator = from, "VIF stream live");
+                        health.set_serving(service).await;
                     }
                 }
-                Err(e) => {
-                    if let Some(owner) = allocator.redirect(&e) {
-                        tracing::info!(node, owner, error = e.message(), "redirected to the node's allocator");
-                        (hops, owner_failures) = (hops + 1, 0);
-                    } else if allocator.owner().is_some() {
-                        owner_failures += 1;
-                        if owner_failures >= 2 {
-                            allocator.fall_back();
-                            owner_failures = 0;
-                            tracing::warn!(node, code = ?e.code(), error = e.message(),
-                                "the node's allocator cannot be reached; back to --allocator");
-                        }
-                    } else {
-                        tracing::warn!(node, code = ?e.code(), error = e.message(), "cannot open the VIF stream");
+                Followed::Down(_) => {
+                    if self.is_live() {
+                        tracing::warn!(node = follower.source().node, "VIF stream lost; not serving until it is back");
                     }
+                    self.set_live(false);
+                    health.set_not_serving(service).await;
                 }
             }
-            self.set_live(false);
-            health.set_not_serving(service).await;
-            if hops > 0 && hops <= 2 && owner_failures == 0 {
-                // A fresh redirect: straight to the owner.
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = shutdown.clone().wait() => return,
-            }
-            delay = (delay * 2).min(RETRY_MAX);
         }
+    }
+}
+
+/// A follower of the allocator's stream for `node`, starting with a full snapshot.
+pub fn follower(allocator: Allocator, node: String, binder_id: String, config: FollowConfig) -> Follower<VifSource> {
+    let source = VifSource { allocator, node, binder_id, hops: 0, owner_failures: 0 };
+    Follower::new(source, "the VIF stream", config)
+}
+
+/// The node's `WatchVifs` stream, from the allocator replica that serves the node: a replica
+/// that does not serve it names its owner, which is followed at once; an owner that cannot be
+/// reached (or goes silent) twice in a row is given up for `--allocator`.
+#[derive(Debug)]
+pub struct VifSource {
+    allocator: Allocator,
+    node: String,
+    binder_id: String,
+    /// Redirects followed since the stream was last live.
+    hops: u32,
+    /// Failures of the owner followed, in a row.
+    owner_failures: u32,
+}
+
+impl Source for VifSource {
+    type Event = WatchVifsResponse;
+    type Error = Failed;
+    type Stream = Streaming<WatchVifsResponse>;
+
+    async fn open(&mut self, resume_from: &str) -> Result<Self::Stream, Failed> {
+        let req = WatchVifsRequest {
+            node_name: self.node.clone(),
+            resume_from: resume_from.to_string(),
+            binder_id: self.binder_id.clone(),
+        };
+        Ok(self.allocator.client().watch_vifs(req).await.map_err(Failed)?.into_inner())
+    }
+
+    async fn next(stream: &mut Self::Stream) -> Result<Option<WatchVifsResponse>, Failed> {
+        next_message(stream).await
+    }
+
+    fn mark(event: &WatchVifsResponse) -> Mark {
+        match event.r#type() {
+            VifEventType::Reset => Mark::Reset,
+            VifEventType::SnapshotComplete => Mark::SnapshotComplete,
+            VifEventType::Heartbeat => Mark::Heartbeat,
+            VifEventType::VifApplied
+            | VifEventType::VifDeleted
+            | VifEventType::NodeRoutesApplied
+            | VifEventType::NodeRoutesDeleted
+            | VifEventType::Unspecified => Mark::Change,
+        }
+    }
+
+    fn resume_point(event: &WatchVifsResponse) -> &str {
+        &event.resume_point
+    }
+
+    fn failed(&mut self, failure: Failure<'_, Failed>) -> Retry {
+        if let Failure::Open(Failed(status)) | Failure::Broke(Failed(status)) = &failure
+            && let Some(owner) = self.allocator.redirect(status)
+        {
+            tracing::info!(
+                node = self.node,
+                owner,
+                error = status.message(),
+                "the node's allocator moved; following it"
+            );
+            (self.hops, self.owner_failures) = (self.hops + 1, 0);
+            return if self.hops <= FRESH_REDIRECTS { Retry::Now } else { Retry::Backoff };
+        }
+        let unreachable = matches!(failure, Failure::Open(_) | Failure::OpenSilent | Failure::Silent);
+        if unreachable && self.allocator.owner().is_some() {
+            self.owner_failures += 1;
+            if self.owner_failures >= 2 {
+                self.allocator.fall_back();
+                self.owner_failures = 0;
+                tracing::warn!(node = self.node, "the node's allocator cannot be reached; back to --allocator");
+            }
+        }
+        Retry::Backoff
+    }
+
+    fn live(&mut self) {
+        (self.hops, self.owner_failures) = (0, 0);
     }
 }
 
@@ -297,7 +322,6 @@ mod tests {
             Wait::Vif(v) => assert_eq!(v.state(), VifState::Ready),
             other => panic!("{other:?}"),
         }
-        assert_eq!(cache.resume_point(), "r2");
     }
 
     #[tokio::test(start_paused = true)]

@@ -139,7 +139,7 @@ fn node_port_svc(name: &str, vip: &str, node_port: u16, external_local: bool, in
 
 #[tokio::test]
 async fn node_ports_external_addresses_and_host_ports_share_the_table() {
-    use kuryr_binder::attachments::Attachment;
+    use kuryr_binder::attachments::{Attachment, State};
     use kuryr_binder::hostport::HostPorts;
     use kuryr_binder::hostport::mapping::{PortMapping, Protocol};
 
@@ -168,6 +168,9 @@ async fn node_ports_external_addresses_and_host_ports_share_the_table() {
             protocol,
             host_ip: host_ip.map(|h| h.parse().unwrap()),
         }],
+        state: State::Ready,
+        host_mac: String::new(),
+        sandbox_mac: String::new(),
     };
     hp.restore(&[att("a", "10.0.0.5", Some("127.0.0.1"), Protocol::Tcp)]).await.unwrap();
     hp.set(&att("b", "10.0.0.6", Some("172.31.0.1"), Protocol::Tcp)).await.unwrap();

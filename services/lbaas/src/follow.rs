@@ -1,31 +1,33 @@
 //! Following the watcher: one Subscribe stream of Services and EndpointSlices, fed into the
 //! [`View`](crate::view::View); the Services an event touches are queued for reconciling.
 //!
-//! The stream is resumed after a break with the point of the last event handled; when the
-//! watcher cannot resume (another replica, a restart) it sends RESET and a snapshot, which the
-//! view treats as a re-list. Reconnects back off from 100 ms to 5 s ([`follow_watcher`]). The
-//! first SNAPSHOT_COMPLETE makes the load balancer stream servable and queues every Service and
-//! every record (so that records whose Service went away while lbaas was down are deleted);
-//! readiness holds while the stream is live.
+//! The stream is followed by the one follower of [`kuryr_stream::follow`]: resumed after a break
+//! with the point of the last event handled (when the watcher cannot resume — another replica, a
+//! restart — it sends RESET and a snapshot, which the view treats as a re-list), dropped when
+//! silent for longer than `--stream-idle-timeout`, reopened with jittered backoff. The first
+//! SNAPSHOT_COMPLETE makes the load balancer stream servable and queues every Service and every
+//! record (so that records whose Service went away while lbaas was down are deleted); readiness
+//! holds while the stream is live.
 
 use std::sync::Arc;
 
 use kuryr_proto::watcher::v1::{Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
-use tonic::transport::Channel;
+use kuryr_stream::{FollowConfig, Followed};
 
 use crate::backend::{Backend, LbLog};
 use crate::controller::{Controller, locked};
 use crate::metrics::Metrics;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::view::Effect;
 
 /// What the follower works with.
 #[derive(Debug)]
 pub struct Follower<B> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// Queues Services.
     pub controller: Arc<Controller<B>>,
     /// Made servable at the first complete snapshot.
@@ -38,6 +40,8 @@ pub struct Follower<B> {
     pub subscriber: String,
     /// Set at the first complete snapshot: from then on the view holds every Service.
     pub synced: tokio::sync::watch::Sender<bool>,
+    /// The idle timeout and backoff.
+    pub follow: FollowConfig,
 }
 
 impl<B: Backend> Follower<B> {
@@ -50,8 +54,20 @@ impl<B: Backend> Follower<B> {
             subscriber: self.subscriber.clone(),
         };
         let mut first = true;
-        let on_event = |ev| {
-            let mut live = false;
+        let mut follower = follow_watcher(self.channel.clone(), req, self.follow);
+        loop {
+            let next = tokio::select! {
+                next = follower.next() => next,
+                () = shutdown.clone().wait() => return,
+            };
+            let ev = match next {
+                Followed::Event(ev) => ev,
+                Followed::Down(_) => {
+                    self.metrics.watcher_reconnects.inc();
+                    self.readiness.set(Condition::Watcher, false);
+                    continue;
+                }
+            };
             let effects = locked(self.controller.view()).apply(&ev);
             for e in effects {
                 match e {
@@ -61,22 +77,15 @@ impl<B: Backend> Follower<B> {
                     Effect::Service(_) => {}
                     Effect::Resync => {
                         tracing::info!("the watcher sent RESET; re-listing from its snapshot");
-                        self.readiness.set_watcher(false);
+                        self.readiness.set(Condition::Watcher, false);
                     }
                     Effect::Live => {
                         self.live(first);
                         first = false;
-                        live = true;
                     }
                 }
             }
-            live
-        };
-        let on_break = || {
-            self.metrics.watcher_reconnects.inc();
-            self.readiness.set_watcher(false);
-        };
-        follow_watcher(self.channel.clone(), req, &shutdown, on_event, on_break).await;
+        }
     }
 
     fn live(&self, first: bool) {
@@ -89,6 +98,6 @@ impl<B: Backend> Follower<B> {
         } else {
             tracing::info!("watcher stream live again");
         }
-        self.readiness.set_watcher(true);
+        self.readiness.set(Condition::Watcher, true);
     }
 }

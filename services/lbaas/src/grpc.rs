@@ -1,9 +1,10 @@
 //! The gRPC edge: validates requests (naming the offending field), serves WatchLoadBalancers
-//! from the published specs (snapshot, deltas, resume; see [`kuryr_stream::feed`]) and answers
-//! Get/List from the records.
+//! from the published specs (snapshot, deltas, resume, heartbeats; see [`kuryr_stream::feed`])
+//! and answers Get/List from the records.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancers;
 use kuryr_proto::lbaas::v1::{
@@ -11,7 +12,7 @@ use kuryr_proto::lbaas::v1::{
     LoadBalancerSpec, WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_runtime::Shutdown;
-use kuryr_stream::{Event, How, Subscriber};
+use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -34,12 +35,23 @@ pub struct LbService {
     recovered: Arc<AtomicBool>,
     metrics: Metrics,
     shutdown: Shutdown,
+    heartbeat: Duration,
 }
+
+/// The heartbeat interval unless told otherwise (`--stream-heartbeat`).
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 
 impl LbService {
     /// Streams `log`, answers from `records` once `recovered` is set.
     pub fn new(log: LbLog, records: Records, recovered: Arc<AtomicBool>, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { log, records, recovered, metrics, shutdown }
+        Self { log, records, recovered, metrics, shutdown, heartbeat: DEFAULT_HEARTBEAT }
+    }
+
+    /// Streams carry a HEARTBEAT whenever nothing else was sent for `every`.
+    #[must_use]
+    pub fn with_heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
     }
 
     fn check_recovered(&self) -> Result<(), Status> {
@@ -107,6 +119,7 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
         let (t, spec) = match event {
             Event::Reset => (LbEventType::Reset, None),
             Event::SnapshotComplete => (LbEventType::SnapshotComplete, None),
+            Event::Heartbeat => (LbEventType::Heartbeat, None),
             Event::Applied(_, spec) => (LbEventType::LbApplied, Some(LoadBalancerSpec::clone(spec))),
             Event::Deleted(_, spec) => (
                 LbEventType::LbDeleted,
@@ -119,10 +132,6 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
             ),
         };
         Ok(WatchLoadBalancersResponse { resume_point, r#type: t as i32, spec })
-    }
-
-    fn closing(&self) -> Option<Self::Item> {
-        Some(Err(Status::unavailable("kuryr-lbaas is shutting down; reconnect with resume_from")))
     }
 
     fn started(&self, how: How) {
@@ -148,17 +157,18 @@ impl LoadBalancers for LbService {
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", subscriber = %subscriber, peer = %peer);
         let watch = Watch { metrics: self.metrics.clone() };
-        let opened = kuryr_stream::feed::subscribe(
-            &self.log,
-            &req.resume_from,
-            watch,
-            STREAM_BUFFER,
-            self.shutdown.clone().wait(),
-            span.clone(),
-        )
-        .map_err(|_| {
-            Status::unavailable("kuryr-lbaas does not have its first complete view of Services and EndpointSlices yet")
-        })?;
+        let shutdown = self.shutdown.clone();
+        let stop = async move {
+            shutdown.wait().await;
+            Err(Status::unavailable("kuryr-lbaas is shutting down; reconnect with resume_from"))
+        };
+        let options = Options { buffer: STREAM_BUFFER, heartbeat: Some(self.heartbeat) };
+        let opened = kuryr_stream::feed::subscribe(&self.log, &req.resume_from, watch, options, stop, span.clone())
+            .map_err(|_| {
+                Status::unavailable(
+                    "kuryr-lbaas does not have its first complete view of Services and EndpointSlices yet",
+                )
+            })?;
         self.metrics.subscribers.inc();
         span.in_scope(|| {
             tracing::info!(resume_from = %req.resume_from, how = opened.how.label(), items = opened.items,

@@ -12,7 +12,7 @@
 //! **Programs** through a [`backend::Backend`]. The node backend (the embedded default)
 //! publishes each spec to `WatchLoadBalancers` ([`grpc`]), which every node's binder programs
 //! into nftables: a snapshot, SNAPSHOT_COMPLETE, then deltas, with resume points
-//! `"<epoch>-<revision>"` ([`kuryr_stream`]). Its status is `PROGRAMMED` at the generation
+//! `"<epoch>-<revision>"` and heartbeats while quiet ([`kuryr_stream`]). Its status is `PROGRAMMED` at the generation
 //! published. The spec's generation is the record's `metadata.generation`, so it only grows,
 //! across restarts too.
 //!
@@ -27,7 +27,8 @@
 //! every Service wherever a binder connects, and Get/List answer for all of them.
 //!
 //! Readiness ([`ready`]): NOT_SERVING until the records are loaded, the watcher's stream is live
-//! and (sharded) the other shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
+//! (not down, not silent for longer than `--stream-idle-timeout`) and (sharded) the other
+//! shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
 //! until the first complete view.
 
 pub mod backend;
@@ -55,7 +56,11 @@ use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::{AccountRef, Rules};
+use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
 use tokio::sync::watch;
@@ -67,7 +72,7 @@ use crate::grpc::LbService;
 use crate::k8s::Kube;
 use crate::metrics::Metrics;
 use crate::octavia::OctaviaBackend;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 
 /// Deltas kept for resuming WatchLoadBalancers: a binder that reconnects within this many
@@ -82,6 +87,9 @@ pub enum BackendKind {
     /// OpenStack Octavia: a load balancer per Service (the --os-cloud / --octavia-url flags).
     Octavia,
 }
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -140,8 +148,25 @@ pub struct Config {
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch and
+    /// read the load balancer specs.
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
+    #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: every LoadBalancers method, the binders.
+pub fn rules(config: &Config) -> Rules {
+    let methods = ["WatchLoadBalancers", "GetLoadBalancer", "ListLoadBalancers"];
+    Rules::new().allow(service_names::LOAD_BALANCERS, &methods, &config.binder_accounts)
 }
 
 impl Config {
@@ -157,8 +182,11 @@ impl Config {
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
         .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
     let shard_metrics = ShardMetrics::register(rt.registry());
@@ -178,9 +206,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let readiness = Readiness::default();
     if shard_config.shards == 0 {
         // Every record is this replica's own: none to follow.
-        readiness.set_mirror(true);
+        readiness.set(Condition::Mirror, true);
     }
-    readiness.spawn_driver(rt.health(), rt.shutdown());
+    readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());
     macro_rules! start {
         ($backend:expr) => {
             tokio::spawn(
@@ -209,9 +237,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         // Configuration errors end the process here, before any port is bound.
         BackendKind::Octavia => start!(OctaviaBackend::new(&config.octavia, rt.registry(), shards.clone())?),
     };
-    let service = LbService::new(log, records, recovered, metrics, rt.shutdown());
-    let routes = tonic::service::Routes::new(LoadBalancersServer::new(service));
-    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+    let service = LbService::new(log, records, recovered, metrics, rt.shutdown())
+        .with_heartbeat(config.heartbeat.stream_heartbeat);
+    // Requests are a few names and a resume point.
+    let served = Services::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
         let _ = tokio::time::timeout(Duration::from_secs(6), h.stopped()).await;
@@ -232,7 +262,7 @@ async fn forward(mut from: watch::Receiver<Arc<Ownership>>, to: watch::Sender<Ar
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
 struct Start<B> {
     config: Config,
-    watcher: tonic::transport::Channel,
+    watcher: PeerChannel,
     backend: B,
     log: LbLog,
     records: Records,
@@ -300,7 +330,7 @@ impl<B: Backend> Start<B> {
         let n = found.len();
         locked(&records).extend(found);
         recovered.store(true, Ordering::Release);
-        readiness.set_recovered();
+        readiness.set(Condition::Recovered, true);
         tracing::info!(records = n, "recovered the ServiceLoadBalancer records");
 
         let view = SharedView::default();
@@ -339,6 +369,7 @@ impl<B: Backend> Start<B> {
             metrics,
             subscriber: format!("kuryr-lbaas/{instance}"),
             synced,
+            follow: config.follow.config(),
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }

@@ -31,7 +31,7 @@ use crate::controller::{Controller, locked};
 use crate::crd::ServiceLoadBalancer;
 use crate::k8s::Record;
 use crate::metrics::Metrics;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 use crate::view::{key, split};
 
@@ -59,7 +59,7 @@ impl<B: Backend> Mirror<B> {
     /// Follows the records until shutdown.
     pub async fn run(self, shutdown: Shutdown) {
         let api: Api<ServiceLoadBalancer> = Api::all(self.client.clone());
-        let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+        let mut stream = watcher::watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
         // Keys named by the list in progress, after a (re-)start of the watch.
         let mut listing: Option<HashSet<String>> = None;
         let mut failing = false;
@@ -86,7 +86,7 @@ impl<B: Backend> Mirror<B> {
                         tracing::info!("watching the ServiceLoadBalancers again");
                         failing = false;
                     }
-                    self.readiness.set_mirror(true);
+                    self.readiness.set(Condition::Mirror, true);
                 }
                 Ok(Event::Apply(o)) => self.applied(object_key(&o), o),
                 Ok(Event::Delete(o)) => self.deleted(&object_key(&o), o.metadata.uid.as_deref().unwrap_or_default()),

@@ -143,7 +143,7 @@ impl View {
             }
             EventType::Applied => ev.object.as_ref().map(|o| self.applied(o)).unwrap_or_default(),
             EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
-            EventType::Unspecified => Vec::new(),
+            EventType::Unspecified | EventType::Heartbeat => Vec::new(),
         }
     }
 

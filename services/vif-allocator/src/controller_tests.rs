@@ -291,7 +291,7 @@ fn deltas(index: &SharedIndex) -> Vec<String> {
         .since(0, 1000)
         .unwrap()
         .iter()
-        .map(|d| match &d.change {
+        .map(|d| match Change::of(&d.change) {
             Change::VifApplied(v) => format!("+{} {:?}", v.pod.as_ref().unwrap().name, v.state()),
             Change::VifDeleted(v) => format!("-{}", v.pod.as_ref().unwrap().name),
             other => format!("{other:?}"),

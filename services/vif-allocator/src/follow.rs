@@ -2,10 +2,11 @@
 //! into the [`PodView`](crate::pods::PodView); changed pods are queued for reconciling, node
 //! addresses go to the VIF index (for node routes).
 //!
-//! The stream is resumed after a break with the point of the last event handled; when the
-//! watcher cannot resume (another replica, a restart) it sends RESET and a snapshot, which the
-//! view treats as a re-list. Reconnects back off from 100 ms to 5 s ([`follow_watcher`]). The
-//! watcher condition of readiness holds while the stream is live (its snapshot complete).
+//! The stream is followed by the one follower of [`kuryr_stream::follow`]: resumed after a break
+//! with the point of the last event handled (when the watcher cannot resume — another replica, a
+//! restart — it sends RESET and a snapshot, which the view treats as a re-list), dropped when
+//! silent for longer than `--stream-idle-timeout`, reopened with jittered backoff. The watcher
+//! condition of readiness holds while the stream is live (its snapshot complete).
 //!
 //! At the first SNAPSHOT_COMPLETE the PodVifs found at recovery whose pod the snapshot did not
 //! name are queued for cleanup: their pods were deleted while no allocator was running.
@@ -15,8 +16,9 @@ use std::time::Instant;
 
 use kuryr_proto::watcher::v1::{Filter, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
-use tonic::transport::Channel;
+use kuryr_stream::{FollowConfig, Followed};
 
 use crate::cluster::Cluster;
 use crate::controller::{Controller, view_lock};
@@ -24,13 +26,13 @@ use crate::index::{SharedIndex, lock};
 use crate::ipam::store::PodKey;
 use crate::metrics::Metrics;
 use crate::pods::Effect;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 
 /// What the follower works with.
 #[derive(Debug)]
 pub struct Follower<C> {
     /// The watcher.
-    pub channel: Channel,
+    pub channel: PeerChannel,
     /// Queues pods and adopts orphans.
     pub controller: Arc<Controller<C>>,
     /// Receives node addresses.
@@ -43,6 +45,8 @@ pub struct Follower<C> {
     pub metrics: Metrics,
     /// How this allocator names itself to the watcher.
     pub subscriber: String,
+    /// The idle timeout and backoff.
+    pub follow: FollowConfig,
 }
 
 impl<C: Cluster> Follower<C> {
@@ -55,29 +59,35 @@ impl<C: Cluster> Follower<C> {
             subscriber: self.subscriber.clone(),
         };
         let mut recovered = Some(self.recovered.clone());
-        let on_event = |ev| {
-            let effects = view_lock(self.controller.view()).apply(&ev, Instant::now());
-            let mut live = false;
-            for e in effects {
-                live |= self.effect(e, &mut recovered);
+        let mut follower = follow_watcher(self.channel.clone(), req, self.follow);
+        loop {
+            let next = tokio::select! {
+                next = follower.next() => next,
+                () = shutdown.clone().wait() => return,
+            };
+            match next {
+                Followed::Event(ev) => {
+                    let effects = view_lock(self.controller.view()).apply(&ev, Instant::now());
+                    for e in effects {
+                        self.effect(e, &mut recovered);
+                    }
+                }
+                Followed::Down(_) => {
+                    self.metrics.watcher_reconnects.inc();
+                    self.readiness.set(Condition::Watcher, false);
+                }
             }
-            live
-        };
-        let on_break = || {
-            self.metrics.watcher_reconnects.inc();
-            self.readiness.set_watcher(false);
-        };
-        follow_watcher(self.channel.clone(), req, &shutdown, on_event, on_break).await;
+        }
     }
 
-    /// Acts on one effect; returns true when the stream became live.
-    fn effect(&self, e: Effect, recovered: &mut Option<Vec<(PodKey, String)>>) -> bool {
+    /// Acts on one effect.
+    fn effect(&self, e: Effect, recovered: &mut Option<Vec<(PodKey, String)>>) {
         match e {
             Effect::Pod(uid) => self.controller.enqueue(&uid),
             Effect::NodeIps(node, ips) => lock(&self.index).set_node_ips(&node, ips),
             Effect::Resync => {
                 tracing::info!("the watcher sent RESET; re-listing from its snapshot");
-                self.readiness.set_watcher(false);
+                self.readiness.set(Condition::Watcher, false);
             }
             Effect::Live => {
                 if let Some(found) = recovered.take() {
@@ -90,10 +100,8 @@ impl<C: Cluster> Follower<C> {
                 } else {
                     tracing::info!("watcher stream live again");
                 }
-                self.readiness.set_watcher(true);
-                return true;
+                self.readiness.set(Condition::Watcher, true);
             }
         }
-        false
     }
 }

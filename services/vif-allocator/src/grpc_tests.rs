@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
-use kuryr_proto::allocator::v1::{VifState as PbState, WatchVifsRequest};
+use kuryr_proto::allocator::v1::{VifEventType, VifState as PbState, WatchVifsRequest};
 use kuryr_proto::watcher::v1::EventType;
 use kuryr_runtime::shutdown::{self, ShutdownTrigger};
 use tokio_stream::wrappers::TcpListenerStream;
@@ -62,9 +62,12 @@ impl Server {
 }
 
 async fn next(s: &mut Streaming<WatchVifsResponse>) -> WatchVifsResponse {
-    match tokio::time::timeout(EVENT_TIMEOUT, s.message()).await {
-        Ok(Ok(Some(r))) => r,
-        other => panic!("expected an event, got {other:?}"),
+    loop {
+        match tokio::time::timeout(EVENT_TIMEOUT, s.message()).await {
+            Ok(Ok(Some(r))) if r.r#type() == VifEventType::Heartbeat => {}
+            Ok(Ok(Some(r))) => return r,
+            other => panic!("expected an event, got {other:?}"),
+        }
     }
 }
 
@@ -208,8 +211,30 @@ async fn a_node_gets_its_vifs_and_the_other_nodes_routes_then_deltas() {
 
     // Shutdown ends open streams with UNAVAILABLE.
     srv.trigger.trigger();
-    match tokio::time::timeout(EVENT_TIMEOUT, s1.message()).await.unwrap() {
-        Err(status) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
-        other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+    loop {
+        match tokio::time::timeout(EVENT_TIMEOUT, s1.message()).await.unwrap() {
+            Err(status) => break assert_eq!(status.code(), tonic::Code::Unavailable, "{status}"),
+            Ok(Some(r)) if r.r#type() == VifEventType::Heartbeat => {}
+            other => panic!("expected UNAVAILABLE at shutdown, got {other:?}"),
+        }
     }
+}
+
+#[test]
+fn a_node_bound_caller_acts_for_its_node_only() {
+    use kuryr_runtime::auth::{Account, Caller};
+    let bound = |node: Option<&str>| {
+        Caller::Account(Account {
+            namespace: "kuryr-system".into(),
+            name: "kuryr-binder".into(),
+            node: node.map(Into::into),
+            pod: None,
+        })
+    };
+    assert!(own_node(Some(&bound(Some("n1"))), "node_name", "n1").is_ok());
+    let e = own_node(Some(&bound(Some("n1"))), "node_name", "n2").unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied);
+    assert!(e.message().starts_with("node_name:") && e.message().contains("(n1)"), "{}", e.message());
+    assert!(own_node(Some(&bound(None)), "node_name", "n2").is_ok());
+    assert!(own_node(None, "node_name", "n2").is_ok());
 }

@@ -1,8 +1,9 @@
-//! The VIF index: every VIF handed out (by pod uid), every node's routes, and a bounded history of
-//! the changes between them, numbered by a revision that only grows. `WatchVifs` streams read it.
+//! The VIF index: every VIF handed out (by pod uid) and every node's routes, in a
+//! [`kuryr_stream::Log`] whose history `WatchVifs` streams read ([`crate::grpc`], with the shared
+//! core of [`kuryr_stream::feed`]), plus what the routes are derived from.
 //!
-//! Free of kube and tonic: the controller and the recovery feed it, the gRPC streams
-//! ([`crate::grpc`]) read it, and tests apply changes directly.
+//! Free of kube and tonic: the controller and the recovery feed it, the gRPC streams read it, and
+//! tests apply changes directly.
 //!
 //! - A VIF enters the index only after it was recorded in its PodVif status (the controller's
 //!   job), so a binder is never handed a VIF the API does not hold.
@@ -13,101 +14,105 @@
 //!   block or changing its IP re-sends them; losing either deletes them.
 //! - Nothing is recorded before [`VifIndex::set_ready`] (recovery finished): nobody can subscribe
 //!   before that, so the first resume point is `<epoch>-0`.
+//! - VIFs whose shard moved to another replica are dropped without deltas
+//!   ([`VifIndex::forget_vifs`]); resume points from before that are refused.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kuryr_proto::allocator::v1::{NodeRoutes, Vif, VifState};
-use kuryr_stream::Epoch;
+use kuryr_stream::log::{Delta, Lagged, Log};
+use kuryr_stream::{Epoch, NotReady, Start};
 use tokio::sync::watch;
 
 /// Deltas kept for resuming: a binder that reconnects within this many changes gets only what
 /// it missed. A delta is a few hundred bytes shared with the index, so 16k cost a few MB.
-pub const DEFAULT_HISTORY: usize = 16_384;
+pub const DEFAULT_HISTORY: usize = kuryr_stream::log::DEFAULT_HISTORY;
 
-/// One change, as streamed.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Change {
-    /// A VIF was handed out or changed state.
-    VifApplied(Arc<Vif>),
-    /// A VIF was released: its pod is gone (or finished).
-    VifDeleted(Arc<Vif>),
-    /// A node's routes appeared or changed.
-    RoutesApplied(Arc<NodeRoutes>),
-    /// A node no longer has routes.
-    RoutesDeleted(Arc<NodeRoutes>),
+/// What the log holds a value for. Ordered so that snapshots send a node's VIFs before the
+/// other nodes' routes.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Key {
+    /// A VIF, by its pod's uid.
+    Vif(String),
+    /// A node's routes, by node name.
+    Routes(String),
 }
 
-impl Change {
-    /// Whether the stream of `node` carries this change: its own VIFs, every other node's routes.
+/// A value of the log (behind `Arc`s of their own, so that lookups hand them out cheaply).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Item {
+    /// A pod's VIF.
+    Vif(Arc<Vif>),
+    /// A node's pod address blocks and the addresses to reach them through.
+    Routes(Arc<NodeRoutes>),
+}
+
+impl Item {
+    /// Whether the stream of `node` carries it: its own VIFs, every other node's routes.
     pub fn concerns(&self, node: &str) -> bool {
         match self {
-            Change::VifApplied(v) | Change::VifDeleted(v) => vif_node(v) == node,
-            Change::RoutesApplied(r) | Change::RoutesDeleted(r) => r.node_name != node,
+            Item::Vif(v) => vif_node(v) == node,
+            Item::Routes(r) => r.node_name != node,
         }
     }
 }
 
-/// One recorded change.
-#[derive(Debug)]
-pub struct Delta {
-    /// Its position in this process's history; the first delta is 1.
-    pub revision: u64,
-    /// What changed.
-    pub change: Change,
+/// One change, as streamed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change<'a> {
+    /// A VIF was handed out or changed state.
+    VifApplied(&'a Vif),
+    /// A VIF was released: its pod is gone (or finished).
+    VifDeleted(&'a Vif),
+    /// A node's routes appeared or changed.
+    RoutesApplied(&'a NodeRoutes),
+    /// A node no longer has routes.
+    RoutesDeleted(&'a NodeRoutes),
 }
 
-/// How a stream begins.
-#[derive(Debug)]
-pub enum Start {
-    /// Continue after `cursor`: the history holds every delta since.
-    Resume {
-        /// The last revision the binder handled.
-        cursor: u64,
-    },
-    /// Send `items`, then SNAPSHOT_COMPLETE at `cursor`, then the deltas after it.
-    Snapshot {
-        /// The binder asked to resume and cannot: send RESET first.
-        reset: bool,
-        /// The node's VIFs and the other nodes' routes, as `*Applied` changes.
-        items: Vec<Change>,
-        /// The revision the snapshot reflects.
-        cursor: u64,
-    },
+impl<'a> Change<'a> {
+    /// The change a log entry records.
+    pub fn of(change: &'a kuryr_stream::Change<Item>) -> Self {
+        match change {
+            kuryr_stream::Change::Applied(i) => Self::applied(i),
+            kuryr_stream::Change::Deleted(i) => Self::deleted(i),
+        }
+    }
+
+    /// `item` is new or changed.
+    pub fn applied(item: &'a Item) -> Self {
+        match item {
+            Item::Vif(v) => Change::VifApplied(v.as_ref()),
+            Item::Routes(r) => Change::RoutesApplied(r.as_ref()),
+        }
+    }
+
+    /// `item` is gone.
+    pub fn deleted(item: &'a Item) -> Self {
+        match item {
+            Item::Vif(v) => Change::VifDeleted(v.as_ref()),
+            Item::Routes(r) => Change::RoutesDeleted(r.as_ref()),
+        }
+    }
 }
-
-/// Recovery has not finished yet.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("the allocator has not recovered its VIFs from the Kubernetes API yet")]
-pub struct NotReady;
-
-/// The history no longer holds the deltas after the cursor.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("revision {0} is no longer in the history")]
-pub struct Lagged(pub u64);
 
 /// The index. Shared as [`SharedIndex`]; every method is short and never awaits.
 #[derive(Debug)]
 pub struct VifIndex {
-    epoch: Epoch,
-    /// By pod uid.
-    vifs: HashMap<String, Arc<Vif>>,
+    log: Log<Key, Item>,
+    /// VIFs held.
+    vifs: usize,
     /// InternalIPs by node, from the watcher's Node objects (sorted).
     node_ips: BTreeMap<String, Vec<String>>,
     /// Address blocks by owning node, from the IPAM (sorted).
     blocks: BTreeMap<String, Vec<String>>,
-    /// The routes published, by node.
-    routes: BTreeMap<String, Arc<NodeRoutes>>,
-    history: VecDeque<Arc<Delta>>,
-    capacity: usize,
-    revision: u64,
-    ready: bool,
-    /// Resume points before this revision are refused (RESET + snapshot): VIFs were dropped
-    /// without deltas then (their shard went to another replica), so the history after such a
-    /// point does not tell a binder everything.
-    resume_floor: u64,
-    /// Tells streams a new revision exists; sent under the index lock.
-    revision_tx: watch::Sender<u64>,
+}
+
+impl AsRef<Log<Key, Item>> for VifIndex {
+    fn as_ref(&self) -> &Log<Key, Item> {
+        &self.log
+    }
 }
 
 /// The index behind a mutex, as the controller, recovery and streams share it.
@@ -132,19 +137,7 @@ pub fn vif_uid(v: &Vif) -> &str {
 impl VifIndex {
     /// An empty index keeping up to `capacity` deltas (at least 1).
     pub fn new(epoch: Epoch, capacity: usize) -> Self {
-        Self {
-            epoch,
-            vifs: HashMap::new(),
-            node_ips: BTreeMap::new(),
-            blocks: BTreeMap::new(),
-            routes: BTreeMap::new(),
-            history: VecDeque::new(),
-            capacity: capacity.max(1),
-            revision: 0,
-            ready: false,
-            resume_floor: 0,
-            revision_tx: watch::Sender::new(0),
-        }
+        Self { log: Log::new(epoch, capacity), vifs: 0, node_ips: BTreeMap::new(), blocks: BTreeMap::new() }
     }
 
     /// Wraps the index for sharing.
@@ -154,52 +147,64 @@ impl VifIndex {
 
     /// This process's epoch.
     pub fn epoch(&self) -> &Epoch {
-        &self.epoch
+        self.log.epoch()
     }
 
     /// The latest revision.
     pub fn revision(&self) -> u64 {
-        self.revision
+        self.log.revision()
     }
 
     /// Observes the latest revision.
     pub fn revisions(&self) -> watch::Receiver<u64> {
-        self.revision_tx.subscribe()
+        self.log.revisions()
     }
 
     /// Whether recovery has finished and streams are served.
     pub fn is_ready(&self) -> bool {
-        self.ready
+        self.log.is_ready()
     }
 
     /// Recovery has finished: serve streams and record deltas from now on.
     pub fn set_ready(&mut self) {
-        self.ready = true;
+        self.log.set_ready();
     }
 
     /// How many VIFs are held.
     pub fn len(&self) -> usize {
-        self.vifs.len()
+        self.vifs
     }
 
     /// Whether no VIF is held.
     pub fn is_empty(&self) -> bool {
-        self.vifs.is_empty()
+        self.vifs == 0
     }
 
     /// The VIF of a pod.
     pub fn get(&self, pod_uid: &str) -> Option<Arc<Vif>> {
-        self.vifs.get(pod_uid).cloned()
+        match self.log.get(&Key::Vif(pod_uid.to_string())).as_deref() {
+            Some(Item::Vif(v)) => Some(v.clone()),
+            _ => None,
+        }
     }
 
     /// Every VIF held.
     pub fn vifs(&self) -> Vec<Arc<Vif>> {
-        self.vifs.values().cloned().collect()
+        self.log
+            .iter()
+            .filter_map(|(_, i)| match i.as_ref() {
+                Item::Vif(v) => Some(v.clone()),
+                Item::Routes(_) => None,
+            })
+            .collect()
     }
 
     /// The routes currently published for `node`.
     pub fn routes(&self, node: &str) -> Option<Arc<NodeRoutes>> {
-        self.routes.get(node).cloned()
+        match self.log.get(&Key::Routes(node.to_string())).as_deref() {
+            Some(Item::Routes(r)) => Some(r.clone()),
+            _ => None,
+        }
     }
 
     /// Adds or replaces a VIF (keyed by its pod's uid); returns whether anything changed.
@@ -208,52 +213,54 @@ impl VifIndex {
         if uid.is_empty() {
             return false;
         }
-        if self.vifs.get(&uid).is_some_and(|old| **old == vif) {
-            return false;
-        }
-        let vif = Arc::new(vif);
-        if let Some(old) = self.vifs.insert(uid, vif.clone())
-            && vif_node(&old) != vif_node(&vif)
-        {
+        let key = Key::Vif(uid);
+        match self.log.get(&key).as_deref() {
+            Some(Item::Vif(old)) if **old == vif => return false,
             // Never expected (a pod's node is fixed), but the old node's binder must hear of it.
-            self.record(Change::VifDeleted(old));
+            Some(Item::Vif(old)) if vif_node(old) != vif_node(&vif) => {
+                self.log.remove(&key);
+                self.vifs -= 1;
+            }
+            _ => {}
         }
-        self.record(Change::VifApplied(vif));
-        true
+        if self.log.get(&key).is_none() {
+            self.vifs += 1;
+        }
+        self.log.upsert(key, Item::Vif(Arc::new(vif)))
     }
 
     /// Changes the state of a pod's VIF if it is still `vif_id`; returns the VIF after.
     pub fn set_state(&mut self, pod_uid: &str, vif_id: &str, state: VifState) -> Option<Arc<Vif>> {
-        let old = self.vifs.get(pod_uid)?;
+        let old = self.get(pod_uid)?;
         if old.vif_id != vif_id {
             return None;
         }
         if old.state() == state {
-            return Some(old.clone());
+            return Some(old);
         }
-        let mut vif = Vif::clone(old);
+        let mut vif = Vif::clone(&old);
         vif.set_state(state);
         self.upsert_vif(vif);
-        self.vifs.get(pod_uid).cloned()
+        self.get(pod_uid)
     }
 
     /// Removes a pod's VIF, streaming VIF_DELETED; returns it.
     pub fn remove_vif(&mut self, pod_uid: &str) -> Option<Arc<Vif>> {
-        let old = self.vifs.remove(pod_uid)?;
-        self.record(Change::VifDeleted(old.clone()));
-        Some(old)
+        match self.log.remove(&Key::Vif(pod_uid.to_string())).as_deref() {
+            Some(Item::Vif(v)) => {
+                self.vifs -= 1;
+                Some(v.clone())
+            }
+            _ => None,
+        }
     }
 
     /// Drops the VIFs `which` selects without streaming anything: their nodes' streams are ended
     /// and served by another replica from now on (their shard moved). Binders resuming from
     /// before this get RESET and a snapshot. Returns how many were dropped.
     pub fn forget_vifs(&mut self, which: impl Fn(&Vif) -> bool) -> usize {
-        let before = self.vifs.len();
-        self.vifs.retain(|_, v| !which(v));
-        let dropped = before - self.vifs.len();
-        if dropped > 0 {
-            self.resume_floor = self.revision;
-        }
+        let dropped = self.log.forget(|_, i| matches!(i, Item::Vif(v) if which(v)));
+        self.vifs -= dropped;
         dropped
     }
 
@@ -291,89 +298,33 @@ impl VifIndex {
         }
     }
 
-    /// Recomputes one node's routes and records the difference.
+    /// Recomputes one node's routes; the log records the difference.
     fn refresh_routes(&mut self, node: &str) {
-        let want = match (self.node_ips.get(node), self.blocks.get(node)) {
+        let key = Key::Routes(node.to_string());
+        match (self.node_ips.get(node), self.blocks.get(node)) {
             (Some(ips), Some(cidrs)) => {
-                Some(NodeRoutes { node_name: node.to_string(), node_ips: ips.clone(), cidrs: cidrs.clone() })
+                let r = NodeRoutes { node_name: node.to_string(), node_ips: ips.clone(), cidrs: cidrs.clone() };
+                self.log.upsert(key, Item::Routes(Arc::new(r)));
             }
-            _ => None,
-        };
-        match want {
-            Some(r) if self.routes.get(node).is_some_and(|old| **old == r) => {}
-            Some(r) => {
-                let r = Arc::new(r);
-                self.routes.insert(node.to_string(), r.clone());
-                self.record(Change::RoutesApplied(r));
-            }
-            None => {
-                if let Some(old) = self.routes.remove(node) {
-                    self.record(Change::RoutesDeleted(old));
-                }
+            _ => {
+                self.log.remove(&key);
             }
         }
-    }
-
-    fn record(&mut self, change: Change) {
-        if !self.ready {
-            return;
-        }
-        self.revision += 1;
-        self.history.push_back(Arc::new(Delta { revision: self.revision, change }));
-        while self.history.len() > self.capacity {
-            self.history.pop_front();
-        }
-        self.revision_tx.send_replace(self.revision);
-    }
-
-    /// The oldest revision the history still holds (or the next one, when it holds none).
-    fn oldest(&self) -> u64 {
-        self.history.front().map_or(self.revision + 1, |d| d.revision)
-    }
-
-    /// Whether every delta after `cursor` is in the history.
-    fn can_resume(&self, cursor: u64) -> bool {
-        cursor <= self.revision && cursor + 1 >= self.oldest()
     }
 
     /// How the stream of `node` that passes `resume_from` begins.
-    pub fn start(&self, node: &str, resume_from: &str) -> Result<Start, NotReady> {
-        if !self.ready {
-            return Err(NotReady);
-        }
-        if resume_from.is_empty() {
-            let (items, cursor) = self.snapshot(node);
-            return Ok(Start::Snapshot { reset: false, items, cursor });
-        }
-        match self.epoch.revision_of(resume_from) {
-            Some(cursor) if cursor >= self.resume_floor && self.can_resume(cursor) => Ok(Start::Resume { cursor }),
-            _ => {
-                let (items, cursor) = self.snapshot(node);
-                Ok(Start::Snapshot { reset: true, items, cursor })
-            }
-        }
+    pub fn start(&self, node: &str, resume_from: &str) -> Result<Start<Key, Item>, NotReady> {
+        self.log.start(resume_from, |_, i| i.concerns(node))
     }
 
-    /// The VIFs of `node` (by namespace/name) and every other node's routes, and the revision
-    /// they reflect.
-    pub fn snapshot(&self, node: &str) -> (Vec<Change>, u64) {
-        let mut vifs: Vec<&Arc<Vif>> = self.vifs.values().filter(|v| vif_node(v) == node).collect();
-        vifs.sort_by(|a, b| {
-            let key = |v: &Vif| v.pod.as_ref().map(|p| (p.namespace.clone(), p.name.clone(), p.uid.clone()));
-            key(a).cmp(&key(b))
-        });
-        let mut items: Vec<Change> = vifs.into_iter().map(|v| Change::VifApplied(v.clone())).collect();
-        items.extend(self.routes.values().filter(|r| r.node_name != node).map(|r| Change::RoutesApplied(r.clone())));
-        (items, self.revision)
+    /// The VIFs of `node` and every other node's routes, and the revision they reflect.
+    pub fn snapshot(&self, node: &str) -> (Vec<(Key, Arc<Item>)>, u64) {
+        self.log.snapshot(|_, i| i.concerns(node))
     }
 
     /// Up to `max` deltas after `cursor`, oldest first (empty when there are none yet).
-    pub fn since(&self, cursor: u64, max: usize) -> Result<Vec<Arc<Delta>>, Lagged> {
-        if !self.can_resume(cursor) {
-            return Err(Lagged(cursor));
-        }
-        let skip = usize::try_from(cursor + 1 - self.oldest()).unwrap_or(usize::MAX);
-        Ok(self.history.iter().skip(skip).take(max).cloned().collect())
+    pub fn since(&self, cursor: u64, max: usize) -> Result<Vec<Arc<Delta<Key, Item>>>, Lagged> {
+        self.log.since(cursor, max)
     }
 }
 
@@ -409,7 +360,7 @@ mod tests {
         idx.since(cursor, usize::MAX)
             .unwrap()
             .iter()
-            .map(|d| match &d.change {
+            .map(|d| match Change::of(&d.change) {
                 Change::VifApplied(v) => format!("+vif {} {:?}", vif_uid(v), v.state()),
                 Change::VifDeleted(v) => format!("-vif {}", vif_uid(v)),
                 Change::RoutesApplied(r) => format!("+routes {} {:?} {:?}", r.node_name, r.node_ips, r.cidrs),
@@ -422,7 +373,7 @@ mod tests {
     fn nothing_is_served_or_recorded_before_recovery() {
         let mut idx = VifIndex::new(Epoch::fixed("e"), 16);
         idx.upsert_vif(vif("a", "n1", VifState::Ready));
-        assert_eq!(idx.start("n1", "").unwrap_err(), NotReady);
+        assert!(idx.start("n1", "").is_err());
         idx.set_ready();
         assert_eq!(idx.revision(), 0, "recovered VIFs are in the snapshot, not the history");
         let Ok(Start::Snapshot { reset: false, items, cursor: 0 }) = idx.start("n1", "") else { panic!() };
@@ -481,14 +432,13 @@ mod tests {
         assert_eq!(cursor, idx.revision());
         let shown: Vec<String> = items
             .iter()
-            .map(|c| match c {
-                Change::VifApplied(v) => vif_uid(v).to_string(),
-                Change::RoutesApplied(r) => format!("routes {}", r.node_name),
-                other => panic!("{other:?}"),
+            .map(|(_, i)| match i.as_ref() {
+                Item::Vif(v) => vif_uid(v).to_string(),
+                Item::Routes(r) => format!("routes {}", r.node_name),
             })
             .collect();
         assert_eq!(shown, ["a", "b", "routes n2"]);
-        let n2_only: Vec<bool> = idx.since(0, 100).unwrap().iter().map(|d| d.change.concerns("n2")).collect();
+        let n2_only: Vec<bool> = idx.since(0, 100).unwrap().iter().map(|d| d.change.value().concerns("n2")).collect();
         // b, a (n1's), c (n2's), routes of n1 (for n2), routes of n2 (not for n2).
         assert_eq!(n2_only, [false, false, true, true, false]);
     }

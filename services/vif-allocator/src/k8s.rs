@@ -106,7 +106,7 @@ pub async fn follow_blocks(
 ) {
     // Metadata only: allocations rewrite block statuses all the time, names change rarely.
     let api: Api<PartialObjectMeta<AddressBlock>> = Api::all(client);
-    let config = watcher::Config::default().fields(&format!("spec.network={network}"));
+    let config = kuryr_runtime::watch_config().fields(&format!("spec.network={network}"));
     let mut events = watcher::watcher(api, config).default_backoff().boxed();
     let mut names: BTreeSet<String> = BTreeSet::new();
     let mut relist: Option<BTreeSet<String>> = None;

@@ -10,8 +10,10 @@
 //! one uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
 //! before the VIF is handed out.
 //!
-//! **Streams** per node over `WatchVifs` ([`grpc`]): the node's VIFs and the other nodes' routes,
-//! SNAPSHOT_COMPLETE, then deltas, with resume points `"<epoch>-<revision>"` ([`index`]).
+//! **Streams** per node over `WatchVifs` ([`grpc`], with the shared core of
+//! [`kuryr_stream::feed`]): the node's VIFs and the other nodes' routes, SNAPSHOT_COMPLETE, then
+//! deltas, with resume points `"<epoch>-<revision>"` ([`index`]) and a HEARTBEAT whenever a
+//! stream has been quiet for `--stream-heartbeat`.
 //!
 //! **Recovers** on start by loading every PodVif of the network into the index before serving
 //! streams, so that binders get their VIFs at once after a restart (node routes follow as
@@ -25,7 +27,8 @@
 //!
 //! Readiness ([`ready`]): NOT_SERVING until the pod network exists (the PodNetwork, or the
 //! Neutron network), the PodVifs (and Neutron ports) were loaded and the watcher's stream is
-//! live.
+//! live; and again whenever that stream is down or silent for longer than
+//! `--stream-idle-timeout`.
 
 pub mod backend;
 pub mod cluster;
@@ -52,7 +55,11 @@ use std::time::Duration;
 use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Shutdown};
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::{AccountRef, Rules};
+use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
 use kuryr_stream::WorkQueue;
 use tracing::Instrument as _;
 
@@ -69,8 +76,11 @@ use crate::neutron::metrics::NeutronMetrics;
 use crate::neutron::namespaces::k8s::NamespaceKube;
 use crate::neutron::{Channels, NeutronBackend};
 use crate::pool_api::{BackendCell, PoolApi};
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -150,8 +160,40 @@ pub struct Config {
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch
+    /// VIFs, read one and report them plugged — each only for its own node when its token is
+    /// bound to one (the DaemonSet's projected tokens are).
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
+    /// The ServiceAccounts whose tokens may manage the port pools (PoolManager) and read VIFs:
+    /// operators run `kubectl -n kuryr-system create token kuryr-pool-manager --audience kuryr`.
+    #[arg(
+        long,
+        env = "KURYR_POOL_MANAGER_ACCOUNTS",
+        value_delimiter = ',',
+        default_value = "kuryr-system:kuryr-pool-manager"
+    )]
+    pub pool_manager_accounts: Vec<AccountRef>,
+
+    #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: the VIF methods the binders (GetVif also the pool managers), the pool
+/// methods the pool managers.
+pub fn rules(config: &Config) -> Rules {
+    let (binders, managers) = (&config.binder_accounts, &config.pool_manager_accounts);
+    Rules::new()
+        .allow(service_names::VIF_ALLOCATOR, &["WatchVifs", "ReportPlugged", "GetVif"], binders)
+        .allow(service_names::VIF_ALLOCATOR, &["GetVif"], managers)
+        .allow(service_names::POOL_MANAGER, &["ListPools", "ShowPool", "PopulatePool", "FreePool"], managers)
 }
 
 /// The VIF backends.
@@ -207,8 +249,11 @@ impl Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let spec = config.network_spec()?;
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
         .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
     let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());
@@ -234,10 +279,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %index.epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
     let index = index.shared();
     let readiness = Readiness::default();
-    readiness.spawn_driver(rt.health(), rt.shutdown());
+    readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());
     let cell: ControllerCell<KubeCluster> = Arc::default();
     let pools = BackendCell::default();
-    let pool_api = if neutron.is_some() { PoolApi::neutron(pools.clone()) } else { PoolApi::embedded() };
+    let pool_api = if neutron.is_some() {
+        let c = cell.clone();
+        let nodes: pool_api::NodeCheck =
+            Arc::new(move |n: &str| c.get().and_then(|ctl| controller::view_lock(ctl.view()).has_node(n)));
+        PoolApi::neutron(pools.clone(), nodes)
+    } else {
+        PoolApi::embedded()
+    };
     let start = Start {
         config: config.clone(),
         spec,
@@ -255,10 +307,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         shard_handle: shard_handle.clone(),
     };
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
-    let service = AllocatorService::new(index, cell, metrics, rt.shutdown()).with_shards(shards);
-    let routes =
-        tonic::service::Routes::new(VifAllocatorServer::new(service)).add_service(PoolManagerServer::new(pool_api));
-    let served = rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await;
+    let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
+        .with_shards(shards)
+        .with_heartbeat(config.heartbeat.stream_heartbeat);
+    let services = Services::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
+        .with(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
+    let served = rt.serve(services, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     if let Some(h) = shard_handle.get() {
         let _ = tokio::time::timeout(Duration::from_secs(6), kuryr_shard::ShardHandle::stopped(h)).await;
@@ -283,7 +337,7 @@ async fn forward(
 struct Start {
     config: Config,
     spec: Option<PodNetworkSpec>,
-    watcher: tonic::transport::Channel,
+    watcher: PeerChannel,
     index: SharedIndex,
     readiness: Readiness,
     metrics: Metrics,
@@ -370,7 +424,7 @@ impl Start {
         }
         shards.set_loaded(own.owned.clone());
         tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
-        readiness.set_recovered();
+        readiness.set(Condition::Recovered, true);
 
         let instance = config.instance_name();
         let cluster = KubeCluster::new(client.clone(), backend.clone(), &network, Some(instance.clone()));
@@ -410,7 +464,9 @@ impl Start {
             tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
             if b.namespace_networks().is_some() {
                 let subscriber = format!("kuryr-vif-allocator/{instance}/namespaces");
-                let ns = neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, shutdown.clone());
+                let follow = config.follow.config();
+                let ns =
+                    neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, follow, shutdown.clone());
                 tokio::spawn(ns.instrument(tracing::info_span!("namespaces")));
             }
         }
@@ -422,6 +478,7 @@ impl Start {
             readiness,
             metrics,
             subscriber: format!("kuryr-vif-allocator/{instance}"),
+            follow: config.follow.config(),
         };
         follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
     }
@@ -433,7 +490,7 @@ impl Start {
             k8s::ensure_network(client, &store, &network, self.spec.as_ref())
         })
         .await?;
-        self.readiness.set_network();
+        self.readiness.set(Condition::Network, true);
         let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let backend = AnyBackend::Embedded(EmbeddedBackend::new(store.clone(), &network));
         Some(Prepared { backend, network, found, store: Some(store), ready: None })
@@ -448,9 +505,10 @@ impl Start {
     ) -> Option<Prepared> {
         let args = &self.config.neutron;
         let ns_kube = NamespaceKube::new(client.clone(), Some(self.config.instance_name()));
+        let instance = self.config.instance_name();
         let (backend, Channels { ready, refill }) =
             kuryr_runtime::retry("reading the pod network from Neutron", shutdown, || {
-                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone())
+                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone(), &instance)
             })
             .await?;
         let backend = Arc::new(backend);
@@ -460,7 +518,7 @@ impl Start {
                     .await?;
             tracing::info!(loaded, "namespace networks loaded");
         }
-        self.readiness.set_network();
+        self.readiness.set(Condition::Network, true);
         let network = backend.network_id().to_string();
         let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
         let recorded: HashMap<String, String> = found
@@ -526,7 +584,7 @@ async fn collect_orphans(
             () = tokio::time::sleep(wait) => {}
             () = shutdown.clone().wait() => return,
         }
-        if !readiness.get().watcher {
+        if !readiness.holds(Condition::Watcher) {
             continue;
         }
         ran_once = true;

@@ -141,6 +141,11 @@ impl PodView {
         self.pods.is_empty()
     }
 
+    /// Whether a Node of this name exists; `None` until the watcher's snapshot is complete.
+    pub fn has_node(&self, name: &str) -> Option<bool> {
+        self.resync.is_none().then(|| self.nodes.contains_key(name))
+    }
+
     /// The uids of the pods (tombstones included) on nodes `which` selects.
     pub fn uids_where(&self, which: impl Fn(&str) -> bool) -> Vec<String> {
         self.pods.iter().filter(|(_, e)| which(&e.info.node)).map(|(uid, _)| uid.clone()).collect()
@@ -199,7 +204,7 @@ impl PodView {
             }
             EventType::Applied => ev.object.as_ref().map(|o| self.applied(o, now)).unwrap_or_default(),
             EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
-            EventType::Unspecified => Vec::new(),
+            EventType::Unspecified | EventType::Heartbeat => Vec::new(),
         }
     }
 

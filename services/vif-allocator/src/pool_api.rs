@@ -14,8 +14,11 @@ use crate::cluster::{ClusterError, chain};
 use crate::neutron::NeutronBackend;
 use crate::neutron::pool::{self, PoolView};
 
-/// Most free ports one PopulatePool may ask for.
-pub const MAX_POPULATE: u32 = 1000;
+/// Most free ports one PopulatePool may ask for (the pool's `--pool-max` caps it further).
+pub const MAX_POPULATE: u32 = 100;
+
+/// Whether a Node exists: `None` while the allocator does not know yet.
+pub type NodeCheck = Arc<dyn Fn(&str) -> Option<bool> + Send + Sync>;
 
 /// The Neutron backend, once it is connected (the server starts before that).
 pub type BackendCell = Arc<OnceLock<Arc<NeutronBackend>>>;
@@ -24,21 +27,40 @@ const NO_POOLS: &str =
     "port pools belong to the Neutron backend; this kuryr-vif-allocator runs the embedded IPAM, which has none";
 
 /// The PoolManager service.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PoolApi {
     /// `None` with the embedded backend.
     backend: Option<BackendCell>,
+    /// PopulatePool makes ports only for nodes that exist.
+    nodes: Option<NodeCheck>,
+}
+
+impl std::fmt::Debug for PoolApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolApi").field("backend", &self.backend).finish_non_exhaustive()
+    }
 }
 
 impl PoolApi {
     /// The service of an allocator with the embedded backend: everything UNIMPLEMENTED.
     pub fn embedded() -> Self {
-        Self { backend: None }
+        Self { backend: None, nodes: None }
     }
 
-    /// The service of the Neutron backend in `cell`.
-    pub fn neutron(cell: BackendCell) -> Self {
-        Self { backend: Some(cell) }
+    /// The service of the Neutron backend in `cell`; PopulatePool asks `nodes` whether the node
+    /// exists.
+    pub fn neutron(cell: BackendCell, nodes: NodeCheck) -> Self {
+        Self { backend: Some(cell), nodes: Some(nodes) }
+    }
+
+    /// INVALID_ARGUMENT naming the node unless it exists; UNAVAILABLE while that is not known.
+    fn node_exists(&self, node: &str) -> Result<(), Status> {
+        let known = self.nodes.as_ref().and_then(|check| check(node));
+        match known {
+            Some(true) => Ok(()),
+            Some(false) => Err(Status::invalid_argument(format!("key.node_name: there is no Node `{node}`"))),
+            None => Err(Status::unavailable("the allocator does not know the cluster's nodes yet; try again shortly")),
+        }
     }
 
     fn backend(&self) -> Result<&Arc<NeutronBackend>, Status> {
@@ -124,6 +146,8 @@ impl PoolManager for PoolApi {
         if req.count == 0 || req.count > MAX_POPULATE {
             return Err(Status::invalid_argument(format!("count: between 1 and {MAX_POPULATE}")));
         }
+        // Ports bound to a made-up host would be made and kept for nobody.
+        self.node_exists(&key.node)?;
         if !b.serves(&key)
             && let Some(nn) = b.namespace_networks()
         {
@@ -172,8 +196,18 @@ mod tests {
         let api = PoolApi::embedded();
         let e = api.list_pools(Request::new(ListPoolsRequest {})).await.err();
         assert_eq!(e.map(|s| s.code()), Some(tonic::Code::Unimplemented));
-        let api = PoolApi::neutron(BackendCell::default());
+        let api = PoolApi::neutron(BackendCell::default(), Arc::new(|_: &str| Some(true)));
         let e = api.free_pool(Request::new(FreePoolRequest { key: None })).await.err();
         assert_eq!(e.map(|s| s.code()), Some(tonic::Code::Unavailable));
+    }
+
+    #[test]
+    fn populate_only_for_nodes_that_exist() {
+        let api = PoolApi::neutron(BackendCell::default(), Arc::new(|n: &str| (n != "early").then_some(n == "node-1")));
+        assert!(api.node_exists("node-1").is_ok());
+        let e = api.node_exists("node-9").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().starts_with("key.node_name:"), "{}", e.message());
+        assert_eq!(api.node_exists("early").unwrap_err().code(), tonic::Code::Unavailable);
     }
 }

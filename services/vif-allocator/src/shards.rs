@@ -32,7 +32,7 @@ use crate::crd::VifState;
 use crate::index::{SharedIndex, lock, vif_node};
 use crate::k8s::{self, KubeCluster};
 use crate::metrics::Metrics;
-use crate::ready::Readiness;
+use crate::ready::{Condition, Readiness};
 
 /// The gRPC metadata naming a node's owner in a refusal.
 pub const OWNER_METADATA: &str = "kuryr-shard-owner";
@@ -193,7 +193,7 @@ impl Follower {
         loop {
             let own = rx.borrow_and_update().clone();
             if own.ready {
-                self.readiness.set_shards();
+                self.readiness.set(Condition::Shards, true);
             }
             if own.sharded() {
                 let lost: BTreeSet<u32> = loaded.difference(&own.owned).copied().collect();

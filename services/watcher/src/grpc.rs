@@ -1,33 +1,30 @@
-//! The gRPC edge: validates Subscribe requests and runs one task per stream that sends a
-//! snapshot (or nothing, when resuming) and then the index's history from its cursor on.
+//! The gRPC edge: validates Subscribe requests and serves each stream from the index's log with
+//! [`kuryr_stream::feed`] — a snapshot (or, when resuming, SNAPSHOT_COMPLETE), then the history
+//! from its cursor on, with heartbeats while there is nothing to send — encoding each event as a
+//! `SubscribeResponse` here, at the edge.
 //!
 //! A stream reads deltas from the index's history by revision instead of receiving its own copy
 //! of each: the history is the one ordered log, so between snapshot and live nothing can be lost
-//! or duplicated (the snapshot and its cursor are taken under one lock), and memory does not grow
-//! with the number of subscribers. A stream that falls so far behind (a client not reading) that
-//! its cursor leaves the bounded history gets RESET + a fresh snapshot in place, on the same
-//! stream, counted as `kuryr_watcher_subscriptions_total{start="lagged"}`.
+//! or duplicated, and memory does not grow with the number of subscribers. A stream that falls so
+//! far behind (a client not reading) that its cursor leaves the bounded history gets RESET + a
+//! fresh snapshot in place, on the same stream, counted as
+//! `kuryr_watcher_subscriptions_total{start="lagged"}`.
 
-use std::convert::Infallible;
-use std::sync::Arc;
+use std::time::Duration;
 
 use kuryr_proto::watcher::v1::watcher_server::Watcher;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeRequest, SubscribeResponse};
 use kuryr_runtime::Shutdown;
-use kuryr_stream::Epoch;
-use tokio::sync::{mpsc, watch};
+use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
-use tracing::Instrument as _;
 
-use crate::index::{Change, Delta, Lagged, SharedIndex, Start, lock};
+use crate::index::{Key, SharedIndex};
 use crate::metrics::Metrics;
 use crate::selector::{Selector, kind_label};
 
 /// Responses buffered per stream before the stream task waits for the client to read.
 const STREAM_BUFFER: usize = 128;
-/// Deltas copied out of the history per lock.
-const BATCH: usize = 256;
 /// Bounds on request fields: a resume point is ~40 bytes, names are DNS names.
 const MAX_RESUME_FROM: usize = 128;
 const MAX_SUBSCRIBER: usize = 253;
@@ -38,12 +35,52 @@ pub struct WatcherService {
     index: SharedIndex,
     metrics: Metrics,
     shutdown: Shutdown,
+    heartbeat: Duration,
 }
 
 impl WatcherService {
-    /// Serves `index`; streams end when `shutdown` fires.
-    pub fn new(index: SharedIndex, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { index, metrics, shutdown }
+    /// Serves `index`; streams end when `shutdown` fires, and carry a HEARTBEAT whenever nothing
+    /// else was sent for `heartbeat`.
+    pub fn new(index: SharedIndex, metrics: Metrics, shutdown: Shutdown, heartbeat: Duration) -> Self {
+        Self { index, metrics, shutdown, heartbeat }
+    }
+
+    /// Opens a stream for a validated request; what `subscribe` does after validation.
+    pub(crate) fn open(
+        &self,
+        selector: Selector,
+        resume_from: &str,
+        buffer: usize,
+        span: tracing::Span,
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<SubscribeResponse, Status>>, Status> {
+        let kinds: Vec<_> = selector.kinds().map(kind_label).collect();
+        let (node, namespace, exclude) =
+            (selector.node_name.clone(), selector.namespace.clone(), selector.exclude_host_network);
+        let sub = Stream { selector, metrics: self.metrics.clone() };
+        let shutdown = self.shutdown.clone();
+        let stop = async move {
+            shutdown.wait().await;
+            // Tell the client to go elsewhere rather than end as if the stream were complete.
+            Err(Status::unavailable("kuryr-watcher is shutting down; resubscribe with resume_from"))
+        };
+        let options = Options { buffer, heartbeat: Some(self.heartbeat) };
+        let opened = kuryr_stream::feed::subscribe(&self.index, resume_from, sub, options, stop, span.clone())
+            .map_err(|_| Status::unavailable(crate::index::NotSynced.to_string()))?;
+        self.metrics.subscribers.inc();
+        span.in_scope(|| {
+            tracing::info!(
+                ?kinds,
+                ?node,
+                ?namespace,
+                exclude_host_network = exclude,
+                resume_from,
+                how = opened.how.label(),
+                objects = opened.items,
+                cursor = opened.cursor,
+                "subscribed"
+            );
+        });
+        Ok(opened.rx)
     }
 }
 
@@ -56,27 +93,8 @@ impl Watcher for WatcherService {
         let req = req.into_inner();
         let selector = validate(&req)?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
-        let (start, epoch, revisions) = {
-            let idx = lock(&self.index);
-            let start = idx.start(&selector, &req.resume_from).map_err(|e| Status::unavailable(e.to_string()))?;
-            (start, idx.epoch().clone(), idx.revisions())
-        };
         let span = tracing::info_span!("subscriber", subscriber = %subscriber, peer = %peer);
-        span.in_scope(|| {
-            let kinds: Vec<_> = selector.kinds().map(kind_label).collect();
-            let how = match &start {
-                Start::Resume { cursor } => format!("resuming after revision {cursor}"),
-                Start::Snapshot { reset, objects, cursor } => {
-                    format!("{}snapshot of {} objects at revision {cursor}", if *reset { "RESET + " } else { "" }, objects.len())
-                }
-            };
-            tracing::info!(?kinds, node = ?selector.node_name, namespace = ?selector.namespace,
-                exclude_host_network = selector.exclude_host_network, resume_from = %req.resume_from, "subscribed: {how}");
-        });
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let stream =
-            Stream { index: self.index.clone(), selector, epoch, tx, revisions, metrics: self.metrics.clone() };
-        tokio::spawn(stream.run(start, self.shutdown.clone()).instrument(span));
+        let rx = self.open(selector, &req.resume_from, STREAM_BUFFER, span)?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -142,122 +160,39 @@ fn is_dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
-/// Why a stream ended.
-#[derive(Debug, PartialEq, Eq)]
-enum Ended {
-    /// The client went away (cancelled, disconnected).
-    ClientGone,
-    /// The index was dropped: the process is ending.
-    IndexGone,
-}
-
-/// One Subscribe stream.
+/// One Subscribe stream: what it selects, and how its events become `SubscribeResponse`s.
 struct Stream {
-    index: SharedIndex,
     selector: Selector,
-    epoch: Epoch,
-    tx: mpsc::Sender<Result<SubscribeResponse, Status>>,
-    revisions: watch::Receiver<u64>,
     metrics: Metrics,
 }
 
-impl Stream {
-    async fn run(mut self, start: Start, shutdown: Shutdown) {
-        self.metrics.subscribers.inc();
-        let ended = tokio::select! {
-            res = self.serve(start) => match res {
-                Ok(never) => match never {},
-                Err(ended) => Some(ended),
-            },
-            () = shutdown.wait() => None,
-        };
-        match ended {
-            None => {
-                // Tell the client to go elsewhere rather than end as if the stream were complete.
-                let status = Status::unavailable("kuryr-watcher is shutting down; resubscribe with resume_from");
-                let _ = self.tx.try_send(Err(status));
-                tracing::info!("stream ended: shutting down");
-            }
-            Some(why) => tracing::info!(?why, "stream ended"),
+fn response(resume_point: String, t: EventType, object: Option<Object>) -> Result<SubscribeResponse, Status> {
+    Ok(SubscribeResponse { resume_point, r#type: t as i32, object })
+}
+
+impl Subscriber<Key, Object> for Stream {
+    type Item = Result<SubscribeResponse, Status>;
+
+    fn wants(&self, _key: &Key, object: &Object) -> bool {
+        self.selector.matches(object)
+    }
+
+    fn encode(&self, point: String, event: Event<'_, Key, Object>) -> Self::Item {
+        match event {
+            Event::Reset => response(point, EventType::Reset, None),
+            Event::SnapshotComplete => response(point, EventType::SnapshotComplete, None),
+            Event::Heartbeat => response(point, EventType::Heartbeat, None),
+            Event::Applied(_, o) => response(point, EventType::Applied, Some(Object::clone(o))),
+            Event::Deleted(_, o) => response(point, EventType::Deleted, Some(Object::clone(o))),
         }
+    }
+
+    fn started(&self, how: How) {
+        self.metrics.started(how.label());
+    }
+
+    fn ended(&self) {
         self.metrics.subscribers.dec();
-    }
-
-    async fn serve(&mut self, start: Start) -> Result<Infallible, Ended> {
-        let mut cursor = match start {
-            Start::Resume { cursor } => {
-                self.metrics.started("resume");
-                cursor
-            }
-            Start::Snapshot { reset, objects, cursor } => {
-                self.metrics.started(if reset { "reset" } else { "snapshot" });
-                self.send_snapshot(reset, objects, cursor).await?;
-                cursor
-            }
-        };
-        loop {
-            // Marked seen before reading, so a delta recorded after this read wakes the wait.
-            self.revisions.borrow_and_update();
-            let batch = lock(&self.index).since(cursor, BATCH);
-            match batch {
-                Ok(deltas) if deltas.is_empty() => {
-                    tokio::select! {
-                        changed = self.revisions.changed() => changed.map_err(|_| Ended::IndexGone)?,
-                        () = self.tx.closed() => return Err(Ended::ClientGone),
-                    }
-                }
-                Ok(deltas) => {
-                    for d in deltas {
-                        cursor = d.revision;
-                        if self.selector.matches(&d.object) {
-                            self.send(self.delta(&d)).await?;
-                        }
-                    }
-                }
-                Err(Lagged(at)) => {
-                    tracing::warn!(cursor = at, "stream fell out of the history; sending RESET and a new snapshot");
-                    self.metrics.started("lagged");
-                    let (objects, now) = lock(&self.index).snapshot(&self.selector);
-                    self.send_snapshot(true, objects, now).await?;
-                    cursor = now;
-                }
-            }
-        }
-    }
-
-    async fn send_snapshot(&self, reset: bool, objects: Vec<Arc<Object>>, cursor: u64) -> Result<(), Ended> {
-        let point = self.epoch.snapshot_point();
-        if reset {
-            self.send(SubscribeResponse { resume_point: point.clone(), r#type: EventType::Reset as i32, object: None })
-                .await?;
-        }
-        for obj in objects {
-            let object = Some(Arc::unwrap_or_clone(obj));
-            self.send(SubscribeResponse { resume_point: point.clone(), r#type: EventType::Applied as i32, object })
-                .await?;
-        }
-        let done = SubscribeResponse {
-            resume_point: self.epoch.point(cursor),
-            r#type: EventType::SnapshotComplete as i32,
-            object: None,
-        };
-        self.send(done).await
-    }
-
-    fn delta(&self, d: &Delta) -> SubscribeResponse {
-        let r#type = match d.change {
-            Change::Applied => EventType::Applied,
-            Change::Deleted => EventType::Deleted,
-        };
-        SubscribeResponse {
-            resume_point: self.epoch.point(d.revision),
-            r#type: r#type as i32,
-            object: Some(Object::clone(&d.object)),
-        }
-    }
-
-    async fn send(&self, resp: SubscribeResponse) -> Result<(), Ended> {
-        self.tx.send(Ok(resp)).await.map_err(|_| Ended::ClientGone)
     }
 }
 

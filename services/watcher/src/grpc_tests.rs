@@ -5,29 +5,39 @@ use std::time::Duration;
 
 use kuryr_proto::watcher::v1::Filter;
 use kuryr_runtime::shutdown;
+use tokio::sync::mpsc;
 
 use super::*;
-use crate::index::Update;
 use crate::index::tests::{pod, synced};
+use crate::index::{Update, lock};
 
 type Rx = mpsc::Receiver<Result<SubscribeResponse, Status>>;
 
-/// Starts a stream over `index` the way `subscribe` does.
+/// The heartbeat interval of the streams these tests open.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// Opens a stream over `index` the way `subscribe` does, after validation.
 fn open(
     index: &SharedIndex,
     selector: Selector,
     resume_from: &str,
     buffer: usize,
 ) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
+    open_beating(index, selector, resume_from, buffer, HEARTBEAT)
+}
+
+/// [`open`] with heartbeats every `heartbeat`.
+fn open_beating(
+    index: &SharedIndex,
+    selector: Selector,
+    resume_from: &str,
+    buffer: usize,
+    heartbeat: Duration,
+) -> (Rx, Metrics, kuryr_runtime::shutdown::ShutdownTrigger) {
     let (trigger, signal) = shutdown::channel();
     let metrics = Metrics::default();
-    let (start, epoch, revisions) = {
-        let idx = lock(index);
-        (idx.start(&selector, resume_from).unwrap(), idx.epoch().clone(), idx.revisions())
-    };
-    let (tx, rx) = mpsc::channel(buffer);
-    let s = Stream { index: index.clone(), selector, epoch, tx, revisions, metrics: metrics.clone() };
-    tokio::spawn(s.run(start, signal));
+    let svc = WatcherService::new(index.clone(), metrics.clone(), signal, heartbeat);
+    let rx = svc.open(selector, resume_from, buffer, tracing::Span::none()).unwrap();
     (rx, metrics, trigger)
 }
 
@@ -66,6 +76,10 @@ async fn snapshot_then_live_deltas_in_order() {
     assert_eq!(next(&mut rx).await, (EventType::Deleted, "a".into(), "e-2".into()));
     quiet(&mut rx).await;
     assert_eq!(metrics.subscribers.get(), 1);
+    // Nothing to say for a heartbeat interval: a HEARTBEAT, with no resume point.
+    let before = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await, (EventType::Heartbeat, String::new(), String::new()));
+    assert!(before.elapsed() <= HEARTBEAT);
 }
 
 #[tokio::test(start_paused = true)]
@@ -77,7 +91,8 @@ async fn resume_sends_only_the_missed_matching_deltas() {
     let mut sel = pods();
     sel.node_name = Some("n1".into());
     let (mut rx, _m, _t) = open(&index, sel, "e-1", 8);
-    // b (revision 1) was handled; c is on another node; d is what was missed.
+    // Caught up as of e-1 (b was handled); c is on another node; d is what was missed.
+    assert_eq!(next(&mut rx).await, (EventType::SnapshotComplete, String::new(), "e-1".into()));
     assert_eq!(next(&mut rx).await, (EventType::Applied, "d".into(), "e-3".into()));
     quiet(&mut rx).await;
 }
@@ -174,4 +189,32 @@ fn requests_are_validated_naming_the_field() {
     r.resume_from.clear();
     r.subscriber = "bad\nname".into();
     assert!(msg(&r).starts_with("subscriber:"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn quiet_streams_carry_heartbeats_also_while_others_change() {
+    let index = synced(16, vec![pod("a", "n1", "1")]).shared();
+    let mut sel = pods();
+    sel.node_name = Some("n1".into());
+    let (mut rx, _m, _t) = open_beating(&index, sel, "", 64, Duration::from_secs(2));
+    assert_eq!(next(&mut rx).await.0, EventType::Applied);
+    assert_eq!(next(&mut rx).await.0, EventType::SnapshotComplete);
+    // Quiet: a heartbeat, without a resume point.
+    let t = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await, (EventType::Heartbeat, String::new(), String::new()));
+    assert!(t.elapsed() >= Duration::from_secs(2) && t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // Busy with another node's pods, none of which this stream carries: still heartbeats.
+    let busy = {
+        let index = index.clone();
+        tokio::spawn(async move {
+            for i in 0..40 {
+                lock(&index).apply(Kind::Pod, Update::Applied(pod(&format!("o{i}"), "n2", "2")));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let t = tokio::time::Instant::now();
+    assert_eq!(next(&mut rx).await.0, EventType::Heartbeat);
+    assert!(t.elapsed() <= Duration::from_secs(3), "{:?}", t.elapsed());
+    busy.await.unwrap();
 }

@@ -1,9 +1,10 @@
-//! The watch-fed index: the current reduced object per (kind, namespace, name), and a bounded
-//! history of the deltas between them, numbered by a revision that only grows.
+//! The watch-fed index: the current reduced object per (kind, namespace, name) and a bounded
+//! history of the deltas between them — a [`kuryr_stream::Log`] keyed by [`Key`] — plus what the
+//! watches need on top: which kinds have listed once, and what a re-list has named so far.
 //!
 //! Free of kube and tonic: the watch tasks ([`crate::k8s`]) feed it [`Update`]s holding objects
-//! already reduced by [`crate::convert`], and the Subscribe streams ([`crate::grpc`]) read it. Tests
-//! apply updates directly.
+//! already reduced by [`crate::convert`], and the Subscribe streams ([`crate::grpc`]) read its log
+//! through [`kuryr_stream::feed`]. Tests apply updates directly.
 //!
 //! - A delta is recorded only when the reduced object changed (resourceVersion aside): status
 //!   heartbeats, managed-field churn and other fields no consumer reads cause no traffic.
@@ -13,41 +14,23 @@
 //!   before that (Subscribe is UNAVAILABLE), so the first resume point is `<epoch>-0`.
 //! - Objects are held behind `Arc`, shared by the index, the history and in-flight snapshots.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kuryr_proto::watcher::v1::{Kind, Object};
-use kuryr_stream::Epoch;
+use kuryr_stream::log::{Delta, Lagged, Log};
+use kuryr_stream::{Epoch, Start};
 use tokio::sync::watch;
 
 use crate::selector::{KINDS, Selector, slot};
 
 /// Deltas kept for resuming: at about 100 bytes of bookkeeping each plus the objects they share
 /// with the index, 16k deltas cost a few MB, and cover minutes of churn in a large cluster.
-pub const DEFAULT_HISTORY: usize = 16_384;
+pub const DEFAULT_HISTORY: usize = kuryr_stream::log::DEFAULT_HISTORY;
 
-/// (namespace, name); the namespace is empty for cluster-scoped kinds.
-type Key = (String, String);
-
-/// What happened to an object.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Change {
-    /// Created or changed.
-    Applied,
-    /// Gone from the API.
-    Deleted,
-}
-
-/// One recorded change.
-#[derive(Debug)]
-pub struct Delta {
-    /// Its position in this process's history; the first delta is 1.
-    pub revision: u64,
-    /// Applied or deleted.
-    pub change: Change,
-    /// The new state, or for a deletion the last state seen.
-    pub object: Arc<Object>,
-}
+/// (the kind's position in [`KINDS`], namespace, name); the namespace is empty for
+/// cluster-scoped kinds. Ordered so that snapshots send kinds in the order of [`KINDS`].
+pub type Key = (usize, String, String);
 
 /// What a watch reports, with its objects reduced. Mirrors kube-runtime's watcher events.
 #[derive(Debug)]
@@ -64,60 +47,32 @@ pub enum Update {
     Deleted(Object),
 }
 
-/// How a subscription begins.
-#[derive(Debug)]
-pub enum Start {
-    /// Continue after `cursor`: the history holds every delta since.
-    Resume {
-        /// The last revision the subscriber handled.
-        cursor: u64,
-    },
-    /// Send `objects`, then SNAPSHOT_COMPLETE at `cursor`, then the deltas after it.
-    Snapshot {
-        /// The subscriber asked to resume and cannot: send RESET first.
-        reset: bool,
-        /// The matching objects at `cursor`.
-        objects: Vec<Arc<Object>>,
-        /// The revision the snapshot reflects.
-        cursor: u64,
-    },
-}
-
 /// The caches have not finished their first list yet.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the watcher has not synced with the Kubernetes API yet")]
 pub struct NotSynced;
 
-/// The history no longer holds the deltas after the cursor.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("revision {0} is no longer in the history")]
-pub struct Lagged(pub u64);
-
 #[derive(Debug, Default)]
-struct KindIndex {
-    objects: BTreeMap<Key, Arc<Object>>,
-    /// During a (re-)list: the keys it has named so far.
-    relisting: Option<HashSet<Key>>,
+struct KindState {
+    /// During a (re-)list: the (namespace, name) it has named so far.
+    relisting: Option<HashSet<(String, String)>>,
     /// The first list has completed.
     synced: bool,
+    /// Objects held.
+    len: usize,
 }
 
 /// The index. Shared as [`SharedIndex`]; every method is short and never awaits.
 #[derive(Debug)]
 pub struct Index {
-    epoch: Epoch,
-    kinds: [KindIndex; KINDS.len()],
-    history: VecDeque<Arc<Delta>>,
-    capacity: usize,
-    /// The revision of the latest delta (0 before any).
-    revision: u64,
-    /// Every kind has synced; deltas are recorded from then on.
-    recording: bool,
-    /// Tells streams a new revision exists; sent under the index lock, so a stream that marks
-    /// the value seen before reading the history cannot miss a delta.
-    revision_tx: watch::Sender<u64>,
-    /// Flips to true once every kind has synced.
-    synced_tx: watch::Sender<bool>,
+    log: Log<Key, Object>,
+    kinds: [KindState; KINDS.len()],
+}
+
+impl AsRef<Log<Key, Object>> for Index {
+    fn as_ref(&self) -> &Log<Key, Object> {
+        &self.log
+    }
 }
 
 /// The index behind a mutex, as the watch tasks and streams share it.
@@ -129,19 +84,14 @@ pub fn lock(index: &SharedIndex) -> MutexGuard<'_, Index> {
     index.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+fn key(i: usize, obj: &Object) -> Key {
+    (i, obj.namespace.clone(), obj.name.clone())
+}
+
 impl Index {
     /// An empty index keeping up to `capacity` deltas (at least 1).
     pub fn new(epoch: Epoch, capacity: usize) -> Self {
-        Self {
-            epoch,
-            kinds: Default::default(),
-            history: VecDeque::new(),
-            capacity: capacity.max(1),
-            revision: 0,
-            recording: false,
-            revision_tx: watch::Sender::new(0),
-            synced_tx: watch::Sender::new(false),
-        }
+        Self { log: Log::new(epoch, capacity), kinds: Default::default() }
     }
 
     /// Wraps the index for sharing.
@@ -151,44 +101,43 @@ impl Index {
 
     /// This process's epoch.
     pub fn epoch(&self) -> &Epoch {
-        &self.epoch
+        self.log.epoch()
     }
 
     /// The latest revision.
     pub fn revision(&self) -> u64 {
-        self.revision
+        self.log.revision()
     }
 
     /// Whether every kind has finished its first list.
     pub fn is_synced(&self) -> bool {
-        self.recording
+        self.log.is_ready()
     }
 
     /// Observes the latest revision.
     pub fn revisions(&self) -> watch::Receiver<u64> {
-        self.revision_tx.subscribe()
+        self.log.revisions()
     }
 
     /// Observes whether the index has synced.
     pub fn synced(&self) -> watch::Receiver<bool> {
-        self.synced_tx.subscribe()
+        self.log.readiness()
     }
 
     /// How many objects of `kind` are held.
     pub fn len(&self, kind: Kind) -> usize {
-        slot(kind).map_or(0, |i| self.kinds[i].objects.len())
+        slot(kind).map_or(0, |i| self.kinds[i].len)
     }
 
     /// The object of `kind` named `namespace/name`, if held.
     pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Arc<Object>> {
-        let i = slot(kind)?;
-        self.kinds[i].objects.get(&(namespace.to_string(), name.to_string())).cloned()
+        self.log.get(&(slot(kind)?, namespace.to_string(), name.to_string()))
     }
 
     /// Applies what a watch of `kind` reported; returns how many deltas were recorded.
     pub fn apply(&mut self, kind: Kind, update: Update) -> usize {
         let Some(i) = slot(kind) else { return 0 };
-        let before = self.revision;
+        let before = self.log.revision();
         match update {
             Update::Restarted => self.kinds[i].relisting = Some(HashSet::new()),
             Update::Listed(obj) => {
@@ -199,105 +148,66 @@ impl Index {
             }
             Update::ListDone => {
                 let seen = self.kinds[i].relisting.take().unwrap_or_default();
-                let gone: Vec<Key> = self.kinds[i].objects.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+                let all = (i, String::new(), String::new())..(i + 1, String::new(), String::new());
+                let gone: Vec<Key> = self
+                    .log
+                    .range(all)
+                    .map(|(k, _)| k)
+                    .filter(|(_, ns, name)| !seen.contains(&(ns.clone(), name.clone())))
+                    .cloned()
+                    .collect();
                 for key in gone {
-                    if let Some(old) = self.kinds[i].objects.remove(&key) {
-                        self.record(Change::Deleted, old);
-                    }
+                    self.remove(&key);
                 }
                 self.kinds[i].synced = true;
-                if !self.recording && self.kinds.iter().all(|k| k.synced) {
-                    self.recording = true;
-                    self.synced_tx.send_replace(true);
+                if !self.log.is_ready() && self.kinds.iter().all(|k| k.synced) {
+                    self.log.set_ready();
                 }
             }
             Update::Applied(obj) => self.upsert(i, obj),
-            Update::Deleted(obj) => {
-                let key = (obj.namespace.clone(), obj.name.clone());
-                if self.kinds[i].objects.remove(&key).is_some() {
-                    self.record(Change::Deleted, Arc::new(obj));
-                }
-            }
+            Update::Deleted(obj) => self.remove(&key(i, &obj)),
         }
-        (self.revision - before) as usize
+        usize::try_from(self.log.revision() - before).unwrap_or(usize::MAX)
     }
 
     fn upsert(&mut self, i: usize, mut obj: Object) {
-        let key = (obj.namespace.clone(), obj.name.clone());
-        if let Some(old) = self.kinds[i].objects.get(&key) {
-            if same_content(old, &mut obj) {
+        let key = key(i, &obj);
+        if let Some(old) = self.log.get(&key) {
+            if same_content(&old, &mut obj) {
                 return;
             }
             // The name was reused by a new object (the delete was missed, or came after the
             // create in a re-list): consumers keyed by uid must hear that the old one is gone.
             if !old.uid.is_empty() && old.uid != obj.uid {
-                let old = old.clone();
-                self.record(Change::Deleted, old);
+                self.remove(&key);
             }
         }
-        let obj = Arc::new(obj);
-        self.kinds[i].objects.insert(key, obj.clone());
-        self.record(Change::Applied, obj);
-    }
-
-    fn record(&mut self, change: Change, object: Arc<Object>) {
-        if !self.recording {
-            return;
+        if self.log.get(&key).is_none() {
+            self.kinds[i].len += 1;
         }
-        self.revision += 1;
-        self.history.push_back(Arc::new(Delta { revision: self.revision, change, object }));
-        while self.history.len() > self.capacity {
-            self.history.pop_front();
+        self.log.upsert(key, obj);
+    }
+
+    fn remove(&mut self, key: &Key) {
+        if self.log.remove(key).is_some() {
+            self.kinds[key.0].len -= 1;
         }
-        self.revision_tx.send_replace(self.revision);
-    }
-
-    /// The oldest revision the history still holds (or the next one, when it holds none).
-    fn oldest(&self) -> u64 {
-        self.history.front().map_or(self.revision + 1, |d| d.revision)
-    }
-
-    /// Whether every delta after `cursor` is in the history.
-    fn can_resume(&self, cursor: u64) -> bool {
-        cursor <= self.revision && cursor + 1 >= self.oldest()
     }
 
     /// How a subscription with `selector` that passes `resume_from` begins.
-    pub fn start(&self, selector: &Selector, resume_from: &str) -> Result<Start, NotSynced> {
-        if !self.recording {
-            return Err(NotSynced);
-        }
-        if resume_from.is_empty() {
-            let (objects, cursor) = self.snapshot(selector);
-            return Ok(Start::Snapshot { reset: false, objects, cursor });
-        }
-        match self.epoch.revision_of(resume_from) {
-            Some(cursor) if self.can_resume(cursor) => Ok(Start::Resume { cursor }),
-            _ => {
-                let (objects, cursor) = self.snapshot(selector);
-                Ok(Start::Snapshot { reset: true, objects, cursor })
-            }
-        }
+    pub fn start(&self, selector: &Selector, resume_from: &str) -> Result<Start<Key, Object>, NotSynced> {
+        self.log.start(resume_from, |_, o| selector.matches(o)).map_err(|_| NotSynced)
     }
 
     /// Every object `selector` matches, in snapshot order, and the revision they reflect.
     pub fn snapshot(&self, selector: &Selector) -> (Vec<Arc<Object>>, u64) {
-        let mut objects = Vec::new();
-        for kind in selector.kinds() {
-            if let Some(i) = slot(kind) {
-                objects.extend(self.kinds[i].objects.values().filter(|o| selector.matches(o)).cloned());
-            }
-        }
-        (objects, self.revision)
+        let (items, cursor) = self.log.snapshot(|_, o| selector.matches(o));
+        (items.into_iter().map(|(_, o)| o).collect(), cursor)
     }
 
     /// Up to `max` deltas after `cursor`, oldest first (empty when there are none yet).
-    pub fn since(&self, cursor: u64, max: usize) -> Result<Vec<Arc<Delta>>, Lagged> {
-        if !self.can_resume(cursor) {
-            return Err(Lagged(cursor));
-        }
-        let skip = (cursor + 1 - self.oldest()) as usize;
-        Ok(self.history.iter().skip(skip).take(max).cloned().collect())
+    pub fn since(&self, cursor: u64, max: usize) -> Result<Vec<Arc<Delta<Key, Object>>>, Lagged> {
+        self.log.since(cursor, max)
     }
 }
 
@@ -357,8 +267,29 @@ pub(crate) mod tests {
         idx
     }
 
+    /// What happened to an object, for assertions.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Change {
+        Applied,
+        Deleted,
+    }
+
+    fn what(d: &Delta<Key, Object>) -> (Change, &Object) {
+        match &d.change {
+            kuryr_stream::Change::Applied(o) => (Change::Applied, o),
+            kuryr_stream::Change::Deleted(o) => (Change::Deleted, o),
+        }
+    }
+
     fn changes(idx: &Index, cursor: u64) -> Vec<(u64, Change, String)> {
-        idx.since(cursor, usize::MAX).unwrap().iter().map(|d| (d.revision, d.change, d.object.name.clone())).collect()
+        idx.since(cursor, usize::MAX)
+            .unwrap()
+            .iter()
+            .map(|d| {
+                let (c, o) = what(d);
+                (d.revision, c, o.name.clone())
+            })
+            .collect()
     }
 
     #[test]
@@ -377,8 +308,8 @@ pub(crate) mod tests {
         idx.apply(Kind::NetworkPolicy, Update::ListDone);
         assert!(*synced.borrow());
         assert_eq!(idx.revision(), 0, "pre-sync changes are in the snapshot, not the history");
-        let Ok(Start::Snapshot { reset: false, objects, cursor: 0 }) = idx.start(&all, "") else { panic!() };
-        assert_eq!(objects.iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["early"]);
+        let Ok(Start::Snapshot { reset: false, items, cursor: 0 }) = idx.start(&all, "") else { panic!() };
+        assert_eq!(items.iter().map(|(_, o)| o.name.as_str()).collect::<Vec<_>>(), ["early"]);
     }
 
     #[test]
@@ -421,8 +352,10 @@ pub(crate) mod tests {
         again.uid = "uid-new".into();
         assert_eq!(idx.apply(Kind::Pod, Update::Applied(again)), 2);
         let d = idx.since(0, 10).unwrap();
-        assert_eq!((d[0].change, d[0].object.uid.as_str()), (Change::Deleted, "uid-a"));
-        assert_eq!((d[1].change, d[1].object.uid.as_str()), (Change::Applied, "uid-new"));
+        let (c0, o0) = what(&d[0]);
+        let (c1, o1) = what(&d[1]);
+        assert_eq!((c0, o0.uid.as_str()), (Change::Deleted, "uid-a"));
+        assert_eq!((c1, o1.uid.as_str()), (Change::Applied, "uid-new"));
     }
 
     #[test]
@@ -439,9 +372,9 @@ pub(crate) mod tests {
         assert!(idx.since(5, 10).unwrap().is_empty());
         assert_eq!(idx.since(1, 10).unwrap_err(), Lagged(1));
         for bad in ["e-1", "e-6", "other-3", "e-snapshot", "junk"] {
-            let Ok(Start::Snapshot { reset, objects, cursor }) = idx.start(&pods, bad) else { panic!("{bad}") };
+            let Ok(Start::Snapshot { reset, items, cursor }) = idx.start(&pods, bad) else { panic!("{bad}") };
             assert!(reset, "{bad}");
-            assert_eq!((objects.len(), cursor), (5, 5), "{bad}");
+            assert_eq!((items.len(), cursor), (5, 5), "{bad}");
         }
         assert!(matches!(idx.start(&pods, ""), Ok(Start::Snapshot { reset: false, .. })));
     }

@@ -93,7 +93,7 @@ where
     ctx.metrics.watch_errors.get_or_create(&labels).inc_by(0);
     ctx.metrics.deltas.get_or_create(&labels).inc_by(0);
     ctx.metrics.objects.get_or_create(&labels).set(0);
-    let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut events = watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
     let mut failing = false;
     loop {
         let next = tokio::select! {

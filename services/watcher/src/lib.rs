@@ -9,12 +9,14 @@
 //! the reduced object changed, so resourceVersion-only churn (node heartbeats, status details
 //! nobody reads) costs the streams nothing.
 //!
-//! **Streams** it over `kuryr.watcher.v1.Watcher/Subscribe` ([`grpc`]): a snapshot, then
-//! SNAPSHOT_COMPLETE, then deltas, each with a resume point `"<epoch>-<revision>"`
-//! ([`kuryr_stream::epoch`]). Resuming with a point of this process whose deltas are still in the
-//! history replays only what was missed; anything else (another replica, a restart, a point too
-//! old) gets RESET and a fresh snapshot; an empty `resume_from` gets a snapshot without the RESET.
-//! Replicas share nothing: each has its own epoch and its own watches.
+//! **Streams** it over `kuryr.watcher.v1.Watcher/Subscribe` ([`grpc`], with the shared core of
+//! [`kuryr_stream::feed`]): a snapshot, then SNAPSHOT_COMPLETE, then deltas, each with a resume
+//! point `"<epoch>-<revision>"` ([`kuryr_stream::epoch`]). Resuming with a point of this process
+//! whose deltas are still in the history sends SNAPSHOT_COMPLETE and replays only what was
+//! missed; anything else (another replica, a restart, a point too old) gets RESET and a fresh
+//! snapshot; an empty `resume_from` gets a snapshot without the RESET. A stream with nothing to
+//! say for `--stream-heartbeat` gets a HEARTBEAT. Replicas share nothing: each has its own epoch
+//! and its own watches.
 //!
 //! Readiness: the Watcher service is NOT_SERVING until every kind has been listed once, and
 //! while the Kubernetes API does not answer; Subscribe is UNAVAILABLE until that first sync.
@@ -41,7 +43,12 @@ use std::path::PathBuf;
 use clap::Parser;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_server::WatcherServer;
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime};
+use kuryr_runtime::auth::{AccountRef, Rules};
+use kuryr_runtime::follow::HeartbeatArgs;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
+
+/// The largest request accepted: every request is a few names, ids and a resume point.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Command-line configuration.
 #[derive(Clone, Debug, Parser)]
@@ -65,20 +72,41 @@ pub struct Config {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
     pub history: usize,
 
+    /// The ServiceAccounts that may Subscribe (`namespace:name`, comma-separated): it serves
+    /// every pod, Service, node and NetworkPolicy of the cluster, so only kuryr's own services.
+    #[arg(
+        long,
+        env = "KURYR_SUBSCRIBER_ACCOUNTS",
+        value_delimiter = ',',
+        default_value = "kuryr-system:kuryr-vif-allocator,kuryr-system:kuryr-lbaas"
+    )]
+    pub subscriber_accounts: Vec<AccountRef>,
+
+    #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Who may call what: Subscribe, only the subscriber accounts.
+pub fn rules(config: &Config) -> Rules {
+    Rules::new().allow(service_names::WATCHER, &["Subscribe"], &config.subscriber_accounts)
 }
 
 /// Runs the watcher until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-watcher", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
     let metrics = metrics::Metrics::register(rt.registry());
     let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
     tracing::info!(epoch = %index.epoch(), history = config.history, "starting");
     let index = index.shared();
     rt.health().register(service_names::WATCHER).await;
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());
-    let service = grpc::WatcherService::new(index, metrics, rt.shutdown());
-    let routes = tonic::service::Routes::new(WatcherServer::new(service));
-    rt.serve(routes, &config.listen, Some(&config.metrics_listen)).await
+    let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.heartbeat.stream_heartbeat);
+    // A Subscribe request is a few kinds, names and a resume point.
+    let services = Services::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    rt.serve(services, &config.listen, Some(&config.metrics_listen)).await
 }

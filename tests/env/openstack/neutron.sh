@@ -51,6 +51,11 @@ rpc_state_report_workers = 1
 use_stderr = true
 [database]
 connection = $(create_db neutron)
+# Notifications on the bus, as a deployment with a notification consumer (Ceilometer, Designate,
+# kuryr) configures them: port.create.end, port.update.end, ... on exchange neutron, topic
+# notifications.
+[oslo_messaging_notifications]
+driver = messagingv2
 [oslo_concurrency]
 lock_path = $n/lock
 [agent]

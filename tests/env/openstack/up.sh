@@ -22,7 +22,8 @@
 #             through the real worker's flows to ACTIVE, nothing is booted.
 #
 # Writes:
-#   STATE_DIR/env          KEY=VALUE lines: MARIADB_PORT; RABBITMQ_AMQP_PORT, TRANSPORT_URL;
+#   STATE_DIR/env          KEY=VALUE lines: MARIADB_PORT; RABBITMQ_AMQP_PORT, TRANSPORT_URL,
+#                          RABBITMQ_AMQPS_PORT and RABBITMQ_CA_FILE (its TLS listener and CA);
 #                          OS_AUTH_URL, OS_REGION_NAME, OS_ADMIN_PASSWORD, OS_PROJECT_{NAME,ID},
 #                          OS_USERNAME, OS_USER_ID, OS_PASSWORD, OS_APPLICATION_CREDENTIAL_{ID,SECRET};
 #                          NEUTRON_URL, NEUTRON_AGENT_HOST, NEUTRON_NODE_NETNS, OVS_RUNDIR,
@@ -204,8 +205,8 @@ RABBIT_PASSWORD="$(secret)" TRANSPORT_URL=
 RABBIT_ENV=()
 rabbitmqctl() { "${RABBIT_ENV[@]}" /usr/lib/rabbitmq/bin/rabbitmqctl -q "$@"; }
 start_rabbitmq() {
-    local amqp dist r="$STATE/rabbitmq"
-    read -r EPMD_PORT amqp dist <<<"$(free_ports 3)"
+    local amqp amqps dist r="$STATE/rabbitmq"
+    read -r EPMD_PORT amqp dist amqps <<<"$(free_ports 4)"
     RABBIT_NODE="kuryr$$@localhost"
     # What the server and rabbitmqctl both need to find the node and authenticate to it.
     RABBIT_ENV=(env HOME="$r" RABBITMQ_NODENAME="$RABBIT_NODE" ERL_EPMD_PORT="$EPMD_PORT"
@@ -214,8 +215,25 @@ start_rabbitmq() {
     secret >"$r/.erlang.cookie"
     chmod 400 "$r/.erlang.cookie"
     printf '[].\n' >"$r/enabled_plugins"
+    # A TLS listener too, with a certificate for 127.0.0.1 and localhost from a CA of its own
+    # (clients that speak AMQP over TLS are tested against it; the OpenStack services use TCP).
+    mkdir -p "$r/tls"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=kuryr test RabbitMQ CA" \
+        -keyout "$r/tls/ca.key" -out "$r/tls/ca.pem" >/dev/null 2>&1 || die "creating the RabbitMQ test CA failed"
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout "$r/tls/server.key" \
+        -out "$r/tls/server.csr" >/dev/null 2>&1 || die "creating the RabbitMQ server key failed"
+    printf 'subjectAltName = IP:127.0.0.1, DNS:localhost\n' >"$r/tls/san.ext"
+    openssl x509 -req -in "$r/tls/server.csr" -CA "$r/tls/ca.pem" -CAkey "$r/tls/ca.key" -CAcreateserial \
+        -days 30 -extfile "$r/tls/san.ext" -out "$r/tls/server.pem" >/dev/null 2>&1 ||
+        die "signing the RabbitMQ server certificate failed"
     cat >"$r/rabbitmq.conf" <<EOF
 listeners.tcp.1 = 127.0.0.1:$amqp
+listeners.ssl.1 = 127.0.0.1:$amqps
+ssl_options.cacertfile = $r/tls/ca.pem
+ssl_options.certfile = $r/tls/server.pem
+ssl_options.keyfile = $r/tls/server.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
 distribution.listener.interface = 127.0.0.1
 distribution.listener.port_range.min = $dist
 distribution.listener.port_range.max = $dist
@@ -231,6 +249,7 @@ EOF
         RABBITMQ_DIST_PORT="$dist" /usr/lib/rabbitmq/bin/rabbitmq-server
     TRANSPORT_URL="rabbit://openstack:$RABBIT_PASSWORD@127.0.0.1:$amqp/"
     RABBIT_AMQP_PORT="$amqp"
+    RABBIT_AMQPS_PORT="$amqps"
 }
 # Waits for RabbitMQ (it boots while MariaDB and Keystone are set up) and creates the services' user.
 ready_rabbitmq() {
@@ -240,6 +259,8 @@ ready_rabbitmq() {
     envline RABBITMQ_NODE "$RABBIT_NODE"
     envline RABBITMQ_AMQP_PORT "$RABBIT_AMQP_PORT"
     envline RABBITMQ_EPMD_PORT "$EPMD_PORT"
+    envline RABBITMQ_AMQPS_PORT "$RABBIT_AMQPS_PORT"
+    envline RABBITMQ_CA_FILE "$STATE/rabbitmq/tls/ca.pem"
     envline TRANSPORT_URL "$TRANSPORT_URL"
     envline RABBITMQ_PID "$(pid_of rabbitmq)"
     took "RabbitMQ ready on 127.0.0.1:$RABBIT_AMQP_PORT"

@@ -36,7 +36,7 @@ use kube::runtime::watcher;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Filter, Kind, SubscribeRequest};
-use kuryr_tests::cluster::{Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use kuryr_tests::cluster::{ALLOCATOR_ACCOUNT, Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::PodRecord;
 use kuryr_tests::services::{ServiceProcess, wait_until};
@@ -803,7 +803,9 @@ async fn watcher_memory(n: usize, report: &mut Report) -> Result<()> {
     .map(|s| s.to_string())
     .collect();
     let mut process = ServiceProcess::spawn("kuryr-watcher", &args, dir.path())?;
-    let outcome = watcher_memory_run(&client, n, &addr, &metrics_addr, &process, report).await;
+    // The subscriber below plays the allocator, with its account's token.
+    let token = kube.kuryr_token(SYSTEM_NAMESPACE, ALLOCATOR_ACCOUNT, None).await?;
+    let outcome = watcher_memory_run(&client, n, &addr, &metrics_addr, &process, &token, report).await;
     if outcome.is_err() {
         eprintln!("{}", tail(&process.logs(), 100));
     }
@@ -818,6 +820,7 @@ async fn watcher_memory_run(
     addr: &str,
     metrics_addr: &str,
     process: &ServiceProcess,
+    token: &str,
     report: &mut Report,
 ) -> Result<()> {
     let channel = kuryr_runtime::client::channel(addr)?;
@@ -835,7 +838,7 @@ async fn watcher_memory_run(
         resume_from: String::new(),
         subscriber: "e2e-bench".into(),
     };
-    let mut stream = WatcherClient::new(channel.clone()).subscribe(req).await?.into_inner();
+    let mut stream = WatcherClient::new(kuryr_tests::auth::channel(addr, token)?).subscribe(req).await?.into_inner();
     let sub = {
         let received = received.clone();
         tokio::spawn(async move {

@@ -775,8 +775,11 @@ async fn print_usage(cluster: &RealCluster, files: &Files) {
         "  # the nodes' addresses, inside the nodes' network namespaces".into(),
         format!("  G={g}"),
         format!("  {} $G -plaintext {}:9600 list    # kuryr-watcher", enter(n1), n1.ip4),
+        "  # the APIs need a ServiceAccount token for the kuryr audience, of the account whose role it is".into(),
+        r#"  BINDER="authorization: Bearer $(kubectl -n kuryr-system create token kuryr-binder --audience kuryr)""#
+            .into(),
         format!(
-            r#"  {} $G -plaintext -max-time 2 -d '{{"node_name":"{}"}}' {}:9610 kuryr.allocator.v1.VifAllocator/WatchVifs"#,
+            r#"  {} $G -plaintext -H "$BINDER" -max-time 2 -d '{{"node_name":"{}"}}' {}:9610 kuryr.allocator.v1.VifAllocator/WatchVifs"#,
             enter(n1),
             n1.name,
             n1.ip4

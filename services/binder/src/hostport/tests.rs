@@ -25,6 +25,9 @@ fn att(id: &str, ips: &[&str], mappings: Vec<PortMapping>) -> Attachment {
         bridge: "kxtest-nobr".into(),
         ips: ips.iter().map(|a| a.parse().unwrap()).collect(),
         port_mappings: mappings,
+        state: crate::attachments::State::Ready,
+        host_mac: String::new(),
+        sandbox_mac: String::new(),
     }
 }
 

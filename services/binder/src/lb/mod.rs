@@ -4,8 +4,9 @@
 //! members, under the Service's traffic policies ([`render`] describes the Service part of the
 //! ruleset, [`crate::table`] the table as a whole).
 //!
-//! Two tasks share the [`state::State`]: the follower reads the stream (resuming after a break,
-//! reconnecting with backoff) and marks what changed; the programmer turns pending changes into
+//! Two tasks share the [`state::State`]: the follower reads the stream (the one follower of
+//! [`kuryr_stream::follow`]: resuming after a break, dropping a stream silent for longer than
+//! `--stream-idle-timeout`, reconnecting with jittered backoff) and marks what changed; the programmer turns pending changes into
 //! one `nft -f` transaction — the changed Services only, or the whole table after a snapshot —
 //! and retries failures with backoff as a full rebuild. Changes that arrive while a transaction
 //! runs are applied together in the next one.
@@ -27,10 +28,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
-use kuryr_proto::lbaas::v1::{LbEventType, WatchLoadBalancersRequest};
+use kuryr_proto::lbaas::v1::{LbEventType, WatchLoadBalancersRequest, WatchLoadBalancersResponse};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
+use kuryr_runtime::follow::{Failed, next_message};
+use kuryr_stream::follow::{FollowConfig, Followed, Follower, Mark, Source};
 use tokio::sync::Notify;
-use tonic::transport::Channel;
+use tonic::Streaming;
 
 use self::metrics::LbMetrics;
 use self::model::{Service, ServiceKey};
@@ -38,9 +42,46 @@ use self::nft::Nft;
 use self::render::{Rendered, render};
 use self::state::{Applied, State, Work};
 
-/// Reconnect delays after the stream breaks, and retry delays after a failed transaction.
+/// Retry delays after a failed transaction.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// kuryr-lbaas's `WatchLoadBalancers` stream, for the follower.
+#[derive(Debug)]
+struct LbSource {
+    client: LoadBalancersClient<PeerChannel>,
+    subscriber: String,
+}
+
+impl Source for LbSource {
+    type Event = WatchLoadBalancersResponse;
+    type Error = Failed;
+    type Stream = Streaming<WatchLoadBalancersResponse>;
+
+    async fn open(&mut self, resume_from: &str) -> Result<Self::Stream, Failed> {
+        let req =
+            WatchLoadBalancersRequest { resume_from: resume_from.to_string(), subscriber: self.subscriber.clone() };
+        tracing::info!(resume_from, "following kuryr-lbaas's load balancers");
+        Ok(self.client.watch_load_balancers(req).await.map_err(Failed)?.into_inner())
+    }
+
+    async fn next(stream: &mut Self::Stream) -> Result<Option<WatchLoadBalancersResponse>, Failed> {
+        next_message(stream).await
+    }
+
+    fn mark(event: &WatchLoadBalancersResponse) -> Mark {
+        match event.r#type() {
+            LbEventType::Reset => Mark::Reset,
+            LbEventType::SnapshotComplete => Mark::SnapshotComplete,
+            LbEventType::Heartbeat => Mark::Heartbeat,
+            LbEventType::LbApplied | LbEventType::LbDeleted | LbEventType::Unspecified => Mark::Change,
+        }
+    }
+
+    fn resume_point(event: &WatchLoadBalancersResponse) -> &str {
+        &event.resume_point
+    }
+}
 
 /// The Service dataplane; cheap to clone.
 #[derive(Clone, Debug)]
@@ -70,9 +111,11 @@ impl Dataplane {
     }
 
     /// Starts the follower and the programmer; they run until shutdown.
-    pub fn spawn(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+    pub fn spawn(self, channel: PeerChannel, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
-        tokio::spawn(self.follow(channel, subscriber, shutdown));
+        let source = LbSource { client: LoadBalancersClient::new(channel), subscriber };
+        let follower = Follower::new(source, "kuryr-lbaas's load balancer stream", follow);
+        tokio::spawn(self.follow(follower, shutdown));
     }
 
     /// Publishes and logs whether the rules are in sync, when that changed.
@@ -94,54 +137,30 @@ impl Dataplane {
     }
 
     /// Follows the stream until shutdown.
-    async fn follow(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
-        let mut client = LoadBalancersClient::new(channel);
-        let mut delay = RETRY_MIN;
+    async fn follow(self, mut follower: Follower<LbSource>, shutdown: Shutdown) {
         loop {
-            let resume_from = self.lock().next_request();
-            let req = WatchLoadBalancersRequest { resume_from: resume_from.clone(), subscriber: subscriber.clone() };
-            let res = tokio::select! {
-                r = client.watch_load_balancers(req) => r,
+            let next = tokio::select! {
+                next = follower.next() => next,
                 () = shutdown.clone().wait() => return,
             };
-            let why = match res {
-                Ok(resp) => {
-                    tracing::info!(resume_from, "following kuryr-lbaas's load balancers");
-                    self.lock().connected = true;
-                    self.report_sync("stream opened");
-                    let mut stream = resp.into_inner();
-                    loop {
-                        let msg = tokio::select! {
-                            m = stream.message() => m,
-                            () = shutdown.clone().wait() => return,
-                        };
-                        match msg {
-                            Ok(Some(ev)) => {
-                                let now = Instant::now();
-                                self.metrics.event(ev.r#type().as_str_name());
-                                let applied = self.lock().apply(&ev, now);
-                                self.log_applied(applied);
-                                if ev.r#type() != LbEventType::Unspecified {
-                                    delay = RETRY_MIN;
-                                }
-                                self.wake.notify_one();
-                            }
-                            Ok(None) => break "the stream was ended by kuryr-lbaas".to_string(),
-                            Err(e) => break format!("the stream broke: {:?}: {}", e.code(), e.message()),
-                        }
+            match next {
+                Followed::Event(ev) => {
+                    let now = Instant::now();
+                    if !self.lock().connected {
+                        self.lock().connected = true;
+                        self.report_sync("stream opened");
                     }
+                    self.metrics.event(ev.r#type().as_str_name());
+                    let applied = self.lock().apply(&ev, now);
+                    self.log_applied(applied);
+                    self.wake.notify_one();
                 }
-                Err(e) => format!("cannot open the stream: {:?}: {}", e.code(), e.message()),
-            };
-            tracing::warn!(why, retry_in = ?delay, "WatchLoadBalancers: reconnecting");
-            self.metrics.stream_break();
-            self.lock().connected = false;
-            self.report_sync(&why);
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = shutdown.clone().wait() => return,
+                Followed::Down(why) => {
+                    self.metrics.stream_break();
+                    self.lock().connected = false;
+                    self.report_sync(&why);
+                }
             }
-            delay = (delay * 2).min(RETRY_MAX);
         }
     }
 

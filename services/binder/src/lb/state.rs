@@ -52,22 +52,12 @@ pub struct State {
     pub connected: bool,
     /// The last transaction succeeded.
     pub programmed_ok: bool,
-    resume: String,
 }
 
 impl State {
     /// The state of the node named `node`.
     pub fn for_node(node: &str) -> Self {
         Self { node: node.to_string(), ..Self::default() }
-    }
-
-    /// The resume point for the next request. Asking without one gets a fresh snapshot without a
-    /// RESET first, so what was known is forgotten here.
-    pub fn next_request(&mut self) -> String {
-        if self.resume.is_empty() {
-            self.forget();
-        }
-        self.resume.clone()
     }
 
     fn forget(&mut self) {
@@ -84,10 +74,8 @@ impl State {
     }
 
     /// Applies one stream event received at `now`.
+    /// (The follower keeps the resume point; see [`kuryr_stream::follow`].)
     pub fn apply(&mut self, ev: &WatchLoadBalancersResponse, now: Instant) -> Applied {
-        if !ev.resume_point.is_empty() {
-            self.resume.clone_from(&ev.resume_point);
-        }
         match ev.r#type() {
             LbEventType::Reset => {
                 self.forget();
@@ -135,7 +123,7 @@ impl State {
                 }
                 Applied::Quiet
             }
-            LbEventType::Unspecified => Applied::Quiet,
+            LbEventType::Unspecified | LbEventType::Heartbeat => Applied::Quiet,
         }
     }
 
@@ -219,7 +207,6 @@ mod tests {
     fn a_snapshot_is_programmed_whole_then_deltas_one_by_one() {
         let mut s = State::default();
         let t0 = Instant::now();
-        assert_eq!(s.next_request(), "");
         s.apply(&ev(LbEventType::LbApplied, Some(spec("a", &["10.0.0.1"])), "1"), t0);
         s.apply(&ev(LbEventType::LbApplied, Some(spec("b", &["10.0.0.2"])), "1"), t0);
         assert_eq!(s.take_work(), None, "nothing from a partial view");
@@ -241,7 +228,6 @@ mod tests {
             Work::Delta { since, .. } => assert_eq!(since, t1),
             other => panic!("{other:?}"),
         }
-        assert_eq!(s.next_request(), "5", "resume where it left off");
         assert_eq!(s.services(), 2);
     }
 
@@ -292,16 +278,5 @@ mod tests {
         assert!(s.synced());
         s.connected = false;
         assert!(!s.synced());
-    }
-
-    #[test]
-    fn a_request_without_resume_point_forgets_the_old_view() {
-        let mut s = State::default();
-        let t = Instant::now();
-        s.apply(&ev(LbEventType::LbApplied, Some(spec("a", &["10.0.0.1"])), ""), t);
-        s.apply(&ev(LbEventType::SnapshotComplete, None, ""), t);
-        assert_eq!(s.next_request(), "");
-        assert_eq!(s.services(), 0);
-        assert_eq!(s.take_work(), None);
     }
 }

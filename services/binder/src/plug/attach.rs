@@ -23,8 +23,10 @@ use super::{BindingDriver, PlugError, PlugSpec, Plugged, format_mac, ovs};
 /// end as a port.
 ///
 /// The work runs on one dedicated thread with one netlink socket in each namespace. Whatever it
-/// created is undone if any step fails, if the thread panics, or if the caller stopped waiting
-/// before the result could be handed over.
+/// created is undone if any step fails, or if the caller stopped waiting before the result could
+/// be handed over; also if the thread panics in a build that unwinds (tests). Release builds
+/// abort on panic (`panic = "abort"`): there the binder's next start rolls the ADD back from its
+/// attachment record, written before this runs (`crate::cni::CniService::recover`).
 pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<Plugged, PlugError> {
     let mac = spec.validate()?;
     let (spec, ovs_db) = (spec.clone(), ovs_db.map(str::to_string));
@@ -63,6 +65,8 @@ async fn plug_steps(
     // Held open until the pod end is configured: the kernel moves the peer through this
     // descriptor, and the thread visits the namespace through it.
     let netns_file = crate::netns::open(&spec.netns)?;
+    // Checked on the descriptor that is used below, so the path cannot be swapped in between.
+    crate::netns::check_pod_file(&netns_file, &spec.netns)?;
     // A netlink socket stays in the namespace it was opened in: the thread visits the pod's only
     // to open one there (and below to switch DAD off), and otherwise stays in the host's, so
     // that ovs-vsctl and the rollback run there.
@@ -169,7 +173,8 @@ fn disable_dad(ifname: &str) -> Result<(), PlugError> {
 
 /// Undoes a partly done [`plug`] when dropped, unless disarmed. Runs on the plugging thread,
 /// where blocking is harmless; the netlink work goes to a helper thread with its own runtime, so
-/// the guard also works while unwinding inside the plugging thread's runtime.
+/// the guard also works while unwinding inside the plugging thread's runtime (where panics
+/// unwind; a release build aborts instead and recovers at its next start).
 #[derive(Debug, Default)]
 struct Rollback {
     /// The host end we created; deleting it deletes the pod end with it.
@@ -224,7 +229,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 ///
 /// Deleting the host end deletes the pod end with it. A veth called `ifname` still present in
 /// the pod afterwards (its host end renamed behind our back) is deleted too. For OVS the port
-/// is removed with `--if-exists`.
+/// is removed with `--if-exists`. A `netns` that is the binder's own or the host's is refused
+/// ([`crate::netns::NetnsError::NotAPod`]) before anything is touched.
 pub async fn unplug(
     netns: Option<PathBuf>,
     ifname: &str,
@@ -232,11 +238,21 @@ pub async fn unplug(
     driver: &BindingDriver,
     ovs_db: Option<&str>,
 ) -> Result<(), PlugError> {
+    // The pod side is only ever looked at in a pod's namespace: never in the binder's or the
+    // host's, whatever the caller passed. A namespace that is gone needs nothing done there.
+    let netns = match netns.filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => match crate::netns::check_pod(&p) {
+            Ok(()) => Some(p),
+            Err(e) if e.is_gone() => None,
+            Err(e) => return Err(e.into()),
+        },
+        None => None,
+    };
     if !host_ifname.is_empty() {
         let name = host_ifname.to_string();
         in_netns(None, move |nl| async move { nl.delete(&name).await }).await?;
     }
-    if let Some(netns) = netns.filter(|p| !p.as_os_str().is_empty())
+    if let Some(netns) = netns
         && !ifname.is_empty()
     {
         let name = ifname.to_string();

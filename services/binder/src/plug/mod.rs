@@ -175,7 +175,8 @@ pub enum PlugError {
         #[source]
         source: std::io::Error,
     },
-    /// The plugging thread ended without an answer (it panicked); its rollback ran.
+    /// The plugging thread ended without an answer (it panicked, in a build that unwinds); its
+    /// rollback ran.
     #[error("the plugging thread ended without an answer")]
     ThreadDied,
 }

@@ -69,8 +69,9 @@ pub struct NeutronArgs {
     #[arg(long, env = "KURYR_POOL_BATCH", default_value_t = 10)]
     pub pool_batch: u32,
 
-    /// Most spare ports kept per pool (released ports beyond it are deleted); 0: no cap.
-    #[arg(long, env = "KURYR_POOL_MAX", default_value_t = 0)]
+    /// Most spare ports kept per pool (released ports beyond it are deleted; PopulatePool stops
+    /// there too); 0 lifts the cap, so that a node's pool may hold any number of ports.
+    #[arg(long, env = "KURYR_POOL_MAX", default_value_t = 50)]
     pub pool_max: u32,
 
     /// Bulk port creations in flight at once, over all pools.
@@ -93,6 +94,9 @@ pub struct NeutronArgs {
 
     #[command(flatten)]
     pub namespaces: NamespaceArgs,
+
+    #[command(flatten)]
+    pub events: super::events::config::EventArgs,
 }
 
 impl NeutronArgs {
@@ -137,6 +141,10 @@ impl NeutronArgs {
             self.status_poll_min > Duration::ZERO && self.status_poll_min <= self.status_poll_max,
             "--status-poll-min must be positive and at most --status-poll-max"
         );
+        if let Some(tls) = self.events.resolve()?.and_then(|c| c.tls) {
+            // Certificates and keys are read now: a bad one fails the start, not every connection.
+            super::events::tls_connector(&tls)?;
+        }
         if self.neutron_url.is_some() {
             anyhow::ensure!(
                 self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),

@@ -32,6 +32,14 @@ pub struct WhyLabels {
     pub why: &'static str,
 }
 
+/// How a port was learnt ACTIVE, or why a status read was made.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// `event` (Neutron's push), `poll` (the status poller: no events, or the broker away),
+    /// `safety` (the reconciling read with events). For reads: `interval` or `reconnect`.
+    pub source: &'static str,
+}
+
 /// A pool's node.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
@@ -60,6 +68,13 @@ pub struct NeutronMetrics {
     pub status_polls: Counter,
     /// Status list calls that failed.
     pub status_poll_failures: Counter,
+    /// With events: the reconciling status reads, by why (`interval`: ports waiting longer than
+    /// the resync interval; `reconnect`: every waiting port after a (re)connection).
+    pub status_safety_reads: Family<SourceLabels, Counter>,
+    /// Watched ports found ACTIVE, by how (`event`, `poll`, `safety`).
+    pub ready_sources: Family<SourceLabels, Counter>,
+    /// The port event link.
+    pub events: super::events::EventMetrics,
     /// Background pool refills that failed (retried with backoff), by reason.
     pub refill_failures: Family<ReasonLabels, Counter>,
     /// Per-namespace networks.
@@ -77,6 +92,9 @@ impl Default for NeutronMetrics {
             active_latency: kuryr_runtime::metrics::latency_histogram(),
             status_polls: Counter::default(),
             status_poll_failures: Counter::default(),
+            status_safety_reads: Family::default(),
+            ready_sources: Family::default(),
+            events: super::events::EventMetrics::default(),
             refill_failures: Family::default(),
             namespaces: super::namespaces::metrics::NamespaceMetrics::default(),
         }
@@ -86,8 +104,11 @@ impl Default for NeutronMetrics {
 impl NeutronMetrics {
     /// Creates the metrics and registers them.
     pub fn register(registry: &mut Registry) -> Self {
-        let m =
-            Self { namespaces: super::namespaces::metrics::NamespaceMetrics::register(registry), ..Self::default() };
+        let m = Self {
+            namespaces: super::namespaces::metrics::NamespaceMetrics::register(registry),
+            events: super::events::EventMetrics::register(registry),
+            ..Self::default()
+        };
         let r = registry.sub_registry_with_prefix("kuryr_allocator_neutron");
         r.register(
             "port_creations",
@@ -110,6 +131,16 @@ impl NeutronMetrics {
         r.register("status_polls", "Batched port status reads", m.status_polls.clone());
         r.register("status_poll_failures", "Batched port status reads that failed", m.status_poll_failures.clone());
         r.register(
+            "status_safety_reads",
+            "With port events: reconciling batched status reads, by why (interval, reconnect)",
+            m.status_safety_reads.clone(),
+        );
+        r.register(
+            "ready_sources",
+            "Plugged ports found ACTIVE, by how (event, poll, safety)",
+            m.ready_sources.clone(),
+        );
+        r.register(
             "pool_refill_failures",
             "Background pool refills that failed and will be retried, by reason (neutron_quota_exceeded, ...)",
             m.refill_failures.clone(),
@@ -125,6 +156,16 @@ impl NeutronMetrics {
     /// Counts a VIF handed out.
     pub fn source(&self, path: &'static str) {
         self.sources.get_or_create(&PathLabels { path }).inc();
+    }
+
+    /// Counts a port found ACTIVE.
+    pub fn ready_source(&self, source: &'static str) {
+        self.ready_sources.get_or_create(&SourceLabels { source }).inc();
+    }
+
+    /// Counts a reconciling read.
+    pub fn safety_read(&self, source: &'static str) {
+        self.status_safety_reads.get_or_create(&SourceLabels { source }).inc();
     }
 
     /// Counts a deletion.

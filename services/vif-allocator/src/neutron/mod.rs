@@ -10,9 +10,12 @@
 //! pool empty gets a port created on its path. Released ports are recycled (`device_id`
 //! cleared, security groups reset) and handed out again once Neutron sees them unplugged.
 //!
-//! **Readiness** ([`status`]): a VIF the binder reports plugged is READY only once Neutron says
-//! the port is ACTIVE. Neutron never pushes, so one poller reads the status of every watched
-//! port in batched list calls (`?id=..&id=..`), backing off while nothing changes.
+//! **Readiness**: a VIF the binder reports plugged is READY only once Neutron says the port is
+//! ACTIVE. With a transport URL ([`events`]) that comes from Neutron's own push of the port over
+//! RabbitMQ, mapped here by port id to the waiting pod ([`NeutronBackend::on_port_event`]), with
+//! a slow batched read of ports waiting too long as the safety net ([`status`]); without one,
+//! or while the broker is unreachable, one poller reads the status of every watched port in
+//! batched list calls (`?id=..&id=..`), backing off while nothing changes.
 //!
 //! **No duplicates, no leaks.** Before the allocator serves, [`NeutronBackend::recover`] lists
 //! every port tagged for the cluster and rebuilds the pools and who holds what, so a pod whose
@@ -22,6 +25,7 @@
 //! for cleanup ([`NeutronBackend::holders`]); ports that failed to bind are deleted.
 
 pub mod config;
+pub mod events;
 pub mod metrics;
 pub mod namespaces;
 pub mod pool;
@@ -41,10 +45,12 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::Instrument as _;
 
 use self::config::NeutronArgs;
+use self::events::decode::PortEvent;
+use self::events::{EventMetrics, Link, PortEventSink, PortEvents};
 use self::metrics::{NeutronMetrics, PoolLabels, ReasonLabels};
 use self::namespaces::NamespaceNetworks;
 use self::namespaces::k8s::NamespaceKube;
-use self::pool::{Inventory, Limits, PoolKey, PoolView};
+use self::pool::{Inventory, Limits, Place, PoolKey, PoolView};
 use self::vif::{SubnetInfo, VifShape};
 use crate::backend::VifBackend;
 use crate::cluster::ClusterError;
@@ -72,6 +78,31 @@ pub struct ReadyVif {
 struct Watched {
     pod_uid: String,
     since: Instant,
+    /// The port's revision when the pod got it: a pushed port of this revision or older says
+    /// nothing about the pod's plug.
+    revision: Option<u64>,
+}
+
+/// What the event side keeps besides the watched ports.
+#[derive(Debug, Default)]
+struct EventState {
+    /// Port id → the newest revision pushed, for the ports of the inventory: older and repeated
+    /// pushes are stale.
+    revisions: HashMap<String, u64>,
+    /// Ports pushed ACTIVE for the pod holding them before their plug was reported: port id →
+    /// (revision, pod uid).
+    early: HashMap<String, (u64, String)>,
+}
+
+/// The event side of readiness.
+#[derive(Debug)]
+struct EventSide {
+    link: tokio::sync::watch::Receiver<Link>,
+    resync: Duration,
+    metrics: EventMetrics,
+    state: Mutex<EventState>,
+    /// The consumer, until [`NeutronBackend::spawn`] runs it.
+    consumer: Mutex<Option<PortEvents>>,
 }
 
 /// The receiving ends the backend's tasks and the allocator consume.
@@ -128,6 +159,8 @@ pub struct NeutronBackend {
     bulk: Semaphore,
     recovered: AtomicBool,
     metrics: NeutronMetrics,
+    /// Port status from Neutron's push, when a transport URL is configured.
+    events: Option<EventSide>,
 }
 
 fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -148,7 +181,22 @@ impl NeutronBackend {
         client: Client,
         metrics: NeutronMetrics,
         kube: NamespaceKube,
+        instance: &str,
     ) -> anyhow::Result<(NeutronBackend, Channels)> {
+        let events = match args.events.resolve()? {
+            Some(cfg) => {
+                let resync = cfg.resync;
+                let consumer = PortEvents::new(cfg, &args.cluster_id, instance, metrics.events.clone())?;
+                Some(EventSide {
+                    link: consumer.link(),
+                    resync,
+                    metrics: metrics.events.clone(),
+                    state: Mutex::default(),
+                    consumer: Mutex::new(Some(consumer)),
+                })
+            }
+            None => None,
+        };
         let neutron = client.network();
         let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
             Some(p) => p,
@@ -197,6 +245,7 @@ impl NeutronBackend {
             bulk: Semaphore::new(args.pool_bulk_concurrency),
             recovered: AtomicBool::new(false),
             metrics,
+            events,
         };
         Ok((backend, Channels { ready, refill }))
     }
@@ -584,6 +633,11 @@ impl NeutronBackend {
     /// Runs the background work — the status poller, pool refills, and handing READY VIFs to
     /// `on_ready` — until shutdown.
     pub fn spawn(self: &Arc<Self>, refill: mpsc::UnboundedReceiver<PoolKey>, shutdown: Shutdown) {
+        if let Some(consumer) = self.events.as_ref().and_then(|e| guard(&e.consumer).take()) {
+            let sink: Arc<dyn PortEventSink> = self.clone();
+            let sd = shutdown.clone();
+            tokio::spawn(async move { consumer.run(sink, sd).await }.instrument(tracing::info_span!("port-events")));
+        }
         let this = self.clone();
         let sd = shutdown.clone();
         tokio::spawn(async move { this.poll_status(sd).await }.instrument(tracing::info_span!("port-status")));
@@ -638,6 +692,156 @@ impl NeutronBackend {
     /// Chain for the channel of READY VIFs (the status poller sends, the allocator receives).
     fn send_ready(&self, pod_uid: String, vif_id: String) {
         let _ = self.ready_tx.send(ReadyVif { pod_uid, vif_id });
+    }
+
+    /// A watched port is ACTIVE (`source`: `event`, `poll` or `safety`): the pod's VIF is ready.
+    fn port_active(&self, port: &str, w: &Watched, source: &'static str) {
+        let after = w.since.elapsed();
+        self.metrics.active_latency.observe(after.as_secs_f64());
+        self.metrics.ready_source(source);
+        tracing::debug!(port, uid = %w.pod_uid, after_ms = after.as_millis() as u64, source, "port ACTIVE");
+        self.send_ready(w.pod_uid.clone(), port.to_string());
+    }
+
+    /// Whether readiness comes from events and the broker is consumed right now; the link's
+    /// epoch with it.
+    fn event_link(&self) -> Option<Link> {
+        self.events.as_ref().map(|e| *e.link.borrow())
+    }
+
+    /// Forgets event bookkeeping of ports no longer in the inventory.
+    fn prune_event_state(&self) {
+        let Some(side) = &self.events else { return };
+        let ours = guard(&self.inv).port_ids();
+        let mut st = guard(&side.state);
+        st.revisions.retain(|id, _| ours.contains(id));
+        st.early.retain(|id, _| ours.contains(id));
+    }
+}
+
+/// Whether `rev` is newer than `floor` (unknown revisions are taken as newer: a push without one
+/// is acted on, as the safety read would).
+fn newer(rev: Option<u64>, floor: Option<u64>) -> bool {
+    match (rev, floor) {
+        (Some(r), Some(f)) => r > f,
+        _ => true,
+    }
+}
+
+impl PortEventSink for NeutronBackend {
+    /// Maps a pushed port to what waits for it: the pod whose plugged port it is (READY once
+    /// ACTIVE), a released port waiting to be seen unplugged (free again), a held port not yet
+    /// reported plugged (remembered). A push older than or as old as what is known of the port
+    /// (by revision), or naming another device than the waiting pod, changes nothing; ports
+    /// that are not this allocator's are skipped.
+    fn on_port_event(&self, ev: &PortEvent) {
+        let Some(side) = &self.events else { return };
+        let m = &side.metrics;
+        if ev.device_owner.as_deref().is_some_and(|o| !o.is_empty() && o != self.device_owner) {
+            return m.port("foreign");
+        }
+        let watched = guard(&self.watched).get(&ev.id).cloned();
+        let place = if watched.is_some() { None } else { guard(&self.inv).place(&ev.id) };
+        if watched.is_none() && place.is_none() {
+            return m.port("foreign");
+        }
+        {
+            let mut st = guard(&side.state);
+            let known = st.revisions.get(&ev.id).copied();
+            let floor = match (&watched, &place) {
+                (Some(w), _) => w.revision,
+                (None, Some(Place::Recycling(_, r) | Place::Held(_, r))) => *r,
+                _ => None,
+            };
+            if !newer(ev.revision, known.max(floor)) {
+                return m.port("stale");
+            }
+            // A push naming another device than the pod is not about this assignment: it moves
+            // nothing, not even the revision the next pushes are ordered by.
+            let holder = match (&watched, &place) {
+                (Some(w), _) => Some(w.pod_uid.as_str()),
+                (None, Some(Place::Held(uid, _))) => Some(uid.as_str()),
+                _ => None,
+            };
+            if let (Some(h), Some(d)) = (holder, ev.device_id.as_deref())
+                && !ev.deleted
+                && d != h
+            {
+                return m.port("stale");
+            }
+            if let Some(r) = ev.revision {
+                st.revisions.insert(ev.id.clone(), r);
+            }
+        }
+        if let Some(w) = watched {
+            if ev.deleted {
+                let removed = {
+                    let mut g = guard(&self.watched);
+                    g.get(&ev.id).is_some_and(|now| now.pod_uid == w.pod_uid) && g.remove(&ev.id).is_some()
+                };
+                if removed {
+                    tracing::warn!(port = %ev.id, uid = %w.pod_uid, "a plugged port was deleted from Neutron; no longer waiting for it");
+                }
+                return m.port("gone");
+            }
+            if !ev.is_active() {
+                return m.port("pending");
+            }
+            let still = {
+                let mut g = guard(&self.watched);
+                let same = g.get(&ev.id).is_some_and(|now| now.pod_uid == w.pod_uid);
+                if same {
+                    g.remove(&ev.id);
+                }
+                same
+            };
+            if still {
+                self.port_active(&ev.id, &w, "event");
+                return m.port("ready");
+            }
+            return m.port("stale");
+        }
+        match place {
+            Some(Place::Recycling(key, _)) => {
+                if ev.deleted {
+                    guard(&self.inv).drop_recycling(&key, &ev.id);
+                    self.gauges();
+                    m.port("gone");
+                } else if ev.is_active() {
+                    m.port("pending");
+                } else if guard(&self.inv).recycled(&key, &ev.id) {
+                    self.gauges();
+                    m.port("recycled");
+                } else {
+                    m.port("pending");
+                }
+            }
+            Some(Place::Held(uid, _)) => {
+                // Both locks, in watch_ready's order: the plug report may have come meanwhile.
+                let mut g = guard(&self.watched);
+                if let Some(w) = g.get(&ev.id).cloned() {
+                    if ev.is_active() && w.pod_uid == uid {
+                        g.remove(&ev.id);
+                        drop(g);
+                        self.port_active(&ev.id, &w, "event");
+                        return m.port("ready");
+                    }
+                    return m.port("pending");
+                }
+                let mut st = guard(&side.state);
+                match ev.revision {
+                    Some(rev) if ev.is_active() => {
+                        st.early.insert(ev.id.clone(), (rev, uid));
+                        m.port("early");
+                    }
+                    _ => {
+                        st.early.remove(&ev.id);
+                        m.port("pending");
+                    }
+                }
+            }
+            Some(Place::Free) | None => m.port("idle"),
+        }
     }
 }
 
@@ -770,13 +974,199 @@ impl VifBackend for NeutronBackend {
     }
 
     fn watch_ready(&self, pod_uid: &str, vif_id: &str, watch: bool) {
-        let mut w = guard(&self.watched);
-        if watch {
-            w.insert(vif_id.to_string(), Watched { pod_uid: pod_uid.to_string(), since: Instant::now() });
-            drop(w);
-            self.wake.notify_one();
-        } else {
-            w.remove(vif_id);
+        if !watch {
+            guard(&self.watched).remove(vif_id);
+            if let Some(side) = &self.events {
+                guard(&side.state).early.remove(vif_id);
+            }
+            return;
         }
+        let revision = guard(&self.inv).held(pod_uid).filter(|p| p.id == vif_id).and_then(|p| p.revision_number);
+        let w = Watched { pod_uid: pod_uid.to_string(), since: Instant::now(), revision };
+        // The watched ports' lock held throughout (then the event state's, as on_port_event
+        // takes them): a push is either remembered as early here or sees the port watched.
+        let mut g = guard(&self.watched);
+        // Pushed ACTIVE for this pod before its plug was reported: ready at once.
+        if let Some(side) = &self.events {
+            let early = guard(&side.state).early.remove(vif_id);
+            if let Some((rev, uid)) = early
+                && uid == pod_uid
+                && newer(Some(rev), revision)
+            {
+                g.remove(vif_id);
+                drop(g);
+                self.port_active(vif_id, &w, "event");
+                return;
+            }
+        }
+        g.insert(vif_id.to_string(), w);
+        drop(g);
+        self.wake.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod event_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
+    use kuryr_openstack::{CloudConfig, ServiceType};
+
+    use super::events::ResultLabels;
+    use super::*;
+
+    const OWNER: &str = "compute:kuryr";
+
+    /// A backend with events whose Neutron is never called here.
+    fn backend() -> (NeutronBackend, mpsc::UnboundedReceiver<ReadyVif>, tokio::sync::watch::Sender<Link>) {
+        let cloud = CloudConfig {
+            origin: "test".into(),
+            auth: AuthConfig::NoAuth { project_id: Some("p".into()) },
+            region_name: None,
+            interface: Interface::default(),
+            tls: TlsConfig::default(),
+            endpoint_overrides: [(ServiceType::Network, "http://127.0.0.1:9".parse().unwrap())].into(),
+        };
+        let client = Client::new(
+            &cloud,
+            kuryr_openstack::ClientOptions::default(),
+            Arc::new(kuryr_openstack::Metrics::unregistered()),
+        )
+        .unwrap();
+        let (ready_tx, ready) = mpsc::unbounded_channel();
+        let (refill_tx, _) = mpsc::unbounded_channel();
+        let link = tokio::sync::watch::Sender::new(Link { connected: true, epoch: 1 });
+        let metrics = NeutronMetrics::default();
+        let b = NeutronBackend {
+            neutron: client.network(),
+            networks: Networks::Fixed(VifShape {
+                network_id: "net".into(),
+                subnets: Vec::new(),
+                mtu: 1500,
+                bridge: "br-int".into(),
+            }),
+            project: "p".into(),
+            security_groups: Vec::new(),
+            tag: "t".into(),
+            device_owner: OWNER.into(),
+            limits: Limits { min: 0, batch: 0, max: 0 },
+            poll: (Duration::from_millis(100), Duration::from_secs(2)),
+            inv: Mutex::default(),
+            watched: Mutex::default(),
+            wake: Notify::new(),
+            ready_tx,
+            refill_tx,
+            filling: Mutex::default(),
+            bulk: Semaphore::new(1),
+            recovered: AtomicBool::new(true),
+            events: Some(EventSide {
+                link: link.subscribe(),
+                resync: Duration::from_secs(10),
+                metrics: metrics.events.clone(),
+                state: Mutex::default(),
+                consumer: Mutex::new(None),
+            }),
+            metrics,
+        };
+        (b, ready, link)
+    }
+
+    fn port(id: &str, revision: u64) -> Port {
+        Port { id: id.into(), revision_number: Some(revision), device_owner: OWNER.into(), ..Port::default() }
+    }
+
+    fn ev(id: &str, status: &str, revision: u64, device_id: &str) -> PortEvent {
+        PortEvent {
+            id: id.into(),
+            status: Some(status.into()),
+            revision: Some(revision),
+            device_id: Some(device_id.into()),
+            device_owner: Some(OWNER.into()),
+            hosts: vec!["node-1".into()],
+            deleted: false,
+        }
+    }
+
+    fn count(b: &NeutronBackend, result: &'static str) -> u64 {
+        b.metrics.events.ports.get_or_create(&ResultLabels { result }).get()
+    }
+
+    #[test]
+    fn a_watched_port_is_ready_only_on_a_newer_active_push_naming_its_pod() {
+        let (b, mut ready, _link) = backend();
+        let key = PoolKey::new("node-1", "p", "net", Vec::new());
+        guard(&b.inv).assign("uid-1", &key, port("p1", 5));
+        b.watch_ready("uid-1", "p1", true);
+
+        let mut foreign = ev("vm-port", "ACTIVE", 1, "server-1");
+        foreign.device_owner = Some("compute:nova".into());
+        b.on_port_event(&foreign);
+        b.on_port_event(&ev("other-kuryr-port", "ACTIVE", 3, "x"));
+        assert_eq!(count(&b, "foreign"), 2);
+
+        b.on_port_event(&ev("p1", "ACTIVE", 5, "uid-1"));
+        b.on_port_event(&ev("p1", "ACTIVE", 4, "old-pod"));
+        assert_eq!(count(&b, "stale"), 2, "revisions up to the assignment's say nothing of this plug");
+        b.on_port_event(&ev("p1", "ACTIVE", 10_000, "old-pod"));
+        assert_eq!(count(&b, "stale"), 3, "another pod's port state");
+        b.on_port_event(&ev("p1", "DOWN", 7, "uid-1"));
+        b.on_port_event(&ev("p1", "DOWN", 7, "uid-1"));
+        b.on_port_event(&ev("p1", "ACTIVE", 6, "uid-1"));
+        assert_eq!((count(&b, "pending"), count(&b, "stale")), (1, 5), "a repeat and an older push are stale");
+        assert!(ready.try_recv().is_err(), "nothing marked ready so far");
+        assert!(guard(&b.watched).contains_key("p1"));
+
+        b.on_port_event(&ev("p1", "ACTIVE", 8, "uid-1"));
+        assert_eq!(ready.try_recv().unwrap(), ReadyVif { pod_uid: "uid-1".into(), vif_id: "p1".into() });
+        assert!(!guard(&b.watched).contains_key("p1"));
+        b.on_port_event(&ev("p1", "ACTIVE", 8, "uid-1"));
+        assert!(ready.try_recv().is_err(), "a duplicate marks nothing twice");
+        assert_eq!(b.metrics.ready_sources.get_or_create(&metrics::SourceLabels { source: "event" }).get(), 1);
+    }
+
+    #[test]
+    fn active_before_the_plug_report_counts_unless_a_newer_push_took_it_back() {
+        let (b, mut ready, _link) = backend();
+        let key = PoolKey::new("node-1", "p", "net", Vec::new());
+        guard(&b.inv).assign("uid-4", &key, port("p4", 3));
+        guard(&b.inv).assign("uid-5", &key, port("p5", 3));
+        // p4: ACTIVE then DOWN, delivered out of order.
+        b.on_port_event(&ev("p4", "DOWN", 5, "uid-4"));
+        b.on_port_event(&ev("p4", "ACTIVE", 4, "uid-4"));
+        // p5: ACTIVE.
+        b.on_port_event(&ev("p5", "ACTIVE", 4, "uid-5"));
+        assert_eq!(count(&b, "early"), 1);
+        b.watch_ready("uid-4", "p4", true);
+        assert!(ready.try_recv().is_err(), "p4 was last seen DOWN");
+        b.watch_ready("uid-5", "p5", true);
+        assert_eq!(ready.try_recv().unwrap(), ReadyVif { pod_uid: "uid-5".into(), vif_id: "p5".into() });
+        assert!(guard(&b.watched).contains_key("p4") && !guard(&b.watched).contains_key("p5"));
+    }
+
+    #[test]
+    fn released_ports_are_free_again_when_pushed_unplugged_and_deletions_stop_the_wait() {
+        let (b, mut ready, _link) = backend();
+        let key = PoolKey::new("node-1", "p", "net", Vec::new());
+        guard(&b.inv).put_recycling(&key, port("p2", 9), Instant::now());
+        b.on_port_event(&ev("p2", "DOWN", 8, ""));
+        assert_eq!(guard(&b.inv).recycling().len(), 1, "a push older than the release");
+        b.on_port_event(&ev("p2", "ACTIVE", 10, ""));
+        assert_eq!(guard(&b.inv).recycling().len(), 1, "still plugged");
+        b.on_port_event(&ev("p2", "DOWN", 11, ""));
+        assert!(guard(&b.inv).recycling().is_empty());
+        assert_eq!(guard(&b.inv).view(&key).unwrap().free, ["p2"]);
+        assert_eq!(count(&b, "recycled"), 1);
+        b.on_port_event(&ev("p2", "DOWN", 12, ""));
+        assert_eq!(count(&b, "idle"), 1, "a free port's push changes nothing");
+
+        guard(&b.inv).assign("uid-3", &key, port("p3", 2));
+        b.watch_ready("uid-3", "p3", true);
+        let mut gone = ev("p3", "DOWN", 3, "uid-3");
+        gone.status = None;
+        gone.deleted = true;
+        b.on_port_event(&gone);
+        assert!(!guard(&b.watched).contains_key("p3"));
+        assert!(ready.try_recv().is_err());
+        assert_eq!(count(&b, "gone"), 1);
     }
 }

@@ -66,6 +66,17 @@ impl PoolState {
     }
 }
 
+/// Where a port of the inventory is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// Released, waiting to be seen unplugged: its pool and revision at release.
+    Recycling(PoolKey, Option<u64>),
+    /// Held by a pod: its uid and the port's revision at assignment.
+    Held(String, Option<u64>),
+    /// Free in a pool.
+    Free,
+}
+
 /// A pool as the pool API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolView {
@@ -150,6 +161,28 @@ impl Inventory {
     /// The pod no longer holds its port; returns it with its pool.
     pub fn unassign(&mut self, pod_uid: &str) -> Option<(PoolKey, Port)> {
         self.in_use.remove(pod_uid)
+    }
+
+    /// Where a port is, for a pushed port event: the pool of a recycling port with its revision
+    /// at release, or the pod holding it with its revision at assignment, or `Free`; `None`
+    /// when the port is not this allocator's.
+    pub fn place(&self, port_id: &str) -> Option<Place> {
+        for (k, s) in &self.pools {
+            if let Some((p, _)) = s.recycling.get(port_id) {
+                return Some(Place::Recycling(k.clone(), p.revision_number));
+            }
+        }
+        if let Some((uid, (_, p))) = self.in_use.iter().find(|(_, (_, p))| p.id == port_id) {
+            return Some(Place::Held(uid.clone(), p.revision_number));
+        }
+        self.pools.values().any(|s| s.free.iter().any(|p| p.id == port_id)).then_some(Place::Free)
+    }
+
+    /// The ids of every port held, free or recycling.
+    pub fn port_ids(&self) -> std::collections::HashSet<String> {
+        let pooled =
+            self.pools.values().flat_map(|s| s.free.iter().map(|p| p.id.clone()).chain(s.recycling.keys().cloned()));
+        pooled.chain(self.in_use.values().map(|(_, p)| p.id.clone())).collect()
     }
 
     /// Every pod holding a port: (pod uid, pool, port).

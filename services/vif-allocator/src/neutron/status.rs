@@ -1,8 +1,16 @@
-//! The port status poller: Neutron never pushes, so the status of every port in transition —
-//! plugged and waiting for ACTIVE, or released and waiting to be seen unplugged — is read in
-//! batched list calls (`GET /v2.0/ports?id=..&id=..&fields=status`, 50 ids per call), not one
-//! GET per port.
+//! Port status reads. The status of ports in transition — plugged and waiting for ACTIVE, or
+//! released and waiting to be seen unplugged — is read in batched list calls
+//! (`GET /v2.0/ports?id=..&id=..&fields=status`, 50 ids per call), not one GET per port.
 //!
+//! **With port events** ([`super::events`]) and the broker consumed, these reads are only the
+//! safety net: every `--neutron-events-resync-interval`, the ports that have waited longer than
+//! that interval (an event lost), and once after each (re)connection every waiting port (events
+//! missed while away, or before the subscription). They are counted apart
+//! (`kuryr_allocator_neutron_status_safety_reads_total`). A port they find ACTIVE is logged: with
+//! a working subscription that does not happen. While the broker is unreachable the poller below
+//! runs as without events.
+//!
+//! **Without events** (or the broker away), the poller:
 //! Pacing: right after something is added; then every `--status-poll-min` while a plugged port
 //! waits for ACTIVE and was plugged less than [`EXPECTED_ACTIVE`] ago — the agent wires a port
 //! within seconds, and each round's wait is time added to the pod's start (one read covers
@@ -51,13 +59,40 @@ impl NeutronBackend {
         let (min, max) = self.poll;
         let mut delay = min;
         let mut failing = false;
+        let mut link_rx = self.events.as_ref().map(|e| e.link.clone());
+        // The link epoch whose (re)connection read is done.
+        let mut synced = 0u64;
         loop {
+            if let Some(link) = self.event_link().filter(|l| l.connected) {
+                synced = self.safety_round(link.epoch, synced, &mut failing).await;
+                let resync = self.events.as_ref().map_or(max, |e| e.resync);
+                let changed = async {
+                    match link_rx.as_mut() {
+                        Some(rx) => drop(rx.changed().await),
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(if failing { resync.min(FAILURE_CAP) } else { resync }) => {}
+                    () = changed => {}
+                    () = shutdown.clone().wait() => return,
+                }
+                delay = min;
+                continue;
+            }
             let watched: Vec<(String, super::Watched)> =
                 guard(&self.watched).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             let recycling = guard(&self.inv).recycling();
             if watched.is_empty() && recycling.is_empty() {
+                let changed = async {
+                    match link_rx.as_mut() {
+                        Some(rx) => drop(rx.changed().await),
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     () = self.wake.notified() => {}
+                    () = changed => {}
                     () = shutdown.clone().wait() => return,
                 }
                 delay = min;
@@ -77,7 +112,7 @@ impl NeutronBackend {
                     }
                     let status: HashMap<&str, &str> =
                         ports.iter().map(|p| (p.id.as_str(), p.status.as_str())).collect();
-                    let changed = self.apply_status(&status, &watched, &recycling).await;
+                    let changed = self.apply_status(&status, &watched, &recycling, "poll").await;
                     delay = next_delay(delay, (min, max), changed, expecting);
                 }
                 Err(e) => {
@@ -90,10 +125,69 @@ impl NeutronBackend {
                 }
             }
             let next = if failing { tokio::time::Instant::now() + delay } else { started + delay };
+            let changed = async {
+                match link_rx.as_mut() {
+                    Some(rx) => drop(rx.changed().await),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
                 () = self.wake.notified() => delay = min,
+                () = changed => {}
                 () = shutdown.clone().wait() => return,
+            }
+        }
+    }
+
+    /// One reconciling read while events are consumed: every waiting port once per link epoch
+    /// (after a (re)connection), else those waiting longer than the resync interval. Returns the
+    /// epoch now synced.
+    async fn safety_round(&self, epoch: u64, synced: u64, failing: &mut bool) -> u64 {
+        let resync = self.events.as_ref().map_or(FAILURE_CAP, |e| e.resync);
+        let all = epoch != synced;
+        let watched: Vec<(String, super::Watched)> = guard(&self.watched)
+            .iter()
+            .filter(|(_, w)| all || w.since.elapsed() >= resync)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let recycling: Vec<_> =
+            guard(&self.inv).recycling().into_iter().filter(|(_, _, at)| all || at.elapsed() >= resync).collect();
+        self.prune_event_state();
+        if watched.is_empty() && recycling.is_empty() {
+            return epoch;
+        }
+        let ids: Vec<String> =
+            watched.iter().map(|(id, _)| id.clone()).chain(recycling.iter().map(|(_, id, _)| id.clone())).collect();
+        let reason = if all { "reconnect" } else { "interval" };
+        self.metrics.safety_read(reason);
+        let filter = Filter::new().fields(&["status", "network_id", "mac_address"]);
+        match self.neutron.list_ports_by_ids(&ids, &filter).await {
+            Ok(ports) => {
+                *failing = false;
+                let status: HashMap<&str, &str> = ports.iter().map(|p| (p.id.as_str(), p.status.as_str())).collect();
+                if !all {
+                    let late: Vec<&str> = watched
+                        .iter()
+                        .filter(|(id, _)| status.get(id.as_str()) == Some(&"ACTIVE"))
+                        .map(|(id, _)| id.as_str())
+                        .collect();
+                    if !late.is_empty() {
+                        tracing::warn!(ports = ?late, after = ?resync,
+                            "ports found ACTIVE by the reconciling read, no event seen for them (lost, or \
+                             --neutron-events-port-versions misses Neutron's Port version)");
+                    }
+                }
+                self.apply_status(&status, &watched, &recycling, "safety").await;
+                epoch
+            }
+            Err(e) => {
+                self.metrics.status_poll_failures.inc();
+                if !*failing {
+                    tracing::warn!(error = %e, ports = ids.len(), reason, "reconciling port status read failed; retrying");
+                    *failing = true;
+                }
+                synced
             }
         }
     }
@@ -104,6 +198,7 @@ impl NeutronBackend {
         status: &HashMap<&str, &str>,
         watched: &[(String, super::Watched)],
         recycling: &[(super::PoolKey, String, Instant)],
+        source: &'static str,
     ) -> bool {
         let mut changed = false;
         for (port, w) in watched {
@@ -118,9 +213,7 @@ impl NeutronBackend {
                         same
                     };
                     if still {
-                        self.metrics.active_latency.observe(w.since.elapsed().as_secs_f64());
-                        tracing::debug!(port, uid = %w.pod_uid, after_ms = w.since.elapsed().as_millis() as u64, "port ACTIVE");
-                        self.send_ready(w.pod_uid.clone(), port.clone());
+                        self.port_active(port, w, source);
                         changed = true;
                     }
                 }

@@ -1,32 +1,36 @@
 //! Following the watcher's namespaces for per-namespace networks: one Subscribe stream of
-//! Namespaces (resumed after a break, re-listed after RESET) feeding which namespaces exist and
-//! which are being deleted; a namespace being deleted or gone is queued for
+//! Namespaces (followed by the one follower of [`kuryr_stream::follow`]: resumed after a break,
+//! re-listed after RESET, dropped when silent, reopened with backoff) feeding which namespaces
+//! exist and which are being deleted; a namespace being deleted or gone is queued for
 //! [`NeutronBackend::reconcile_namespace`] on a keyed work queue (one run per namespace at a
 //! time, failures retried with capped backoff), and so is one whose last port was just released.
 //! At the first snapshot, recorded networks of namespaces the snapshot did not name are queued
 //! too: those namespaces went while no allocator ran.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Kind, SubscribeRequest};
 use kuryr_runtime::Shutdown;
-use kuryr_stream::{Outcome, WorkQueue};
-use tonic::transport::Channel;
+use kuryr_runtime::auth::client::PeerChannel;
+use kuryr_runtime::follow::follow_watcher;
+use kuryr_stream::{FollowConfig, Followed, Outcome, WorkQueue};
 use tracing::Instrument as _;
 
 use super::{NamespaceOutcome, guard};
 use crate::neutron::NeutronBackend;
 
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Namespaces reconciled at once.
 const WORKERS: usize = 4;
 
 /// Runs the namespace follower and its workers until shutdown. Does nothing unless the backend
 /// has per-namespace networks.
-pub async fn run(backend: Arc<NeutronBackend>, channel: Channel, subscriber: String, shutdown: Shutdown) {
+pub async fn run(
+    backend: Arc<NeutronBackend>,
+    channel: PeerChannel,
+    subscriber: String,
+    follow: FollowConfig,
+    shutdown: Shutdown,
+) {
     let Some(nn) = backend.namespace_networks().cloned() else { return };
     let queue = Arc::new(WorkQueue::default());
     for i in 0..WORKERS {
@@ -67,96 +71,70 @@ pub async fn run(backend: Arc<NeutronBackend>, channel: Channel, subscriber: Str
             }
         });
     }
-    let mut client = WatcherClient::new(channel);
-    let mut resume = String::new();
-    let mut delay = RETRY_MIN;
+    let req = SubscribeRequest {
+        kinds: vec![Kind::Namespace as i32],
+        filter: None,
+        resume_from: String::new(),
+        subscriber: subscriber.clone(),
+    };
+    let mut follower = follow_watcher(channel, req, follow);
     let mut first_snapshot = true;
     loop {
-        let req = SubscribeRequest {
-            kinds: vec![Kind::Namespace as i32],
-            filter: None,
-            resume_from: resume.clone(),
-            subscriber: subscriber.clone(),
-        };
-        let opened = tokio::select! {
-            r = client.subscribe(req) => r,
+        let next = tokio::select! {
+            next = follower.next() => next,
             () = shutdown.clone().wait() => return,
         };
-        let why = match opened {
-            Ok(resp) => {
-                let mut stream = resp.into_inner();
-                loop {
-                    let msg = tokio::select! {
-                        m = stream.message() => m,
-                        () = shutdown.clone().wait() => return,
-                    };
-                    let ev = match msg {
-                        Ok(Some(ev)) => ev,
-                        Ok(None) => break "the watcher ended the stream".to_string(),
-                        Err(s) => break format!("the stream broke: {}: {}", s.code(), s.message()),
-                    };
-                    if !ev.resume_point.is_empty() {
-                        resume.clone_from(&ev.resume_point);
-                    }
-                    let kind = ev.r#type();
-                    let obj = ev.object.unwrap_or_default();
-                    match kind {
-                        EventType::Applied
-                            if obj.kind() == Kind::Namespace && nn.observe(&obj.name, Some(obj.deleting)) =>
-                        {
-                            queue.add(&obj.name);
+        let ev = match next {
+            Followed::Event(ev) => ev,
+            Followed::Down(_) => {
+                guard(&nn.state).live = false;
+                continue;
+            }
+        };
+        let kind = ev.r#type();
+        let obj = ev.object.unwrap_or_default();
+        match kind {
+            EventType::Applied if obj.kind() == Kind::Namespace && nn.observe(&obj.name, Some(obj.deleting)) => {
+                queue.add(&obj.name);
+            }
+            EventType::Deleted if obj.kind() == Kind::Namespace && nn.observe(&obj.name, None) => {
+                queue.add(&obj.name);
+            }
+            EventType::Reset => {
+                let mut st = guard(&nn.state);
+                st.seen.clear();
+                st.live = false;
+            }
+            EventType::SnapshotComplete => {
+                let mut gone: Vec<String> = {
+                    let mut st = guard(&nn.state);
+                    st.live = true;
+                    st.nets.keys().filter(|ns| !st.seen.contains_key(*ns)).cloned().collect()
+                };
+                if first_snapshot {
+                    first_snapshot = false;
+                    // Records of namespaces not loaded (not Ready when the allocator stopped)
+                    // count too.
+                    match nn.kube.list_records().await {
+                        Ok(records) => {
+                            let st = guard(&nn.state);
+                            gone.extend(
+                                records
+                                    .into_iter()
+                                    .map(|r| r.spec.namespace)
+                                    .filter(|ns| st.seen.get(ns) != Some(&false)),
+                            );
                         }
-                        EventType::Deleted if obj.kind() == Kind::Namespace && nn.observe(&obj.name, None) => {
-                            queue.add(&obj.name);
-                        }
-                        EventType::Reset => {
-                            let mut st = guard(&nn.state);
-                            st.seen.clear();
-                            st.live = false;
-                        }
-                        EventType::SnapshotComplete => {
-                            delay = RETRY_MIN;
-                            let gone: Vec<String> = {
-                                let mut st = guard(&nn.state);
-                                st.live = true;
-                                st.nets.keys().filter(|ns| !st.seen.contains_key(*ns)).cloned().collect()
-                            };
-                            let mut gone = gone;
-                            if first_snapshot {
-                                first_snapshot = false;
-                                // Records of namespaces not loaded (not Ready when the allocator
-                                // stopped) count too.
-                                match nn.kube.list_records().await {
-                                    Ok(records) => {
-                                        let st = guard(&nn.state);
-                                        gone.extend(
-                                            records
-                                                .into_iter()
-                                                .map(|r| r.spec.namespace)
-                                                .filter(|ns| st.seen.get(ns) != Some(&false)),
-                                        );
-                                    }
-                                    Err(e) => tracing::warn!(error = %crate::cluster::chain(&e),
-                                        "listing NamespaceNetworks failed; deleted namespaces are handled as seen"),
-                                }
-                            }
-                            for ns in gone {
-                                queue.add(&ns);
-                            }
-                            tracing::info!(namespaces = guard(&nn.state).seen.len(), "namespace snapshot complete");
-                        }
-                        _ => {}
+                        Err(e) => tracing::warn!(error = %crate::cluster::chain(&e),
+                            "listing NamespaceNetworks failed; deleted namespaces are handled as seen"),
                     }
                 }
+                for ns in gone {
+                    queue.add(&ns);
+                }
+                tracing::info!(namespaces = guard(&nn.state).seen.len(), "namespace snapshot complete");
             }
-            Err(s) => format!("cannot subscribe: {}: {}", s.code(), s.message()),
-        };
-        guard(&nn.state).live = false;
-        tracing::warn!(error = why, retry_in = ?delay, "namespace stream unavailable; reconnecting");
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = shutdown.clone().wait() => return,
+            _ => {}
         }
-        delay = (delay * 2).min(RETRY_MAX);
     }
 }

@@ -121,7 +121,7 @@ pub struct ClusterOptions {
     pub ipv4_block_prefix: Option<u8>,
     /// `--log` of the services.
     pub service_log: String,
-    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take;
+    /// More flags for kuryr-watcher, kuryr-vif-allocator, kuryr-lbaas and kuryr-policy (flags they all take;
     /// stream timing goes in `stream_timing`).
     pub service_args: Vec<String>,
     /// More flags for every node's kuryr-binder.
@@ -136,9 +136,9 @@ pub struct ClusterOptions {
 /// How often the services' streams carry heartbeats, and how long their readers wait for one.
 #[derive(Clone, Debug)]
 pub struct StreamTiming {
-    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas.
+    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator, kuryr-lbaas and kuryr-policy.
     pub heartbeat: String,
-    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas and the binders.
+    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas, kuryr-policy and the binders.
     pub idle_timeout: String,
 }
 
@@ -374,7 +374,8 @@ impl Cluster {
         ];
         allocator_args.extend(StreamTiming::heartbeat_args(timing));
         allocator_args.extend(StreamTiming::idle_args(timing));
-        allocator_args.extend(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]));
+        allocator_args
+            .extend(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]));
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
@@ -422,7 +423,7 @@ impl Cluster {
         let policy = if opts.policy {
             let t = Instant::now();
             let policy_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, POLICY_ACCOUNT).await?;
-            let policy_args = [
+            let mut policy_args = vec![
                 "--kubeconfig".into(),
                 policy_config.display().to_string(),
                 "--watcher".into(),
@@ -430,10 +431,12 @@ impl Cluster {
                 "--instance".into(),
                 "kuryr-policy-0".into(),
             ];
+            policy_args.extend(StreamTiming::heartbeat_args(timing));
+            policy_args.extend(StreamTiming::idle_args(timing));
             let policy = start_service(
                 "kuryr-policy",
                 dir.path(),
-                &policy_args,
+                &[&policy_args[..], &opts.service_args].concat(),
                 &opts.service_log,
                 service_names::POLICIES,
                 &progress,

@@ -91,7 +91,14 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         );
         assert_eq!(
             kinds(&objs, "ServiceAccount"),
-            ["kuryr-binder", "kuryr-lbaas", "kuryr-policy", "kuryr-pool-manager", "kuryr-vif-allocator", "kuryr-watcher"]
+            [
+                "kuryr-binder",
+                "kuryr-lbaas",
+                "kuryr-policy",
+                "kuryr-pool-manager",
+                "kuryr-vif-allocator",
+                "kuryr-watcher"
+            ]
         );
         assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-policy", "kuryr-vif-allocator", "kuryr-watcher"]);
         assert_eq!(kinds(&objs, "DaemonSet"), ["kuryr-binder"]);
@@ -103,7 +110,7 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         }
         // Whoever calls another kuryr service gets a projected token for the kuryr audience
         // only, where --auth-token-file expects it.
-        for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas"] {
+        for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-policy"] {
             let o = objs.iter().find(|o| o["metadata"]["name"] == name && o["spec"]["template"].is_object()).unwrap();
             let spec = &o["spec"]["template"]["spec"];
             let volume = spec["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "kuryr-token");

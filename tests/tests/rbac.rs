@@ -19,8 +19,8 @@ use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
 use kuryr_tests::util::repo_root;
 use serde_json::json;
 
-const ACCOUNTS: [&str; 5] =
-    ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-binder", "kuryr-pool-manager"];
+const ACCOUNTS: [&str; 6] =
+    ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-policy", "kuryr-binder", "kuryr-pool-manager"];
 /// An account bound to nothing: what it holds, every account holds.
 const BASELINE: &str = "rbac-baseline";
 /// A namespace with no kuryr Role in it.

@@ -1,13 +1,17 @@
 //! The gRPC edge: validates requests (naming the offending field), streams one node's part of
-//! the log over WatchPolicies (snapshot, deltas, resume; see [`kuryr_stream::feed`]) and answers
-//! GetNodePolicy from it.
+//! the log over WatchPolicies (snapshot, deltas, resume, heartbeats; see [`kuryr_stream::feed`])
+//! and answers GetNodePolicy from it. A caller whose token is bound to a node (a binder's) gets
+//! that node's policy only.
 
 use kuryr_policy_core::addr::AddrRange;
 use kuryr_policy_core::{Allowed, Protocol};
 use kuryr_proto::policy::v1 as pb;
 use kuryr_proto::policy::v1::policies_server::Policies;
+use std::time::Duration;
+
 use kuryr_runtime::Shutdown;
-use kuryr_stream::{Event, How, Subscriber};
+use kuryr_runtime::auth::{self, Caller};
+use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -27,12 +31,35 @@ pub struct PolicyService {
     log: PolicyLog,
     metrics: Metrics,
     shutdown: Shutdown,
+    heartbeat: Duration,
 }
+
+/// The heartbeat interval unless told otherwise (`--stream-heartbeat`).
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 
 impl PolicyService {
     /// Serves `log`.
     pub fn new(log: PolicyLog, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { log, metrics, shutdown }
+        Self { log, metrics, shutdown, heartbeat: DEFAULT_HEARTBEAT }
+    }
+
+    /// Streams carry a HEARTBEAT whenever nothing else was sent for `every`.
+    #[must_use]
+    pub fn with_heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
+    }
+}
+
+/// PERMISSION_DENIED when the caller's credentials are bound to a node other than `node`: a
+/// binder reads its own node's policy only. Callers bound to no node (an operator's token,
+/// `--auth none`) are not held to one.
+pub fn own_node(caller: Option<&Caller>, node: &str) -> Result<(), Status> {
+    match caller.and_then(Caller::node) {
+        Some(bound) if bound != node => Err(Status::permission_denied(format!(
+            "node_name: `{node}` is not the node this caller's token is bound to ({bound})"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -136,6 +163,7 @@ impl Subscriber<Key, Entry> for Watch {
         let mut out = pb::WatchPoliciesResponse { resume_point, ..Default::default() };
         let t = match event {
             Event::Reset => T::Reset,
+            Event::Heartbeat => T::Heartbeat,
             Event::SnapshotComplete => T::SnapshotComplete,
             Event::Applied((_, Item::Group(id)), e) => {
                 if let Entry::Group { allowed, policies } = &**e {
@@ -160,10 +188,6 @@ impl Subscriber<Key, Entry> for Watch {
         Ok(out)
     }
 
-    fn closing(&self) -> Option<Self::Item> {
-        Some(Err(Status::unavailable("kuryr-policy is shutting down; reconnect with resume_from")))
-    }
-
     fn started(&self, how: How) {
         self.metrics.subscriptions.get_or_create(&StartLabels { start: how.label() }).inc();
     }
@@ -185,20 +209,21 @@ impl Policies for PolicyService {
         req: Request<pb::WatchPoliciesRequest>,
     ) -> Result<Response<Self::WatchPoliciesStream>, Status> {
         let peer = req.remote_addr().map_or_else(|| "local".to_string(), |a| a.to_string());
+        let caller = auth::caller(&req).cloned();
         let req = req.into_inner();
         validate_watch(&req)?;
+        own_node(caller.as_ref(), &req.node_name)?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", node = %req.node_name, subscriber = %subscriber, peer = %peer);
         let watch = Watch { node: req.node_name.clone(), metrics: self.metrics.clone() };
-        let opened = kuryr_stream::feed::subscribe(
-            &self.log,
-            &req.resume_from,
-            watch,
-            STREAM_BUFFER,
-            self.shutdown.clone().wait(),
-            span.clone(),
-        )
-        .map_err(|_| Status::unavailable(NOT_READY))?;
+        let shutdown = self.shutdown.clone();
+        let stop = async move {
+            shutdown.wait().await;
+            Err(Status::unavailable("kuryr-policy is shutting down; reconnect with resume_from"))
+        };
+        let options = Options { buffer: STREAM_BUFFER, heartbeat: Some(self.heartbeat) };
+        let opened = kuryr_stream::feed::subscribe(&self.log, &req.resume_from, watch, options, stop, span.clone())
+            .map_err(|_| Status::unavailable(NOT_READY))?;
         self.metrics.subscribers.inc();
         span.in_scope(|| {
             tracing::info!(resume_from = %req.resume_from, how = opened.how.label(), items = opened.items,
@@ -211,8 +236,10 @@ impl Policies for PolicyService {
         &self,
         req: Request<pb::GetNodePolicyRequest>,
     ) -> Result<Response<pb::NodePolicy>, Status> {
+        let caller = auth::caller(&req).cloned();
         let req = req.into_inner();
         node_name(&req.node_name)?;
+        own_node(caller.as_ref(), &req.node_name)?;
         let log = kuryr_stream::log::lock(&self.log);
         if !log.is_ready() {
             return Err(Status::unavailable(NOT_READY));

@@ -136,7 +136,8 @@ impl Publisher {
                 }
                 Effect::None
             }
-            EventType::Unspecified => Effect::None,
+            // The follower keeps heartbeats to itself; nothing to compile in one anyway.
+            EventType::Heartbeat | EventType::Unspecified => Effect::None,
         }
     }
 

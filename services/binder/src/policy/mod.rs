@@ -2,8 +2,9 @@
 //! stream for its node and programs nftables in the node's network namespace ([`render`]
 //! describes the rules).
 //!
-//! Two tasks share the [`state::State`]: the follower reads the stream (resuming after a break,
-//! reconnecting with backoff), the programmer renders the desired state and writes the
+//! Two tasks share the [`state::State`]: the follower reads the stream (the one follower of
+//! [`kuryr_stream::follow`]: resuming after a break, dropping a stream silent for longer than
+//! `--stream-idle-timeout`, reconnecting with jittered backoff), the programmer renders the desired state and writes the
 //! difference from what it programmed last as one `nft -f` transaction. Changes that arrive
 //! while a transaction runs are applied together in the next one.
 //!
@@ -25,23 +26,74 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use kuryr_proto::policy::v1::WatchPoliciesRequest;
 use kuryr_proto::policy::v1::policies_client::PoliciesClient;
+use kuryr_proto::policy::v1::{PolicyEventType, WatchPoliciesRequest, WatchPoliciesResponse};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::auth::client::PeerChannel;
+use kuryr_runtime::follow::{Failed, next_message};
+use kuryr_stream::follow::{FollowConfig, Followed, Follower, Mark, Source};
 use tokio::sync::Notify;
-use tonic::transport::Channel;
+use tonic::Streaming;
 
 use self::metrics::PolicyMetrics;
 use self::render::Rendered;
 use self::state::{Applied, State};
 use crate::lb::nft::Nft;
 
-/// Reconnect delays after the stream breaks, and retry delays after a failed transaction.
+/// Retry delays after a failed transaction.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// The file, in the state directory, recording what was programmed.
 pub const RECORD: &str = "policy.json";
+
+/// kuryr-policy's `WatchPolicies` stream of this node, for the follower.
+#[derive(Debug)]
+struct PolicySource {
+    client: PoliciesClient<PeerChannel>,
+    node: String,
+    subscriber: String,
+    state: Arc<Mutex<State>>,
+}
+
+impl Source for PolicySource {
+    type Event = WatchPoliciesResponse;
+    type Error = Failed;
+    type Stream = Streaming<WatchPoliciesResponse>;
+
+    async fn open(&mut self, resume_from: &str) -> Result<Self::Stream, Failed> {
+        let req = WatchPoliciesRequest {
+            node_name: self.node.clone(),
+            resume_from: resume_from.to_string(),
+            subscriber: self.subscriber.clone(),
+        };
+        let stream = self.client.watch_policies(req).await.map_err(Failed)?.into_inner();
+        tracing::info!(resume_from, "following kuryr-policy's compiled policy for this node");
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).opened(resume_from);
+        Ok(stream)
+    }
+
+    async fn next(stream: &mut Self::Stream) -> Result<Option<WatchPoliciesResponse>, Failed> {
+        next_message(stream).await
+    }
+
+    fn mark(event: &WatchPoliciesResponse) -> Mark {
+        match event.r#type() {
+            PolicyEventType::Reset => Mark::Reset,
+            PolicyEventType::SnapshotComplete => Mark::SnapshotComplete,
+            PolicyEventType::Heartbeat => Mark::Heartbeat,
+            PolicyEventType::IsolationApplied
+            | PolicyEventType::IsolationDeleted
+            | PolicyEventType::GroupApplied
+            | PolicyEventType::GroupDeleted
+            | PolicyEventType::Unspecified => Mark::Change,
+        }
+    }
+
+    fn resume_point(event: &WatchPoliciesResponse) -> &str {
+        &event.resume_point
+    }
+}
 
 /// The NetworkPolicy dataplane; cheap to clone.
 #[derive(Clone, Debug)]
@@ -82,68 +134,46 @@ impl Dataplane {
     }
 
     /// Starts the follower and the programmer; they run until shutdown.
-    pub fn spawn(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
+    pub fn spawn(self, channel: PeerChannel, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
-        tokio::spawn(self.follow(channel, subscriber, shutdown));
+        let source = PolicySource {
+            client: PoliciesClient::new(channel),
+            node: self.node.clone(),
+            subscriber,
+            state: self.state.clone(),
+        };
+        let follower = Follower::new(source, "kuryr-policy's policy stream", follow);
+        tokio::spawn(self.follow(follower, shutdown));
     }
 
-    /// Follows the stream until shutdown.
-    async fn follow(self, channel: Channel, subscriber: String, shutdown: Shutdown) {
-        let mut client = PoliciesClient::new(channel);
-        let mut delay = RETRY_MIN;
+    /// Follows the stream until shutdown. While it is down the rules programmed stay in force.
+    async fn follow(self, mut follower: Follower<PolicySource>, shutdown: Shutdown) {
         loop {
-            let resume_from = self.lock().resume_from.clone();
-            let req = WatchPoliciesRequest {
-                node_name: self.node.clone(),
-                resume_from: resume_from.clone(),
-                subscriber: subscriber.clone(),
-            };
-            let res = tokio::select! {
-                r = client.watch_policies(req) => r,
+            let next = tokio::select! {
+                next = follower.next() => next,
                 () = shutdown.clone().wait() => return,
             };
-            let why = match res {
-                Ok(resp) => {
-                    tracing::info!(resume_from, "following kuryr-policy's compiled policy for this node");
-                    self.lock().opened();
-                    let mut stream = resp.into_inner();
-                    loop {
-                        let msg = tokio::select! {
-                            m = stream.message() => m,
-                            () = shutdown.clone().wait() => return,
-                        };
-                        match msg {
-                            Ok(Some(ev)) => {
-                                delay = RETRY_MIN;
-                                let applied = self.lock().apply(&ev);
-                                match applied {
-                                    Applied::Quiet => {}
-                                    Applied::Changed => self.mark_changed(),
-                                    Applied::SnapshotComplete => {
-                                        let n = self.lock().desired.isolations.len();
-                                        tracing::info!(isolated = n, "policy snapshot complete; programming");
-                                        self.mark_changed();
-                                    }
-                                    Applied::Invalid(why) => {
-                                        self.metrics.invalid(1);
-                                        tracing::warn!(why, "policy event left out");
-                                    }
-                                }
-                            }
-                            Ok(None) => break "the stream was ended by kuryr-policy".to_string(),
-                            Err(e) => break format!("the stream broke: {:?}: {}", e.code(), e.message()),
-                        }
-                    }
+            let ev = match next {
+                Followed::Event(ev) => ev,
+                Followed::Down(_) => {
+                    self.metrics.stream_break();
+                    continue;
                 }
-                Err(e) => format!("cannot open the stream: {:?}: {}", e.code(), e.message()),
             };
-            tracing::warn!(why, retry_in = ?delay, "WatchPolicies: reconnecting; the rules programmed stay in force");
-            self.metrics.stream_break();
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = shutdown.clone().wait() => return,
+            let applied = self.lock().apply(&ev);
+            match applied {
+                Applied::Quiet => {}
+                Applied::Changed => self.mark_changed(),
+                Applied::SnapshotComplete => {
+                    let n = self.lock().desired.isolations.len();
+                    tracing::info!(isolated = n, "policy snapshot complete; programming");
+                    self.mark_changed();
+                }
+                Applied::Invalid(why) => {
+                    self.metrics.invalid(1);
+                    tracing::warn!(why, "policy event left out");
+                }
             }
-            delay = (delay * 2).min(RETRY_MAX);
         }
     }
 

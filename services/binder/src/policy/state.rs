@@ -49,9 +49,10 @@ pub struct State {
 }
 
 impl State {
-    /// Called when a stream is opened: without a resume point, a snapshot follows at once.
-    pub fn opened(&mut self) {
-        self.pending = if self.resume_from.is_empty() { Some(Desired::default()) } else { None };
+    /// Called when a stream is opened from `resume_from`: without a resume point, a snapshot
+    /// follows at once.
+    pub fn opened(&mut self, resume_from: &str) {
+        self.pending = if resume_from.is_empty() { Some(Desired::default()) } else { None };
     }
 
     /// Applies one event.
@@ -97,7 +98,7 @@ impl State {
                 }
                 if self.pending.is_some() { Applied::Quiet } else { Applied::Changed }
             }
-            PolicyEventType::Unspecified => Applied::Quiet,
+            PolicyEventType::Heartbeat | PolicyEventType::Unspecified => Applied::Quiet,
         };
         if !ev.resume_point.is_empty() {
             self.resume_from.clone_from(&ev.resume_point);
@@ -128,7 +129,7 @@ mod tests {
     #[test]
     fn a_snapshot_replaces_the_state_only_when_complete() {
         let mut s = State::default();
-        s.opened();
+        s.opened("");
         assert_eq!(s.apply(&group(PolicyEventType::GroupApplied, "i1")), Applied::Quiet);
         assert_eq!(s.apply(&iso(PolicyEventType::IsolationApplied, "10.0.0.1", "i1", "e-snapshot")), Applied::Quiet);
         assert!(s.desired.groups.is_empty() && !s.synced);
@@ -139,7 +140,7 @@ mod tests {
         assert_eq!(s.apply(&iso(PolicyEventType::IsolationDeleted, "10.0.0.1", "", "e-4")), Applied::Changed);
         assert!(s.desired.isolations.is_empty());
         // Reconnecting with a resume point: no snapshot expected unless RESET comes.
-        s.opened();
+        s.opened("e-4");
         assert_eq!(s.apply(&iso(PolicyEventType::IsolationApplied, "10.0.0.2", "i1", "e-5")), Applied::Changed);
         assert_eq!(s.apply(&ev(PolicyEventType::Reset, "e-snapshot")), Applied::Quiet);
         assert_eq!(s.desired.isolations.len(), 1, "kept until the new snapshot completes");

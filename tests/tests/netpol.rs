@@ -480,13 +480,22 @@ async fn ip_reuse(
     w.check("deny-all ingress", &[("np-a/client", "np-a/locked", Proto::Tcp, PORT, Denied)]).await?;
     let old = w.ip("np-a/locked", true);
     // What grpcurl shows of the node's compiled policy: the pod isolated by the policy's group.
+    // It is the binders' to read, each (with its node-bound token) its own node's only.
     let policy_svc = cluster.policy().context("kuryr-policy")?;
+    let get = "kuryr.policy.v1.Policies/GetNodePolicy";
     let body = format!(r#"{{"node_name":"{node}"}}"#);
-    let (ok, out) =
-        grpcurl(&["-plaintext", "-d", &body, &policy_svc.tcp, "kuryr.policy.v1.Policies/GetNodePolicy"]).await?;
+    let (ok, out) = grpcurl(&["-plaintext", "-d", &body, &policy_svc.tcp, get]).await?;
+    anyhow::ensure!(!ok && out.contains("Unauthenticated"), "GetNodePolicy without a token: {out}");
+    let own = cluster.kube().kuryr_token("kuryr-system", "kuryr-binder", Some(node)).await?;
+    let [h, own] = kuryr_tests::auth::grpcurl_header(&own);
+    let (ok, out) = grpcurl(&["-plaintext", &h, &own, "-d", &body, &policy_svc.tcp, get]).await?;
     anyhow::ensure!(ok && out.contains(&format!("\"{old}\"")) && out.contains("np-a/locked"), "GetNodePolicy: {out}");
-    let (ok, out) =
-        grpcurl(&["-plaintext", "-d", "{}", &policy_svc.tcp, "kuryr.policy.v1.Policies/GetNodePolicy"]).await?;
+    let other = cluster.nodes().iter().map(|n| n.name.clone()).find(|n| n != node).context("a second node")?;
+    let other = cluster.kube().kuryr_token("kuryr-system", "kuryr-binder", Some(&other)).await?;
+    let [h, other] = kuryr_tests::auth::grpcurl_header(&other);
+    let (ok, out) = grpcurl(&["-plaintext", &h, &other, "-d", &body, &policy_svc.tcp, get]).await?;
+    anyhow::ensure!(!ok && out.contains("PermissionDenied"), "another node's binder reading {node}'s policy: {out}");
+    let (ok, out) = grpcurl(&["-plaintext", &h, &own, "-d", "{}", &policy_svc.tcp, get]).await?;
     anyhow::ensure!(!ok && out.contains("InvalidArgument") && out.contains("node_name"), "empty node_name: {out}");
     pods.delete("locked", &DeleteParams::default()).await?;
     w.running.remove("np-a/locked");

@@ -289,6 +289,49 @@ mod tests {
     }
 
     #[test]
+    fn a_node_bound_caller_reads_its_own_node_only() {
+        use kuryr_runtime::auth::Account;
+
+        let binder = |node: Option<&str>| {
+            Caller::Account(Account {
+                namespace: "kuryr-system".into(),
+                name: "kuryr-binder".into(),
+                node: node.map(Into::into),
+                pod: None,
+            })
+        };
+        assert!(own_node(Some(&binder(Some("n1"))), "n1").is_ok());
+        let e = own_node(Some(&binder(Some("n2"))), "n1").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.message().contains("n2"), "{}", e.message());
+        // Not bound to a node (an operator's token), or not checked: not held to one.
+        assert!(own_node(Some(&binder(None)), "n1").is_ok());
+        assert!(own_node(Some(&Caller::Unchecked), "n1").is_ok());
+        assert!(own_node(None, "n1").is_ok());
+    }
+
+    #[test]
+    fn only_the_binders_may_call() {
+        use clap::Parser as _;
+        use kuryr_runtime::auth::Account;
+
+        let config = crate::Config::parse_from(["kuryr-policy"]);
+        let rules = crate::rules(&config);
+        let account = |name: &str| Account {
+            namespace: "kuryr-system".into(),
+            name: name.into(),
+            node: Some("n1".into()),
+            pod: None,
+        };
+        for method in ["WatchPolicies", "GetNodePolicy"] {
+            let path = format!("/kuryr.policy.v1.Policies/{method}");
+            assert!(rules.check(&path, &account("kuryr-binder")).is_ok(), "{method}");
+            let e = rules.check(&path, &account("kuryr-vif-allocator")).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{method}");
+        }
+    }
+
+    #[test]
     fn events_carry_what_the_binder_needs_and_deletions_only_the_key() {
         use std::sync::Arc;
 
@@ -332,5 +375,8 @@ mod tests {
             w.encode("e-6".into(), Event::SnapshotComplete).unwrap().r#type(),
             pb::PolicyEventType::SnapshotComplete
         );
+        let beat = w.encode(String::new(), Event::Heartbeat).unwrap();
+        assert_eq!((beat.r#type(), beat.resume_point.as_str()), (pb::PolicyEventType::Heartbeat, ""));
+        assert!(beat.group.is_none() && beat.isolation.is_none());
     }
 }

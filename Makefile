@@ -127,6 +127,17 @@ conformance: tools
 	$(CARGO) build --workspace --bins
 	./target/debug/kuryr-conformance
 
+.PHONY: conformance-netpol
+NETPOL_FOCUS ?= \[sig-network\] Netpol
+NETPOL_SKIP ?= SCTPConnectivity
+
+## conformance-netpol: the same real-node cluster, judged by the upstream `[sig-network] Netpol`
+## tests of e2e.test (NETPOL_FOCUS narrows them; NETPOL_SKIP, default the SCTPConnectivity ones, which need the sctp module); ends with
+## ginkgo's summary line. A full run takes hours on a small machine: focus on a few first
+conformance-netpol: tools
+	$(CARGO) build --workspace --bins
+	CONFORMANCE_FOCUS='$(NETPOL_FOCUS)' CONFORMANCE_SKIP='$(NETPOL_SKIP)' ./target/debug/kuryr-conformance
+
 .PHONY: image
 
 ## image: the kuryr-rs image deploy/ installs (docker.io/library/kuryr-rs:0.1.0) as an OCI archive,
@@ -134,9 +145,9 @@ conformance: tools
 ## engine (`ctr -n k8s.io images import target/kuryr-rs.tar` on a node, or push it with skopeo);
 ## deploy/Dockerfile builds the same image where a Docker engine exists
 image:
-	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-policy -p kuryr-binder --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-policy --bin kuryr-binder
 	$(MAKE) --no-print-directory shim
-	mkdir -p target/image-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/image-bin/ && cp $(SHIM_BIN) target/image-bin/
+	mkdir -p target/image-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-policy target/release/kuryr-binder target/image-bin/ && cp $(SHIM_BIN) target/image-bin/
 	bash tests/env/images/kuryr-image.sh target/image-bin target/kuryr-rs.tar
 
 .PHONY: lab lab-down

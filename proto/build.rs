@@ -10,6 +10,7 @@ const PROTOS: &[&str] = &[
     "kuryr/allocator/v1/allocator.proto",
     "kuryr/lbaas/v1/lbaas.proto",
     "kuryr/binder/v1/binder.proto",
+    "kuryr/policy/v1/policy.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

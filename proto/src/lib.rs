@@ -34,6 +34,13 @@ pub mod binder {
     }
 }
 
+/// kuryr-policy: each node's compiled NetworkPolicy.
+pub mod policy {
+    pub mod v1 {
+        tonic::include_proto!("kuryr.policy.v1");
+    }
+}
+
 /// The encoded `FileDescriptorSet` of every kuryr contract, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kuryr_descriptor");
 
@@ -44,6 +51,7 @@ pub mod service_names {
     pub const POOL_MANAGER: &str = "kuryr.allocator.v1.PoolManager";
     pub const LOAD_BALANCERS: &str = "kuryr.lbaas.v1.LoadBalancers";
     pub const CNI: &str = "kuryr.binder.v1.Cni";
+    pub const POLICIES: &str = "kuryr.policy.v1.Policies";
 }
 
 #[cfg(test)]
@@ -67,6 +75,7 @@ mod tests {
             service_names::POOL_MANAGER,
             service_names::LOAD_BALANCERS,
             service_names::CNI,
+            service_names::POLICIES,
         ] {
             assert!(services.iter().any(|s| s == want), "{want} missing from {services:?}");
         }
@@ -82,6 +91,7 @@ mod tests {
                 "kuryr/allocator/v1/allocator.proto",
                 "kuryr/lbaas/v1/lbaas.proto",
                 "kuryr/binder/v1/binder.proto",
+                "kuryr/policy/v1/policy.proto",
             ],
             [env!("CARGO_MANIFEST_DIR")],
         )

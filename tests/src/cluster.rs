@@ -16,7 +16,9 @@
 //! With [`ClusterOptions::services`], Services work too: the real `kube-controller-manager`
 //! running its EndpointSlice controller ([`controllers`]), `kuryr-lbaas` (node backend) under its
 //! ServiceAccount following the watcher, and every node's binder given `--lbaas`, so that it
-//! programs the Service dataplane (nftables table `inet kuryr`) in the node's namespace.
+//! programs the Service dataplane (nftables table `inet kuryr`) in the node's namespace. With
+//! [`ClusterOptions::policy`], NetworkPolicy too: `kuryr-policy` under its ServiceAccount following
+//! the watcher, and every node's binder given `--policy`.
 //!
 //! [`Cluster::shutdown`] stops everything by pid in dependency order and deletes every network
 //! namespace and link it made; dropping a cluster does the same, best effort. What the cluster
@@ -64,6 +66,8 @@ pub const WATCHER_ACCOUNT: &str = "kuryr-watcher";
 pub const ALLOCATOR_ACCOUNT: &str = "kuryr-vif-allocator";
 /// kuryr-lbaas's ServiceAccount (`deploy/rbac/lbaas.yaml`).
 pub const LBAAS_ACCOUNT: &str = "kuryr-lbaas";
+/// kuryr-policy's ServiceAccount (`deploy/rbac/policy.yaml`).
+pub const POLICY_ACCOUNT: &str = "kuryr-policy";
 /// The binders' ServiceAccount (`deploy/rbac/binder.yaml`).
 pub const BINDER_ACCOUNT: &str = "kuryr-binder";
 /// The ServiceAccount whose tokens manage the allocator's port pools (`deploy/rbac/pool-manager.yaml`).
@@ -110,9 +114,14 @@ pub struct ClusterOptions {
     /// Services: kube-controller-manager (EndpointSlices), kuryr-lbaas, and `--lbaas` for the
     /// binders.
     pub services: bool,
+    /// NetworkPolicy: kuryr-policy, and `--policy` for the binders.
+    pub policy: bool,
+    /// The PodNetwork's IPv4 block prefix (the allocator's default when unset); small blocks
+    /// make a released address come back after a few pods.
+    pub ipv4_block_prefix: Option<u8>,
     /// `--log` of the services.
     pub service_log: String,
-    /// More flags for kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas (flags they all take;
+    /// More flags for kuryr-watcher, kuryr-vif-allocator, kuryr-lbaas and kuryr-policy (flags they all take;
     /// stream timing goes in `stream_timing`).
     pub service_args: Vec<String>,
     /// More flags for every node's kuryr-binder.
@@ -127,9 +136,9 @@ pub struct ClusterOptions {
 /// How often the services' streams carry heartbeats, and how long their readers wait for one.
 #[derive(Clone, Debug)]
 pub struct StreamTiming {
-    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator and kuryr-lbaas.
+    /// `--stream-heartbeat` of kuryr-watcher, kuryr-vif-allocator, kuryr-lbaas and kuryr-policy.
     pub heartbeat: String,
-    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas and the binders.
+    /// `--stream-idle-timeout` of kuryr-vif-allocator, kuryr-lbaas, kuryr-policy and the binders.
     pub idle_timeout: String,
 }
 
@@ -154,6 +163,8 @@ impl Default for ClusterOptions {
             kubelet: true,
             run_containers: false,
             services: false,
+            policy: false,
+            ipv4_block_prefix: None,
             service_log: "info".into(),
             service_args: Vec::new(),
             binder_args: Vec::new(),
@@ -237,6 +248,7 @@ pub struct Cluster {
     kubelets: Vec<Kubelet>,
     nodes: Vec<ClusterNode>,
     lbaas: Option<Service>,
+    policy: Option<Service>,
     allocator: Service,
     watcher: Service,
     controller_manager: Option<ControllerManager>,
@@ -256,6 +268,7 @@ impl fmt::Debug for Cluster {
             .field("watcher", &self.watcher)
             .field("allocator", &self.allocator)
             .field("lbaas", &self.lbaas)
+            .field("policy", &self.policy)
             .field("controller_manager", &self.controller_manager)
             .field("underlay", &self.underlay)
             .field("kube", &self.kube)
@@ -319,7 +332,11 @@ impl Cluster {
 
         let t = Instant::now();
         let networks: Api<PodNetwork> = Api::all(client.clone());
-        let network = PodNetwork::new(&opts.network, PodNetworkSpec::new(opts.network_cidrs.clone()));
+        let mut spec = PodNetworkSpec::new(opts.network_cidrs.clone());
+        if let Some(prefix) = opts.ipv4_block_prefix {
+            spec.ipv4_block_prefix = prefix;
+        }
+        let network = PodNetwork::new(&opts.network, spec);
         networks.create(&PostParams::default(), &network).await.context("creating the PodNetwork")?;
         progress.step(&format!("PodNetwork {} ({})", opts.network, opts.network_cidrs.join(", ")), t);
 
@@ -357,6 +374,8 @@ impl Cluster {
         ];
         allocator_args.extend(StreamTiming::heartbeat_args(timing));
         allocator_args.extend(StreamTiming::idle_args(timing));
+        allocator_args
+            .extend(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]));
         let allocator = start_service(
             "kuryr-vif-allocator",
             dir.path(),
@@ -401,6 +420,34 @@ impl Cluster {
             None
         };
 
+        let policy = if opts.policy {
+            let t = Instant::now();
+            let policy_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, POLICY_ACCOUNT).await?;
+            let mut policy_args = vec![
+                "--kubeconfig".into(),
+                policy_config.display().to_string(),
+                "--watcher".into(),
+                watcher.unix_target(),
+                "--instance".into(),
+                "kuryr-policy-0".into(),
+            ];
+            policy_args.extend(StreamTiming::heartbeat_args(timing));
+            policy_args.extend(StreamTiming::idle_args(timing));
+            let policy = start_service(
+                "kuryr-policy",
+                dir.path(),
+                &[&policy_args[..], &opts.service_args].concat(),
+                &opts.service_log,
+                service_names::POLICIES,
+                &progress,
+            )
+            .await?;
+            progress.step(&format!("kuryr-policy serving on {} and {}", policy.tcp, policy.socket.display()), t);
+            Some(policy)
+        } else {
+            None
+        };
+
         let t = Instant::now();
         let underlay = Underlay::new(opts.underlay_id)?;
         progress.record(|m| m.underlay_netns = Some(underlay.netns_name().to_string()));
@@ -408,7 +455,7 @@ impl Cluster {
 
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
-            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref() };
+            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref(), policy: policy.as_ref() };
             start_node(name, i, &kube, &client, &underlay, upstream, &opts, &progress)
         });
         let nodes = futures::future::try_join_all(starts).await?;
@@ -437,6 +484,7 @@ impl Cluster {
             kubelets,
             nodes,
             lbaas,
+            policy,
             allocator,
             watcher,
             controller_manager,
@@ -500,6 +548,11 @@ impl Cluster {
         self.lbaas.as_ref()
     }
 
+    /// kuryr-policy (with [`ClusterOptions::policy`]).
+    pub fn policy(&self) -> Option<&Service> {
+        self.policy.as_ref()
+    }
+
     /// kube-controller-manager (with [`ClusterOptions::services`]).
     pub fn controller_manager(&self) -> Option<&ControllerManager> {
         self.controller_manager.as_ref()
@@ -540,6 +593,9 @@ impl Cluster {
         if let Some(l) = &self.lbaas {
             out.push_str(&format!("==== kuryr-lbaas\n{}\n", l.logs()));
         }
+        if let Some(p) = &self.policy {
+            out.push_str(&format!("==== kuryr-policy\n{}\n", p.logs()));
+        }
         for n in &self.nodes {
             out.push_str(&format!("==== kuryr-binder {}\n{}\n", n.name, n.node.binder_logs()));
         }
@@ -552,7 +608,9 @@ impl Cluster {
     /// returns how long it took. Every step runs even if one fails; the errors are combined.
     pub async fn shutdown(self) -> Result<Duration> {
         let t = Instant::now();
-        let Cluster { kubelets, nodes, lbaas, allocator, watcher, controller_manager, underlay, dir, kube, .. } = self;
+        let Cluster {
+            kubelets, nodes, lbaas, policy, allocator, watcher, controller_manager, underlay, dir, kube, ..
+        } = self;
         drop(kubelets);
         let mut errors = Vec::new();
         let results = futures::future::join_all(nodes.into_iter().map(|n| async move {
@@ -561,7 +619,7 @@ impl Cluster {
         }))
         .await;
         errors.extend(results.into_iter().filter_map(Result::err));
-        for s in lbaas.into_iter().chain([allocator, watcher]) {
+        for s in lbaas.into_iter().chain(policy).chain([allocator, watcher]) {
             let mut s = s;
             if let Err(e) = s.process.terminate(STOP_TIMEOUT).await {
                 errors.push(e);
@@ -598,6 +656,8 @@ pub enum ServiceKind {
     Allocator,
     /// `kuryr-lbaas` (with [`ClusterOptions::services`]).
     Lbaas,
+    /// `kuryr-policy` (with [`ClusterOptions::policy`]).
+    Policy,
 }
 
 impl Cluster {
@@ -606,6 +666,7 @@ impl Cluster {
             ServiceKind::Watcher => Ok(&mut self.watcher),
             ServiceKind::Allocator => Ok(&mut self.allocator),
             ServiceKind::Lbaas => self.lbaas.as_mut().context("this cluster runs no kuryr-lbaas (services: false)"),
+            ServiceKind::Policy => self.policy.as_mut().context("this cluster runs no kuryr-policy (policy: false)"),
         }
     }
 
@@ -735,6 +796,7 @@ async fn start_service(
 struct Upstream<'a> {
     allocator: &'a Service,
     lbaas: Option<&'a Service>,
+    policy: Option<&'a Service>,
 }
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
@@ -746,7 +808,7 @@ async fn start_node(
     kube: &KubeEnv,
     client: &kube::Client,
     underlay: &Underlay,
-    Upstream { allocator, lbaas }: Upstream<'_>,
+    Upstream { allocator, lbaas, policy }: Upstream<'_>,
     opts: &ClusterOptions,
     progress: &Progress,
 ) -> Result<ClusterNode> {
@@ -774,6 +836,9 @@ async fn start_node(
     binder_args.extend(opts.binder_args.iter().cloned());
     if let Some(lbaas) = lbaas {
         binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
+    }
+    if let Some(policy) = policy {
+        binder_args.extend(["--policy".to_string(), policy.unix_target()]);
     }
     let node = Node::with_containerd(ctd, &name, &allocator.unix_target(), &binder_args)
         .await

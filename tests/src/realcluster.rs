@@ -285,6 +285,7 @@ impl RealCluster {
                 "deployment/kuryr-watcher",
                 "deployment/kuryr-vif-allocator",
                 "deployment/kuryr-lbaas",
+                "deployment/kuryr-policy",
             ],
         )
         .await?;

@@ -67,7 +67,7 @@ fn check_command_lines(overlay: &str, objs: &[serde_json::Value]) {
             checked += 1;
         }
     }
-    assert_eq!(checked, 4, "{overlay}: expected 4 service containers");
+    assert_eq!(checked, 5, "{overlay}: expected 5 service containers");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,9 +91,16 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         );
         assert_eq!(
             kinds(&objs, "ServiceAccount"),
-            ["kuryr-binder", "kuryr-lbaas", "kuryr-pool-manager", "kuryr-vif-allocator", "kuryr-watcher"]
+            [
+                "kuryr-binder",
+                "kuryr-lbaas",
+                "kuryr-policy",
+                "kuryr-pool-manager",
+                "kuryr-vif-allocator",
+                "kuryr-watcher"
+            ]
         );
-        assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-vif-allocator", "kuryr-watcher"]);
+        assert_eq!(kinds(&objs, "Deployment"), ["kuryr-lbaas", "kuryr-policy", "kuryr-vif-allocator", "kuryr-watcher"]);
         assert_eq!(kinds(&objs, "DaemonSet"), ["kuryr-binder"]);
         // Each service runs under its own account.
         for o in objs.iter().filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet") {
@@ -103,7 +110,7 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
         }
         // Whoever calls another kuryr service gets a projected token for the kuryr audience
         // only, where --auth-token-file expects it.
-        for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas"] {
+        for name in ["kuryr-binder", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-policy"] {
             let o = objs.iter().find(|o| o["metadata"]["name"] == name && o["spec"]["template"].is_object()).unwrap();
             let spec = &o["spec"]["template"]["spec"];
             let volume = spec["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "kuryr-token");
@@ -129,7 +136,9 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
             let c = &o["spec"]["template"]["spec"]["containers"][0];
             let args: Vec<&str> = c["args"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
             for a in &args {
-                if let Some(t) = ["--watcher=", "--allocator=", "--lbaas="].iter().find_map(|f| a.strip_prefix(f)) {
+                if let Some(t) =
+                    ["--watcher=", "--allocator=", "--lbaas=", "--policy="].iter().find_map(|f| a.strip_prefix(f))
+                {
                     assert!(t.starts_with("k8s:"), "{overlay}: {name} reaches {a} through DNS");
                 }
             }

@@ -19,8 +19,8 @@ use kuryr_tests::kube::{KubeEnv, client_from_kubeconfig};
 use kuryr_tests::util::repo_root;
 use serde_json::json;
 
-const ACCOUNTS: [&str; 5] =
-    ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-binder", "kuryr-pool-manager"];
+const ACCOUNTS: [&str; 6] =
+    ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-policy", "kuryr-binder", "kuryr-pool-manager"];
 /// An account bound to nothing: what it holds, every account holds.
 const BASELINE: &str = "rbac-baseline";
 /// A namespace with no kuryr Role in it.
@@ -174,6 +174,21 @@ async fn the_controllers_may_change_finalizers_and_nothing_else() {
             .await
             .unwrap();
     let pods = Api::<Pod>::namespaced(alloc, "default");
+    // The API server enforces a new admission policy only once it has loaded and type-checked
+    // it, a moment after it was created: wait for that, with a change the policy refuses (a new
+    // annotation value each time, so that an attempt let through does not make the next one a
+    // no-op).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for i in 0.. {
+        let probe = Patch::Merge(json!({"metadata": {"annotations": {"probe": i.to_string()}}}));
+        match pods.patch("p", &jp, &probe).await {
+            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("finalizers") => break,
+            other => {
+                assert!(std::time::Instant::now() < deadline, "the admission policy is not enforced: {other:?}");
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    }
     pods.patch("p", &jp, &add_finalizer("kuryr.openstack.org/vif")).await.unwrap();
     let image = Patch::Json::<()>(
         serde_json::from_value(json!([{"op": "replace", "path": "/spec/containers/0/image", "value": "evil"}]))

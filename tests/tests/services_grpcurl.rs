@@ -53,6 +53,13 @@ const SERVICES: &[Svc] = &[
         dep_flag: Some("--allocator"),
         bad_call: ("kuryr.binder.v1.Cni/Add", r#"{"shim_version":"0.0.0-not-this"}"#),
     },
+    Svc {
+        bin: "kuryr-policy",
+        api: "kuryr.policy.v1.Policies",
+        also: &[],
+        dep_flag: Some("--watcher"),
+        bad_call: ("kuryr.policy.v1.Policies/GetNodePolicy", r#"{"node_name":"Not_A_Node"}"#),
+    },
 ];
 
 struct Running {
@@ -222,6 +229,7 @@ async fn services_become_serving_once_their_dependencies_are() {
     };
     let [af, allocator_token] = token_of("kuryr-vif-allocator").await;
     let [lf, lbaas_token] = token_of("kuryr-lbaas").await;
+    let [pf, policy_token] = token_of("kuryr-policy").await;
     let allocator = start(
         &SERVICES[1],
         dir.path(),
@@ -241,7 +249,7 @@ async fn services_become_serving_once_their_dependencies_are() {
     let lbaas = start(
         &SERVICES[2],
         dir.path(),
-        &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig, lf, lbaas_token],
+        &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig.clone(), lf, lbaas_token],
     )
     .unwrap();
     // The binder serves once its VIF stream is live; the allocator's stream is served here by a
@@ -260,7 +268,14 @@ async fn services_become_serving_once_their_dependencies_are() {
         ],
     )
     .unwrap();
-    for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder]) {
+    // kuryr-policy serves once the watcher's first snapshot is compiled.
+    let policy = start(
+        &SERVICES[4],
+        dir.path(),
+        &["--watcher".into(), watcher.tcp.clone(), "--kubeconfig".into(), kubeconfig, pf, policy_token],
+    )
+    .unwrap();
+    for (svc, r) in SERVICES.iter().zip([&watcher, &allocator, &lbaas, &binder, &policy]) {
         wait_until(&format!("{} SERVING", svc.bin), Duration::from_secs(30), || async {
             let h = health(&r.tcp, svc.api).await?;
             anyhow::ensure!(h.contains("\"SERVING\""), "{h}");
@@ -279,6 +294,13 @@ async fn services_become_serving_once_their_dependencies_are() {
     assert!(!ok && out.contains("Unauthenticated"), "{out}");
     let (ok, out) = grpcurl(&[&[h.as_str(), header.as_str()][..], &get_vif].concat()).await.unwrap();
     assert!(!ok && out.contains("NotFound"), "with the binder's token: {out}");
+    // kuryr-policy's compiled policies are the binders' to read as well.
+    let get_policy =
+        ["-plaintext", "-d", r#"{"node_name":"n1"}"#, policy.tcp.as_str(), "kuryr.policy.v1.Policies/GetNodePolicy"];
+    let (ok, out) = grpcurl(&get_policy).await.unwrap();
+    assert!(!ok && out.contains("Unauthenticated"), "{out}");
+    let (ok, out) = grpcurl(&[&[h.as_str(), header.as_str()][..], &get_policy].concat()).await.unwrap();
+    assert!(ok && out.contains("\"nodeName\": \"n1\""), "with the binder's token: {out}");
 
     // The binder answers VERSION for its own shim version.
     let body = format!(r#"{{"shim_version":"{}"}}"#, env!("CARGO_PKG_VERSION"));
@@ -290,6 +312,13 @@ async fn services_become_serving_once_their_dependencies_are() {
     watcher.proc.kill().await.unwrap();
     wait_until("allocator NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
         let h = health(&allocator.tcp, SERVICES[1].api).await?;
+        anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    wait_until("kuryr-policy NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
+        let h = health(&policy.tcp, SERVICES[4].api).await?;
         anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
         Ok(())
     })

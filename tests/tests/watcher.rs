@@ -278,6 +278,11 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
     let e = w.subscribe(&[Kind::Pod], Filter::default(), "", "test/auth").await.err().expect("Subscribe as the binder");
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
     assert!(e.message().contains("kuryr-binder"), "{e}");
+    // kuryr-policy is a subscriber, as the allocator and lbaas are.
+    w.token = Some(env.kuryr_token("kuryr-system", "kuryr-policy", None).await.unwrap());
+    let mut as_policy = w.subscribe(&[Kind::Namespace], Filter::default(), "", "test/policy").await.unwrap();
+    as_policy.next().await;
+    drop(as_policy);
     w.token = Some(env.kuryr_token("kuryr-system", "kuryr-vif-allocator", None).await.unwrap());
 
     // The account it runs as reads those kinds and can do nothing else.

@@ -529,6 +529,12 @@ impl Compiler {
         out
     }
 
+    /// The policies whose rules make up a group (for display); empty for an unknown id.
+    pub fn group_policies(&self, id: &GroupId) -> Vec<PolicyKey> {
+        let Some(g) = self.groups.get(id) else { return vec![] };
+        g.key.policies.iter().map(|name| PolicyKey { namespace: g.key.namespace.clone(), name: name.clone() }).collect()
+    }
+
     /// A group's allowed peers, computed if a change reached it.
     fn group_allowed(&mut self, id: &GroupId) -> Arc<Allowed> {
         let g = &self.groups[id];

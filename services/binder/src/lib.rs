@@ -5,9 +5,10 @@
 //! namespaces ([`plug`], on dedicated threads: [`netns`]) and records what it plugged
 //! ([`attachments`]) so that it can restart while pods run. It is NOT_SERVING until its VIF
 //! stream is live, and again whenever the stream is down or silent for longer than
-//! `--stream-idle-timeout`. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the node's
-//! Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]), both in the node's
-//! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter.
+//! `--stream-idle-timeout`. It programs pods' host ports ([`hostport`]) and, with `--lbaas`, the
+//! node's Service dataplane from kuryr-lbaas's load balancer stream ([`lb`]) and, with `--policy`,
+//! the node's NetworkPolicy rules from kuryr-policy's stream ([`policy`]), all in the node's
+//! nftables table `inet kuryr` ([`table`]); its health does not depend on the latter two.
 
 pub mod attachments;
 pub mod cni;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod netns;
 pub mod noderoutes;
 pub mod plug;
+pub mod policy;
 pub mod spec;
 pub mod table;
 pub mod upstream;
@@ -94,6 +96,12 @@ pub struct Config {
     /// none are removed).
     #[arg(long, env = "KURYR_LBAAS")]
     pub lbaas: Option<String>,
+
+    /// kuryr-policy, whose compiled NetworkPolicy for this node the binder programs into
+    /// nftables: the same forms as --allocator. Without it no policy is enforced on this node
+    /// (and rules programmed before stay as they are).
+    #[arg(long, env = "KURYR_POLICY")]
+    pub policy: Option<String>,
 
     /// The kubeconfig used to find k8s: targets and to check the tokens of callers on
     /// `--tcp-listen` (TokenReview); in-cluster configuration (or $KUBECONFIG) when unset. Not
@@ -219,6 +227,19 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             config.follow.config(),
             rt.shutdown(),
         );
+    }
+    if let Some(target) = &config.policy {
+        let channel = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
+            .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+        let channel = with_credentials(channel, credentials.clone());
+        tracing::info!(policy = target, "NetworkPolicy dataplane enabled");
+        policy::Dataplane::new(
+            policy::metrics::PolicyMetrics::register(rt.registry()),
+            lb::nft::Nft::default(),
+            &node,
+            &config.state_dir,
+        )
+        .spawn(channel, format!("binder/{node}"), config.follow.config(), rt.shutdown());
     }
     let service = cni::CniService {
         node,

@@ -58,6 +58,18 @@ impl Reduce for core::Pod {
             pod_ips: status.pod_ips.unwrap_or_default().into_iter().map(|ip| ip.ip).collect(),
             finalizers: self.metadata.finalizers.clone().unwrap_or_default(),
             annotations: HashMap::new(),
+            named_ports: spec
+                .containers
+                .iter()
+                .flat_map(|c| c.ports.iter().flatten())
+                .filter_map(|p| {
+                    Some(pb::NamedPort {
+                        name: p.name.clone().filter(|n| !n.is_empty())?,
+                        protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+                        port: p.container_port,
+                    })
+                })
+                .collect(),
         };
         let (mut obj, annotations) = object(Self::KIND, self.metadata, Body::Pod(pod));
         if let Some(Body::Pod(p)) = &mut obj.body {
@@ -256,7 +268,25 @@ mod tests {
         m.deletion_timestamp = Some(Time(Default::default()));
         let pod = core::Pod {
             metadata: m,
-            spec: Some(core::PodSpec { node_name: Some("n1".into()), host_network: Some(true), ..Default::default() }),
+            spec: Some(core::PodSpec {
+                node_name: Some("n1".into()),
+                host_network: Some(true),
+                containers: vec![core::Container {
+                    name: "c".into(),
+                    ports: Some(vec![
+                        core::ContainerPort { name: Some("http".into()), container_port: 8080, ..Default::default() },
+                        core::ContainerPort { container_port: 9090, ..Default::default() },
+                        core::ContainerPort {
+                            name: Some("dns".into()),
+                            container_port: 53,
+                            protocol: Some("UDP".into()),
+                            ..Default::default()
+                        },
+                    ]),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
             status: Some(core::PodStatus {
                 phase: Some("Running".into()),
                 pod_ips: Some(vec![core::PodIP { ip: "10.0.0.5".into() }, core::PodIP { ip: "fd00::5".into() }]),
@@ -271,6 +301,8 @@ mod tests {
         assert_eq!((p.node_name.as_str(), p.host_network, p.phase.as_str()), ("n1", true, "Running"));
         assert_eq!(p.pod_ips, ["10.0.0.5", "fd00::5"]);
         assert_eq!(p.finalizers, ["kuryr.openstack.org/vif"]);
+        let named: Vec<_> = p.named_ports.iter().map(|n| (n.name.as_str(), n.protocol.as_str(), n.port)).collect();
+        assert_eq!(named, [("http", "TCP", 8080), ("dns", "UDP", 53)], "unnamed ports are left out");
         let mut keys: Vec<_> = p.annotations.keys().cloned().collect();
         keys.sort();
         assert_eq!(keys, ["kuryr.openstack.org/vif", "openstack.org/kuryr-x"]);

@@ -78,7 +78,7 @@ pub struct Config {
         long,
         env = "KURYR_SUBSCRIBER_ACCOUNTS",
         value_delimiter = ',',
-        default_value = "kuryr-system:kuryr-vif-allocator,kuryr-system:kuryr-lbaas"
+        default_value = "kuryr-system:kuryr-vif-allocator,kuryr-system:kuryr-lbaas,kuryr-system:kuryr-policy"
     )]
     pub subscriber_accounts: Vec<AccountRef>,
 

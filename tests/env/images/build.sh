@@ -36,8 +36,11 @@ inputs=$(
         echo "$PAUSE_IMAGE $BUSYBOX_IMAGE"
     } | sha256sum | awk '{print $1}'
 )
+# images.env names the tars by absolute path: a cache copied from another tree (a target/
+# directory copied along with a checkout) names that tree's files, and is rebuilt.
 if [[ -f "$OUT_DIR/inputs.sha256" && "$(cat "$OUT_DIR/inputs.sha256")" == "$inputs" &&
-    -f "$OUT_DIR/pause.tar" && -f "$OUT_DIR/busybox.tar" && -f "$OUT_DIR/images.env" ]]; then
+    -f "$OUT_DIR/pause.tar" && -f "$OUT_DIR/busybox.tar" && -f "$OUT_DIR/images.env" ]] &&
+    grep -qxF "PAUSE_TAR=$OUT_DIR/pause.tar" "$OUT_DIR/images.env"; then
     exit 0
 fi
 

@@ -20,7 +20,7 @@ BIN_DIR=${1:?usage: kuryr-image.sh BIN_DIR OUT_TAR [NAME]}
 OUT=${2:?usage: kuryr-image.sh BIN_DIR OUT_TAR [NAME]}
 NAME=${3:-docker.io/library/kuryr-rs:0.1.0}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BINARIES=(kuryr-watcher kuryr-vif-allocator kuryr-lbaas kuryr-binder kuryr-cni)
+BINARIES=(kuryr-watcher kuryr-vif-allocator kuryr-lbaas kuryr-policy kuryr-binder kuryr-cni)
 
 for b in "${BINARIES[@]}"; do
     [[ -x "$BIN_DIR/$b" ]] || { echo "kuryr-image.sh: $BIN_DIR/$b is not built" >&2; exit 1; }

@@ -9,8 +9,9 @@
 //! kuryr-test-echo udp ADDR PORT [SECS]
 //! ```
 //!
-//! Answers are one line, `NAME PEER-ADDRESS`. Failures print `refused`, `timeout`, `unreachable`
-//! or the OS error to stderr.
+//! Answers are one line, `NAME PEER-ADDRESS`. Failures print `refused`, `timeout`, `unreachable`,
+//! `prohibited` (an ICMPv6 "administratively prohibited", which the kernel reports as EACCES; its
+//! IPv4 counterpart is reported as unreachable) or the OS error to stderr.
 #![allow(clippy::print_stdout)] // a command whose output is the point
 
 use std::io::{ErrorKind, Read, Write};
@@ -52,6 +53,7 @@ fn reason(e: &std::io::Error) -> String {
         ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset => "refused".into(),
         ErrorKind::TimedOut | ErrorKind::WouldBlock => "timeout".into(),
         ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => "unreachable".into(),
+        ErrorKind::PermissionDenied => "prohibited".into(),
         _ => e.to_string(),
     }
 }

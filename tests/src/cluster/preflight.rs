@@ -9,7 +9,8 @@ use crate::services::{bin_path, tool_path};
 pub const TOOLS: [&str; 8] =
     ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd", "coredns", "grpcurl"];
 /// The project's binaries a cluster runs.
-pub const BINARIES: [&str; 5] = ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-binder", "kuryr-cni"];
+pub const BINARIES: [&str; 6] =
+    ["kuryr-watcher", "kuryr-vif-allocator", "kuryr-lbaas", "kuryr-policy", "kuryr-binder", "kuryr-cni"];
 
 /// One prerequisite.
 #[derive(Debug, Clone)]

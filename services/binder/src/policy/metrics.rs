@@ -1,0 +1,100 @@
+//! Metrics of the NetworkPolicy dataplane: how long a change of kuryr-policy's stream takes to
+//! reach the kernel, transactions by kind and result, elements programmed, and whether the rules
+//! are in sync.
+
+use std::time::Duration;
+
+use kuryr_runtime::metrics::latency_histogram;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindResult {
+    /// "delta" (the difference from what is programmed) or "replace" (every set refilled).
+    kind: &'static str,
+    /// "ok" or "error".
+    result: &'static str,
+}
+
+/// NetworkPolicy dataplane metrics; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct PolicyMetrics {
+    program: Histogram,
+    transactions: Family<KindResult, Counter>,
+    stream_breaks: Counter,
+    invalid: Counter,
+    synced: Gauge,
+    elements: Gauge,
+    groups: Gauge,
+}
+
+impl PolicyMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            program: latency_histogram(),
+            transactions: Family::default(),
+            stream_breaks: Counter::default(),
+            invalid: Counter::default(),
+            synced: Gauge::default(),
+            elements: Gauge::default(),
+            groups: Gauge::default(),
+        };
+        registry.register(
+            "kuryr_binder_policy_program_seconds",
+            "From a change of kuryr-policy's stream arriving to its rules programmed in nftables",
+            m.program.clone(),
+        );
+        registry.register(
+            "kuryr_binder_policy_transactions",
+            "nftables transactions of the NetworkPolicy dataplane by kind (delta, replace) and result",
+            m.transactions.clone(),
+        );
+        registry.register(
+            "kuryr_binder_policy_stream_breaks",
+            "Times the WatchPolicies stream could not be opened or broke",
+            m.stream_breaks.clone(),
+        );
+        registry.register(
+            "kuryr_binder_policy_invalid",
+            "Parts of kuryr-policy's stream that could not be programmed (see the log for why)",
+            m.invalid.clone(),
+        );
+        registry.register(
+            "kuryr_binder_policy_synced",
+            "1 when the NetworkPolicy rules reflect kuryr-policy's complete view; 0 otherwise",
+            m.synced.clone(),
+        );
+        registry.register("kuryr_binder_policy_elements", "Set and map elements programmed", m.elements.clone());
+        registry.register("kuryr_binder_policy_groups", "Groups of peers programmed (a chain each)", m.groups.clone());
+        m
+    }
+
+    pub fn transaction(&self, kind: &'static str, ok: bool, since_change: Option<Duration>) {
+        let result = if ok { "ok" } else { "error" };
+        self.transactions.get_or_create(&KindResult { kind, result }).inc();
+        if let (true, Some(d)) = (ok, since_change) {
+            self.program.observe(d.as_secs_f64());
+        }
+    }
+
+    pub fn stream_break(&self) {
+        self.stream_breaks.inc();
+    }
+
+    pub fn invalid(&self, n: usize) {
+        self.invalid.inc_by(n as u64);
+    }
+
+    pub fn set_synced(&self, synced: bool) {
+        self.synced.set(i64::from(synced));
+    }
+
+    pub fn set_programmed(&self, elements: usize, groups: usize) {
+        self.elements.set(i64::try_from(elements).unwrap_or(i64::MAX));
+        self.groups.set(i64::try_from(groups).unwrap_or(i64::MAX));
+    }
+}

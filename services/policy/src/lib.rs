@@ -1,0 +1,141 @@
+//! kuryr-policy: NetworkPolicy compiled per node and streamed to the binders.
+//!
+//! **Watches** pods, namespaces and NetworkPolicies through the watcher's Subscribe stream
+//! ([`follow`], the one follower of [`kuryr_stream::follow`]), nothing else; it reads the
+//! Kubernetes API only to find a `k8s:` watcher target and to review callers' tokens.
+//!
+//! **Compiles** them with [`kuryr_policy_core`] (pure, incremental) into each node's state: the
+//! local pod addresses some policy isolates and the groups of peers they may talk with
+//! ([`publish`]). The watcher's objects are converted at the edge ([`convert`]); parts it cannot
+//! read match nothing.
+//!
+//! **Streams** each node's state over `WatchPolicies(node)` ([`grpc`]): a snapshot,
+//! SNAPSHOT_COMPLETE, then deltas, with resume points `"<epoch>-<revision>"`
+//! and heartbeats while quiet ([`kuryr_stream`]), exactly as WatchVifs and WatchLoadBalancers
+//! do. Every node's binder follows its stream and programs nftables. `GetNodePolicy` answers the
+//! same state at once, for grpcurl.
+//!
+//! **Who may call**: both methods, the binders' ServiceAccount (`--binder-accounts`); a token
+//! bound to a node reads that node's policy only. kuryr-policy authenticates to the watcher with
+//! its own token (`--auth-token-file`).
+//!
+//! Readiness: NOT_SERVING until the watcher's first snapshot is compiled, and while its stream
+//! is down or silent for longer than `--stream-idle-timeout` (the state already streamed stays
+//! in force on the nodes). One replica serves every node; lease sharding (as the allocator and
+//! lbaas have) is not implemented yet.
+
+pub mod convert;
+pub mod follow;
+pub mod grpc;
+pub mod metrics;
+pub mod publish;
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kuryr_proto::policy::v1::policies_server::PoliciesServer;
+use kuryr_proto::service_names;
+use kuryr_runtime::auth::client::with_credentials;
+use kuryr_runtime::auth::{AccountRef, Rules};
+use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
+use kuryr_stream::{Epoch, Log};
+use tracing::Instrument as _;
+
+use crate::follow::Readiness;
+use crate::grpc::PolicyService;
+use crate::metrics::Metrics;
+use crate::publish::{PolicyLog, Publisher};
+
+/// Deltas kept for resuming WatchPolicies: a binder that reconnects within this many changes
+/// (over every node) gets only what it missed.
+pub const HISTORY: usize = kuryr_stream::log::DEFAULT_HISTORY;
+
+/// The largest request accepted: every request is a node name, a resume point and a name.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
+/// Command-line configuration.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "kuryr-policy", version, about = "Compiles NetworkPolicies per node and streams them to the binders.")]
+pub struct Config {
+    /// gRPC listen addresses, comma-separated or repeated: HOST:PORT or unix:/path.
+    #[arg(long, env = "KURYR_POLICY_LISTEN", value_delimiter = ',', default_value = "0.0.0.0:9640")]
+    pub listen: Vec<ListenAddr>,
+
+    /// HTTP address for Prometheus metrics (/metrics) and probes (/livez, /readyz).
+    #[arg(long, env = "KURYR_POLICY_METRICS_LISTEN", default_value = "0.0.0.0:9641")]
+    pub metrics_listen: ListenAddr,
+
+    /// The watcher to subscribe to: HOST:PORT, http://HOST:PORT, unix:/path, or
+    /// k8s:[NAMESPACE/]SERVICE:PORT (the Service's ready endpoints, found through the Kubernetes
+    /// API: no cluster DNS needed).
+    #[arg(long, env = "KURYR_WATCHER", default_value = "127.0.0.1:9600")]
+    pub watcher: String,
+
+    /// Kubeconfig file, read to find a k8s: watcher target and to check callers' tokens
+    /// (TokenReview); when unset, the in-cluster service account (or $KUBECONFIG) is used.
+    #[arg(long, env = "KURYR_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// This replica's name in the watcher's logs (the pod name in a Deployment); the host name
+    /// when unset.
+    #[arg(long, env = "KURYR_INSTANCE")]
+    pub instance: Option<String>,
+
+    /// The binders' ServiceAccounts (`namespace:name`, comma-separated): they alone may watch and
+    /// read the compiled policies, each (with a node-bound token) its own node's only.
+    #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
+    pub binder_accounts: Vec<AccountRef>,
+
+    #[command(flatten)]
+    pub heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    pub follow: FollowArgs,
+
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Who may call what: every Policies method, the binders.
+pub fn rules(config: &Config) -> Rules {
+    Rules::new().allow(service_names::POLICIES, &["WatchPolicies", "GetNodePolicy"], &config.binder_accounts)
+}
+
+impl Config {
+    fn instance_name(&self) -> String {
+        self.instance
+            .clone()
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "kuryr-policy".to_string())
+    }
+}
+
+/// Runs kuryr-policy until SIGTERM.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let mut rt = Runtime::new("kuryr-policy", &config.common)?;
+    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
+    rt.set_gate(gate);
+    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
+        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
+    let watcher = with_credentials(watcher, config.common.auth.credentials());
+    let metrics = Metrics::register(rt.registry());
+    let log: PolicyLog = Log::new(Epoch::random(), HISTORY).shared();
+    tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");
+    let readiness = Readiness::default();
+    readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
+    let follower = follow::Follower {
+        channel: watcher,
+        publisher: Publisher::new(log.clone(), metrics.clone()),
+        readiness,
+        metrics: metrics.clone(),
+        subscriber: format!("kuryr-policy/{}", config.instance_name()),
+        follow: config.follow.config(),
+    };
+    tokio::spawn(follower.run(rt.shutdown()).instrument(tracing::info_span!("watcher")));
+    let service = PolicyService::new(log, metrics, rt.shutdown()).with_heartbeat(config.heartbeat.stream_heartbeat);
+    // Requests are a node name and a resume point.
+    let served = Services::new(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    rt.serve(served, &config.listen, Some(&config.metrics_listen)).await
+}

@@ -135,6 +135,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// The longest duration a flag takes.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 
+/// The name a service instance goes by: `explicit` (its `--instance` flag) when set and not
+/// empty, else the host name (the pod's name in a cluster), else `fallback`.
+pub fn instance_name(explicit: Option<&str>, fallback: &str) -> String {
+    explicit
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| fallback.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

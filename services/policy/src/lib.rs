@@ -104,11 +104,7 @@ pub fn rules(config: &Config) -> Rules {
 
 impl Config {
     fn instance_name(&self) -> String {
-        self.instance
-            .clone()
-            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "kuryr-policy".to_string())
+        kuryr_runtime::config::instance_name(self.instance.as_deref(), "kuryr-policy")
     }
 }
 

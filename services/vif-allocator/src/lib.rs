@@ -237,11 +237,7 @@ impl Config {
     }
 
     fn instance_name(&self) -> String {
-        self.instance
-            .clone()
-            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "kuryr-vif-allocator".to_string())
+        kuryr_runtime::config::instance_name(self.instance.as_deref(), "kuryr-vif-allocator")
     }
 }
 

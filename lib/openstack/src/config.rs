@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use reqwest::Url;
 use serde::Deserialize;
-use serde_yaml::Value;
+use serde_json::Value;
 
 use crate::service::ServiceType;
 
@@ -105,7 +105,7 @@ pub enum ConfigError {
     #[error("reading {}: {source}", path.display())]
     Read { path: PathBuf, source: std::io::Error },
     #[error("parsing {}: {source}", path.display())]
-    Parse { path: PathBuf, source: serde_yaml::Error },
+    Parse { path: PathBuf, source: Box<serde_saphyr::Error> },
 }
 
 fn list_clouds(known: &[String]) -> String {
@@ -293,7 +293,7 @@ impl CloudConfig {
         if let Some(extra) = secure.and_then(|s| s.get("clouds")).and_then(|c| c.get(name)) {
             merge(&mut entry, extra);
         }
-        let raw: RawCloud = serde_yaml::from_value(entry).map_err(|e| ConfigError::Invalid {
+        let raw: RawCloud = serde_json::from_value(entry).map_err(|e| ConfigError::Invalid {
             origin: origin.clone(),
             field: "cloud",
             value: name.to_string(),
@@ -320,20 +320,18 @@ fn find_file(paths: &[PathBuf]) -> Option<PathBuf> {
 
 fn read_yaml(path: &Path) -> Result<Value, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-    serde_yaml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
+    serde_saphyr::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source: Box::new(source) })
 }
 
+/// The clouds a `clouds.yaml` document defines, in name order.
 fn cloud_names(doc: &Value) -> Vec<String> {
-    doc.get("clouds")
-        .and_then(Value::as_mapping)
-        .map(|m| m.keys().filter_map(|k| k.as_str().map(str::to_string)).collect())
-        .unwrap_or_default()
+    doc.get("clouds").and_then(Value::as_object).map(|m| m.keys().cloned().collect()).unwrap_or_default()
 }
 
 /// Deep-merges `extra` into `base` (mappings merged key by key, anything else replaced).
 fn merge(base: &mut Value, extra: &Value) {
     match (base, extra) {
-        (Value::Mapping(b), Value::Mapping(e)) => {
+        (Value::Object(b), Value::Object(e)) => {
             for (k, v) in e {
                 match b.get_mut(k) {
                     Some(existing) => merge(existing, v),

@@ -40,7 +40,7 @@ clouds:
 "#;
 
 fn doc(s: &str) -> Value {
-    serde_yaml::from_str(s).unwrap()
+    serde_saphyr::from_str(s).unwrap()
 }
 
 #[test]
@@ -78,7 +78,7 @@ fn application_credential_and_direct_endpoints() {
 #[test]
 fn unknown_cloud_lists_the_known_ones() {
     let e = CloudConfig::from_clouds_yaml("nope", Path::new("/x/clouds.yaml"), &doc(CLOUDS), None).unwrap_err();
-    assert_eq!(e.to_string(), "cloud \"nope\" not found in /x/clouds.yaml (clouds defined: prod, appcred, direct)");
+    assert_eq!(e.to_string(), "cloud \"nope\" not found in /x/clouds.yaml (clouds defined: appcred, direct, prod)");
 }
 
 #[test]
@@ -240,7 +240,7 @@ fn search_path_and_cloud_selection() {
     assert_eq!(c.origin, "OS_* environment");
     let e = CloudConfig::load(&source(&[], None)).unwrap_err();
     assert!(
-        e.to_string().contains("no OpenStack cloud configured") && e.to_string().contains("prod, appcred, direct"),
+        e.to_string().contains("no OpenStack cloud configured") && e.to_string().contains("appcred, direct, prod"),
         "{e}"
     );
 

@@ -1,5 +1,7 @@
-//! Metrics of every OpenStack call, registered in the service's registry like the runtime's own
-//! gRPC metrics, with the same millisecond-scale latency buckets.
+//! Metrics of every OpenStack call, registered in the service's registry beside the runtime's own
+//! gRPC metrics. The crate does not depend on the service runtime: the latency buckets are its own,
+//! from a millisecond (a cached Keystone answer, a port read on a quiet Neutron) to a minute (a
+//! load balancer create on a busy Octavia).
 //!
 //! Attempts are counted, not logical calls: a port create retried twice after 503s counts three
 //! requests (two `503`, one `201`) and two retries, which is what tells an operator that Neutron is
@@ -16,6 +18,14 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::error::Call;
+
+/// Latency buckets of OpenStack API requests, in seconds.
+pub const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS.iter().copied())
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -81,7 +91,7 @@ impl Metrics {
     pub fn unregistered() -> Self {
         Self {
             requests: Family::default(),
-            latency: Family::new_with_constructor(kuryr_runtime::metrics::latency_histogram),
+            latency: Family::new_with_constructor(latency_histogram),
             retries: Family::default(),
             authentications: Family::default(),
         }

@@ -26,6 +26,7 @@ use kube::api::{Api, PostParams};
 use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use crate::kube::KubeEnv;
 use crate::services::{ServiceProcess, wait_until};
+use crate::sut::Sut;
 use crate::util::{free_port, repo_root};
 
 /// Bound on a CRD becoming Established.
@@ -81,6 +82,8 @@ pub struct ControlPlane {
     /// A token of the binders' ServiceAccount for the kuryr audience, bound to no node: what the
     /// suites' binder-like clients send (WatchVifs, ReportPlugged, WatchLoadBalancers).
     pub binder_token: String,
+    /// The suite's namespace.
+    pub ns: String,
 }
 
 /// A kuryr-watcher process with its gRPC and metrics addresses.
@@ -147,7 +150,39 @@ impl ControlPlane {
         let watcher_kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
         let kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, served.account()).await?;
         let binder_token = env.kuryr_token(SYSTEM_NAMESPACE, BINDER_ACCOUNT, None).await?;
-        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig, binder_token })
+        Ok(Self { env, admin, dir: tempfile::tempdir()?, watcher_kubeconfig, kubeconfig, binder_token, ns: ns.into() })
+    }
+
+    /// The API of `K` in the suite's namespace, as cluster admin.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.admin.clone(), &self.ns)
+    }
+
+    /// Starts a kuryr-lbaas replica `id` under its ServiceAccount, following `watcher`, with
+    /// `extra` flags. `id` is both its instance (Events) and its replica identity (Leases): as a
+    /// pod name would be, a restart after kill -9 is the same replica and takes its shard Leases
+    /// back at once instead of waiting for them to expire. Logs at debug unless `extra` sets
+    /// `--log`.
+    pub fn lbaas(&self, watcher: &Watcher, id: &str, extra: &[&str]) -> Result<Sut> {
+        let mut args: Vec<String> = vec![
+            "--kubeconfig".into(),
+            self.kubeconfig.display().to_string(),
+            "--watcher".into(),
+            watcher.addr.clone(),
+            "--instance".into(),
+            id.into(),
+            "--replica-id".into(),
+            id.into(),
+        ];
+        if !extra.contains(&"--log") {
+            args.extend(["--log".into(), "info,kuryr_lbaas=debug,kuryr_shard=debug".into()]);
+        }
+        args.extend(extra.iter().map(ToString::to_string));
+        Sut::spawn("kuryr-lbaas", &args, self.dir.path(), id)
     }
 
     /// Starts kuryr-watcher under its ServiceAccount, listening on `addr` (a free port when

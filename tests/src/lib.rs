@@ -6,6 +6,8 @@
 //! - [`cri`]: containerd + runc in a private network namespace, with locally built images, and a
 //!   CRI client that drives pod sandboxes exactly as kubelet does.
 //! - [`services`]: the project's own binaries as processes; grpcurl.
+//! - [`sut`]: a service under test (its process, gRPC and metrics addresses, SERVING, scrapes,
+//!   log tails) and the Service objects the suites write.
 //! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
 //! - [`lbserver`]: a scripted kuryr-lbaas (real gRPC server, test-chosen load balancer specs).
 //! - [`binder`]: a kuryr-binder process in a node network namespace.
@@ -49,5 +51,6 @@ pub mod realcluster;
 pub mod services;
 pub mod shim;
 pub mod stats;
+pub mod sut;
 pub mod util;
 pub mod vifserver;

@@ -17,7 +17,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Secret, Service};
@@ -34,8 +33,8 @@ use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::free_port;
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
 use serde_json::json;
 use tonic::Streaming;
 
@@ -46,134 +45,69 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(60);
 const FINALIZER: &str = "kuryr.openstack.org/lbaas";
 const NS: &str = "lb";
 
-/// The control plane for kuryr-lbaas.
-struct Cluster(ControlPlane);
-
-impl std::ops::Deref for Cluster {
-    type Target = ControlPlane;
-
-    fn deref(&self) -> &ControlPlane {
-        &self.0
-    }
+async fn cluster() -> ControlPlane {
+    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
-async fn cluster() -> Cluster {
-    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
+fn watcher(c: &ControlPlane) -> Watcher {
+    c.watcher(None, &["--shutdown-grace", "3s"]).unwrap()
 }
 
-/// A service process with its gRPC and metrics addresses.
-struct Svc {
-    proc: ServiceProcess,
-    addr: String,
-    metrics_url: String,
-    /// What the test's calls send: a binder's token.
-    token: String,
+/// kuryr-lbaas with `extra` flags, stopping within 3 s when asked.
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, extra: &[&str]) -> Sut {
+    c.lbaas(watcher, "lb-1", &[&["--shutdown-grace", "3s"], extra].concat()).unwrap()
 }
 
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
-    let mport = free_port().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    args.extend([
-        "--listen".into(),
-        addr.clone(),
-        "--metrics-listen".into(),
-        format!("127.0.0.1:{mport}"),
-        "--shutdown-grace".into(),
-        "3s".into(),
-    ]);
-    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
+async fn wait_serving(lbaas: &Sut) {
+    lbaas.wait_serving(LOAD_BALANCERS, PHASE_TIMEOUT).await.unwrap();
 }
 
-impl Cluster {
-    fn watcher(&self) -> Watcher {
-        self.0.watcher(None, &["--shutdown-grace", "3s"]).unwrap()
-    }
+async fn metrics(lbaas: &Sut) -> String {
+    lbaas.metrics_text().await.unwrap()
+}
 
-    fn lbaas(&self, watcher: &Watcher) -> Svc {
-        self.lbaas_with(watcher, &["--service-finalizer", "all"])
-    }
+/// A client with a binder's token.
+fn binder_client(lbaas: &Sut, c: &ControlPlane) -> LoadBalancersClient<PeerChannel> {
+    LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token).unwrap())
+}
 
-    fn lbaas_with(&self, watcher: &Watcher, extra: &[&str]) -> Svc {
-        let kubeconfig = self.kubeconfig.display().to_string();
-        let mut args = vec![
-            "--kubeconfig",
-            &kubeconfig,
-            "--watcher",
-            &watcher.addr,
-            "--instance",
-            "lb-1",
-            // As a pod name would be: the restart after kill -9 is the same replica and takes
-            // its shard Leases back at once instead of waiting for them to expire.
-            "--replica-id",
-            "lb-1",
-            "--log",
-            "info,kuryr_lbaas=debug",
-        ];
-        args.extend(extra);
-        Svc {
-            token: self.binder_token.clone(),
-            ..(spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path()))
-        }
-    }
+async fn watch(lbaas: &Sut, c: &ControlPlane, resume_from: &str) -> LbStream {
+    let req = WatchLoadBalancersRequest { resume_from: resume_from.into(), subscriber: "test/n1".into() };
+    let stream = wait_until("WatchLoadBalancers", PHASE_TIMEOUT, || async {
+        Ok(binder_client(lbaas, c).watch_load_balancers(req.clone()).await?.into_inner())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
+    LbStream::new(stream)
+}
 
-    fn services(&self) -> Api<Service> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+async fn create_service(c: &ControlPlane, name: &str, spec: serde_json::Value) -> Service {
+    c.api::<Service>().create(&PostParams::default(), &sut::service(name, spec).unwrap()).await.unwrap()
+}
 
-    fn slices(&self) -> Api<EndpointSlice> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+async fn put_slice(
+    c: &ControlPlane,
+    name: &str,
+    service: &str,
+    family: &str,
+    ports: serde_json::Value,
+    eps: serde_json::Value,
+) {
+    sut::put_slice(&c.api(), sut::slice(name, service, family, ports, eps).unwrap()).await.unwrap();
+}
 
-    fn records(&self) -> Api<ServiceLoadBalancer> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+async fn finalizers(c: &ControlPlane, name: &str) -> Vec<String> {
+    c.api::<Service>().get(name).await.unwrap().metadata.finalizers.unwrap_or_default()
+}
 
-    async fn create_service(&self, name: &str, spec: serde_json::Value) -> Service {
-        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap();
-        self.services().create(&PostParams::default(), &svc).await.unwrap()
-    }
-
-    async fn put_slice(
-        &self,
-        name: &str,
-        service: &str,
-        family: &str,
-        ports: serde_json::Value,
-        eps: serde_json::Value,
-    ) {
-        let slice: EndpointSlice = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
-            "addressType": family,
-            "ports": ports,
-            "endpoints": eps,
-        }))
-        .unwrap();
-        let api = self.slices();
-        match api.get_opt(name).await.unwrap() {
-            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
-            Some(old) => {
-                let mut slice = slice;
-                slice.metadata.resource_version = old.metadata.resource_version;
-                api.replace(name, &PostParams::default(), &slice).await.unwrap();
-            }
-        }
-    }
-
-    async fn finalizers(&self, name: &str) -> Vec<String> {
-        self.services().get(name).await.unwrap().metadata.finalizers.unwrap_or_default()
-    }
-
-    async fn events_about(&self, name: &str) -> Vec<Event> {
-        let events: Api<Event> = Api::namespaced(self.admin.clone(), NS);
-        let all = events.list(&ListParams::default()).await.unwrap().items;
-        // kuryr-lbaas' only: the API server's own controllers may have their say about a Service
-        // too (ClusterIPNotAllocated from its IP repair loop, for one).
-        all.into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-            .filter(|e| e.reporting_controller.as_deref() == Some("kuryr-lbaas"))
-            .collect()
-    }
+async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {
+    let all = c.api::<Event>().list(&ListParams::default()).await.unwrap().items;
+    // kuryr-lbaas' only: the API server's own controllers may have their say about a Service
+    // too (ClusterIPNotAllocated from its IP repair loop, for one).
+    all.into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .filter(|e| e.reporting_controller.as_deref() == Some("kuryr-lbaas"))
+        .collect()
 }
 
 fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str) -> serde_json::Value {
@@ -183,36 +117,6 @@ fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str
         "nodeName": "n1",
         "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
     })
-}
-
-impl Svc {
-    fn client(&self) -> LoadBalancersClient<PeerChannel> {
-        LoadBalancersClient::new(kuryr_tests::auth::channel(&self.addr, &self.token).unwrap())
-    }
-
-    async fn wait_serving(&self) {
-        wait_until("kuryr-lbaas SERVING", PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
-    }
-
-    async fn metrics(&self) -> String {
-        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
-        assert!(out.status.success(), "GET {} failed", self.metrics_url);
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    async fn watch(&self, resume_from: &str) -> LbStream {
-        let req = WatchLoadBalancersRequest { resume_from: resume_from.into(), subscriber: "test/n1".into() };
-        let stream = wait_until("WatchLoadBalancers", PHASE_TIMEOUT, || async {
-            Ok(self.client().watch_load_balancers(req.clone()).await?.into_inner())
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
-        LbStream::new(stream)
-    }
 }
 
 /// How a stream stopped delivering.
@@ -338,9 +242,9 @@ fn key(name: &str) -> String {
 #[tokio::test]
 async fn services_become_load_balancers_that_survive_restarts() {
     let c = cluster().await;
-    let watcher = c.watcher();
-    let mut lbaas = c.lbaas(&watcher);
-    lbaas.wait_serving().await;
+    let watcher = watcher(&c);
+    let mut lbaas = start_lbaas(&c, &watcher, &["--service-finalizer", "all"]);
+    wait_serving(&lbaas).await;
 
     // Its account edits Services' finalizers and nothing else: no listing Services or slices.
     let sa = client_from_kubeconfig(&c.kubeconfig).await.unwrap();
@@ -370,7 +274,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     }
 
     // Bad requests name the field; unknown Services are NOT_FOUND.
-    let mut client = lbaas.client();
+    let mut client = binder_client(&lbaas, &c);
     for (ns, name, field) in [("", "web", "namespace"), (NS, "", "name"), (NS, "Web", "name")] {
         let err = client
             .get_load_balancer(GetLoadBalancerRequest { namespace: ns.into(), name: name.into() })
@@ -390,28 +294,29 @@ async fn services_become_load_balancers_that_survive_restarts() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
 
-    let mut w = lbaas.watch("").await;
+    let mut w = watch(&lbaas, &c, "").await;
     w.until("the first snapshot", |s| s.live).await;
 
     // A Service with a named target port, UDP too, client affinity; IPv4 and IPv6 slices.
-    let web = c
-        .create_service(
-            "web",
-            json!({
-                "ports": [
-                    {"name": "http", "port": 80, "targetPort": "web"},
-                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
-                ],
-                "sessionAffinity": "ClientIP",
-                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
-            }),
-        )
-        .await;
+    let web = create_service(
+        &c,
+        "web",
+        json!({
+            "ports": [
+                {"name": "http", "port": 80, "targetPort": "web"},
+                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+            ],
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+        }),
+    )
+    .await;
     let web_uid = web.metadata.uid.clone().unwrap();
     let vips = web.spec.as_ref().unwrap().cluster_ips.clone().unwrap();
     let v4_ports =
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
-    c.put_slice(
+    put_slice(
+        &c,
         "web-v4",
         "web",
         "IPv4",
@@ -424,7 +329,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     )
     .await;
     // These pods serve "web" on another port: resolved per slice.
-    c.put_slice(
+    put_slice(
+        &c,
         "web-v6",
         "web",
         "IPv6",
@@ -451,9 +357,9 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert_eq!((affinity.client_ip, affinity.timeout_seconds), (true, 600));
 
     // Recorded: finalizer on the Service, the record PROGRAMMED at the streamed generation.
-    assert!(c.finalizers("web").await.iter().any(|f| f == FINALIZER));
+    assert!(finalizers(&c, "web").await.iter().any(|f| f == FINALIZER));
     let record = wait_until("web's record PROGRAMMED", EVENT_TIMEOUT, || async {
-        let r = c.records().get("web").await?;
+        let r = c.api::<ServiceLoadBalancer>().get("web").await?;
         let st = r.status.clone().unwrap_or_default();
         anyhow::ensure!(
             st.provisioning_status.as_deref() == Some("PROGRAMMED")
@@ -483,7 +389,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     // An endpoint change: a delta with a higher generation.
     let before = w.spec("web").generation;
     let changed = std::time::Instant::now();
-    c.put_slice(
+    put_slice(
+        &c,
         "web-v4",
         "web",
         "IPv4",
@@ -506,7 +413,8 @@ async fn services_become_load_balancers_that_survive_restarts() {
     let resume = w.last.clone();
     let at = w.spec("web").generation;
     drop(w);
-    c.put_slice(
+    put_slice(
+        &c,
         "web-v4",
         "web",
         "IPv4",
@@ -515,13 +423,13 @@ async fn services_become_load_balancers_that_survive_restarts() {
     )
     .await;
     wait_until("the scale-down recorded", EVENT_TIMEOUT, || async {
-        let g = c.records().get("web").await?.metadata.generation.unwrap_or(0);
+        let g = c.api::<ServiceLoadBalancer>().get("web").await?.metadata.generation.unwrap_or(0);
         anyhow::ensure!(g > i64::try_from(at)?, "generation {g}");
         Ok(())
     })
     .await
     .unwrap();
-    let mut w = lbaas.watch(&resume).await;
+    let mut w = watch(&lbaas, &c, &resume).await;
     let ev = w.next().await.unwrap();
     assert_eq!((ev.r#type(), ev.resume_point.as_str()), (LbEventType::SnapshotComplete, resume.as_str()), "{ev:?}");
     let ev = w.next().await.unwrap();
@@ -534,16 +442,16 @@ async fn services_become_load_balancers_that_survive_restarts() {
     // NodePort: a load balancer with the node port the API server allocated, the external IPs
     // and the traffic policies; ExternalName: an Event and nothing else; headless: nothing at
     // all. A Service created after them marks when lbaas has seen them.
-    c.create_service(
+    create_service(&c,
         "np",
         json!({"type": "NodePort", "externalTrafficPolicy": "Local", "externalIPs": ["192.0.2.40"],
                "ports": [{"port": 80, "protocol": "TCP", "name": "tcp"}, {"port": 80, "protocol": "UDP", "name": "udp"}]}),
     )
     .await;
-    c.create_service("en", json!({"type": "ExternalName", "externalName": "example.com"})).await;
-    c.create_service("hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
-    c.create_service("keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
-    c.put_slice("keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
+    create_service(&c, "en", json!({"type": "ExternalName", "externalName": "example.com"})).await;
+    create_service(&c, "hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
+    create_service(&c, "keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
+    put_slice(&c, "keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
     w.until("keep with its member", |s| {
         s.specs.get(&key("keep")).is_some_and(|spec| members(&spec.listeners[0]) == ["10.244.1.9:8443 rs"])
     })
@@ -555,7 +463,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     })
     .await;
     let np = w.spec("np").clone();
-    let api_np = c.services().get("np").await.unwrap();
+    let api_np = c.api::<Service>().get("np").await.unwrap();
     let api_ports: Vec<u32> =
         api_np.spec.unwrap().ports.unwrap().iter().map(|p| u32::try_from(p.node_port.unwrap()).unwrap()).collect();
     assert_eq!(np.listeners.iter().map(|l| l.node_port).collect::<Vec<_>>(), api_ports, "{np:?}");
@@ -563,11 +471,11 @@ async fn services_become_load_balancers_that_survive_restarts() {
     assert_eq!((np.service_type.as_str(), np.external_ips.as_slice()), ("NodePort", &["192.0.2.40".to_string()][..]));
     assert_eq!(np.external_traffic_policy(), TrafficPolicy::Local);
     assert_eq!(np.internal_traffic_policy(), TrafficPolicy::Cluster, "the API server's default");
-    let record = c.records().get("np").await.unwrap();
+    let record = c.api::<ServiceLoadBalancer>().get("np").await.unwrap();
     assert_eq!(record.spec.listeners[0].node_port, api_ports[0]);
     assert_eq!(record.spec.external_traffic_policy, "Local");
     let skipped = wait_until("en's Event", EVENT_TIMEOUT, || async {
-        let e = c.events_about("en").await;
+        let e = events_about(&c, "en").await;
         anyhow::ensure!(!e.is_empty(), "none yet");
         Ok(e)
     })
@@ -578,26 +486,26 @@ async fn services_become_load_balancers_that_survive_restarts() {
         (Some("LoadBalancerSkipped"), Some("Normal"), Some("kuryr-lbaas"))
     );
     assert!(skipped[0].note.as_deref().unwrap_or_default().contains("ExternalName"), "{skipped:?}");
-    assert!(c.events_about("hl").await.is_empty());
-    assert!(c.events_about("np").await.is_empty(), "NodePort is not skipped");
+    assert!(events_about(&c, "hl").await.is_empty());
+    assert!(events_about(&c, "np").await.is_empty(), "NodePort is not skipped");
     for name in ["en", "hl"] {
         assert!(!w.ever.contains(&key(name)), "{name} was streamed");
-        assert!(c.records().get_opt(name).await.unwrap().is_none(), "{name} has a record");
-        assert!(c.finalizers(name).await.is_empty(), "{name} got a finalizer");
+        assert!(c.api::<ServiceLoadBalancer>().get_opt(name).await.unwrap().is_none(), "{name} has a record");
+        assert!(finalizers(&c, name).await.is_empty(), "{name} got a finalizer");
     }
 
     // Deleting a Service: LB_DELETED, record gone, finalizer removed, Service gone.
-    c.services().delete("web", &DeleteParams::default()).await.unwrap();
+    c.api::<Service>().delete("web", &DeleteParams::default()).await.unwrap();
     w.until("web deleted", |s| s.deleted.contains(&key("web"))).await;
     wait_until("web and its record gone", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.services().get_opt("web").await?.is_none(), "Service still there");
-        anyhow::ensure!(c.records().get_opt("web").await?.is_none(), "record still there");
+        anyhow::ensure!(c.api::<Service>().get_opt("web").await?.is_none(), "Service still there");
+        anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt("web").await?.is_none(), "record still there");
         Ok(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
 
-    let m = lbaas.metrics().await;
+    let m = metrics(&lbaas).await;
     for want in [
         r#"kuryr_lbaas_load_balancers{state="PROGRAMMED"}"#,
         r#"kuryr_lbaas_reconcile_seconds_count{result="applied"}"#,
@@ -611,10 +519,10 @@ async fn services_become_load_balancers_that_survive_restarts() {
 
     // kill -9. Meanwhile: "mark" (with a load balancer) is deleted — its finalizer holds it —,
     // "late" is created, and a record appears whose Service does not exist.
-    c.create_service("mark", json!({"ports": [{"port": 80}]})).await;
+    create_service(&c, "mark", json!({"ports": [{"port": 80}]})).await;
     w.until("mark", |s| s.specs.contains_key(&key("mark"))).await;
     wait_until("mark's finalizer", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.finalizers("mark").await.iter().any(|f| f == FINALIZER), "not yet");
+        anyhow::ensure!(finalizers(&c, "mark").await.iter().any(|f| f == FINALIZER), "not yet");
         Ok(())
     })
     .await
@@ -623,9 +531,9 @@ async fn services_become_load_balancers_that_survive_restarts() {
     let last = w.last.clone();
     lbaas.proc.kill().await.unwrap();
     assert!(matches!(w.end().await, End::Failed(_)), "the stream outlived lbaas");
-    c.services().delete("mark", &DeleteParams::default()).await.unwrap();
-    assert!(c.services().get("mark").await.unwrap().metadata.deletion_timestamp.is_some());
-    c.create_service("late", json!({"ports": [{"port": 8080}]})).await;
+    c.api::<Service>().delete("mark", &DeleteParams::default()).await.unwrap();
+    assert!(c.api::<Service>().get("mark").await.unwrap().metadata.deletion_timestamp.is_some());
+    create_service(&c, "late", json!({"ports": [{"port": 8080}]})).await;
     let mut ghost = ServiceLoadBalancer::new(
         "ghost",
         ServiceLoadBalancerSpec {
@@ -642,12 +550,12 @@ async fn services_become_load_balancers_that_survive_restarts() {
         },
     );
     ghost.metadata.namespace = Some(NS.into());
-    c.records().create(&PostParams::default(), &ghost).await.unwrap();
+    c.api::<ServiceLoadBalancer>().create(&PostParams::default(), &ghost).await.unwrap();
 
-    let lbaas = c.lbaas(&watcher);
+    let lbaas = start_lbaas(&c, &watcher, &["--service-finalizer", "all"]);
     // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot; the
     // records are reconciled: mark and ghost go, late comes, keep and np stay as they were.
-    let mut w = lbaas.watch(&last).await;
+    let mut w = watch(&lbaas, &c, &last).await;
     w.until("the state after the restart", |s| {
         s.live
             && s.specs.contains_key(&key("late"))
@@ -658,19 +566,24 @@ async fn services_become_load_balancers_that_survive_restarts() {
     .await;
     assert_eq!(w.resets, 1, "a restarted lbaas must RESET a binder resuming from its old epoch");
     assert_eq!(w.spec("keep").generation, keep_generation, "keep's spec changed over the restart");
-    lbaas.wait_serving().await;
+    wait_serving(&lbaas).await;
     wait_until("mark gone, ghost's record gone, one record each", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.services().get_opt("mark").await?.is_none(), "mark still there");
-        let names: BTreeSet<String> =
-            c.records().list(&ListParams::default()).await?.items.into_iter().filter_map(|r| r.metadata.name).collect();
+        anyhow::ensure!(c.api::<Service>().get_opt("mark").await?.is_none(), "mark still there");
+        let names: BTreeSet<String> = c
+            .api::<ServiceLoadBalancer>()
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter_map(|r| r.metadata.name)
+            .collect();
         let want = BTreeSet::from(["keep".to_string(), "late".to_string(), "np".to_string()]);
         anyhow::ensure!(names == want, "records {names:?}");
         Ok(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
-    let listed = lbaas
-        .client()
+    let listed = binder_client(&lbaas, &c)
         .list_load_balancers(ListLoadBalancersRequest { namespace: NS.into() })
         .await
         .unwrap()
@@ -697,14 +610,15 @@ async fn services_become_load_balancers_that_survive_restarts() {
 #[tokio::test]
 async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_are_cleaned_up_by_their_record() {
     let c = cluster().await;
-    let watcher = c.watcher();
-    let mut lbaas = c.lbaas_with(&watcher, &[]);
-    lbaas.wait_serving().await;
+    let watcher = watcher(&c);
+    let mut lbaas = start_lbaas(&c, &watcher, &[]);
+    wait_serving(&lbaas).await;
     let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
     let mut specs = json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]});
     for name in ["plain", "ghost"] {
-        c.create_service(name, specs.clone()).await;
-        c.put_slice(
+        create_service(&c, name, specs.clone()).await;
+        put_slice(
+            &c,
             &format!("{name}-a"),
             name,
             "IPv4",
@@ -714,9 +628,9 @@ async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_a
         .await;
     }
     specs["type"] = json!("LoadBalancer");
-    c.create_service("lb", specs).await;
-    c.put_slice("lb-a", "lb", "IPv4", ports.clone(), json!([endpoint("10.244.1.6", true, true, false, "p2")])).await;
-    let mut stream = lbaas.watch("").await;
+    create_service(&c, "lb", specs).await;
+    put_slice(&c, "lb-a", "lb", "IPv4", ports.clone(), json!([endpoint("10.244.1.6", true, true, false, "p2")])).await;
+    let mut stream = watch(&lbaas, &c, "").await;
     stream
         .until("plain, ghost and lb applied", |s| {
             ["plain", "ghost", "lb"].iter().all(|n| s.specs.contains_key(&format!("{NS}/{n}")))
@@ -724,28 +638,28 @@ async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_a
         .await;
     for name in ["plain", "ghost", "lb"] {
         wait_until(&format!("{name}'s record"), EVENT_TIMEOUT, || async {
-            anyhow::ensure!(c.records().get_opt(name).await?.is_some(), "no record yet");
+            anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt(name).await?.is_some(), "no record yet");
             Ok(())
         })
         .await
         .unwrap();
     }
     wait_until("lb's finalizer", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.finalizers("lb").await.iter().any(|f| f == FINALIZER), "not yet");
+        anyhow::ensure!(finalizers(&c, "lb").await.iter().any(|f| f == FINALIZER), "not yet");
         Ok(())
     })
     .await
     .unwrap();
     // lb's finalizer is there, so plain's and ghost's would be by now under the old rule.
-    assert!(c.finalizers("plain").await.is_empty(), "a ClusterIP Service got {:?}", c.finalizers("plain").await);
-    assert!(c.finalizers("ghost").await.is_empty());
+    assert!(finalizers(&c, "plain").await.is_empty(), "a ClusterIP Service got {:?}", finalizers(&c, "plain").await);
+    assert!(finalizers(&c, "ghost").await.is_empty());
 
     // DeleteCollection-style: the Service is gone the moment the delete returns.
-    c.services().delete("plain", &DeleteParams::default()).await.unwrap();
-    assert!(c.services().get_opt("plain").await.unwrap().is_none(), "plain lingers after its delete returned");
+    c.api::<Service>().delete("plain", &DeleteParams::default()).await.unwrap();
+    assert!(c.api::<Service>().get_opt("plain").await.unwrap().is_none(), "plain lingers after its delete returned");
     stream.until("plain's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/plain"))).await;
     wait_until("plain's record to go", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.records().get_opt("plain").await?.is_none(), "still there");
+        anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt("plain").await?.is_none(), "still there");
         Ok(())
     })
     .await
@@ -753,28 +667,31 @@ async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_a
 
     // Deleted while kuryr-lbaas is down: the record outlives the Service and goes after the restart.
     lbaas.proc.kill().await.unwrap();
-    c.services().delete("ghost", &DeleteParams::default()).await.unwrap();
-    assert!(c.services().get_opt("ghost").await.unwrap().is_none());
-    assert!(c.records().get_opt("ghost").await.unwrap().is_some(), "the record went without kuryr-lbaas");
-    let lbaas = c.lbaas_with(&watcher, &[]);
-    lbaas.wait_serving().await;
+    c.api::<Service>().delete("ghost", &DeleteParams::default()).await.unwrap();
+    assert!(c.api::<Service>().get_opt("ghost").await.unwrap().is_none());
+    assert!(
+        c.api::<ServiceLoadBalancer>().get_opt("ghost").await.unwrap().is_some(),
+        "the record went without kuryr-lbaas"
+    );
+    let lbaas = start_lbaas(&c, &watcher, &[]);
+    wait_serving(&lbaas).await;
     wait_until("ghost's record to go after the restart", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.records().get_opt("ghost").await?.is_none(), "still there");
+        anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt("ghost").await?.is_none(), "still there");
         Ok(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
-    let mut stream = lbaas.watch("").await;
+    let mut stream = watch(&lbaas, &c, "").await;
     stream.until("the snapshot after the restart", |s| s.live).await;
     assert!(!stream.specs.contains_key(&format!("{NS}/ghost")), "ghost is still streamed");
     assert!(stream.specs.contains_key(&format!("{NS}/lb")));
 
     // The LoadBalancer Service waits for its load balancer, then goes.
-    c.services().delete("lb", &DeleteParams::default()).await.unwrap();
+    c.api::<Service>().delete("lb", &DeleteParams::default()).await.unwrap();
     stream.until("lb's LB_DELETED", |s| s.deleted.contains(&format!("{NS}/lb"))).await;
     wait_until("lb to be gone", EVENT_TIMEOUT, || async {
-        anyhow::ensure!(c.services().get_opt("lb").await?.is_none(), "still there");
-        anyhow::ensure!(c.records().get_opt("lb").await?.is_none(), "its record is still there");
+        anyhow::ensure!(c.api::<Service>().get_opt("lb").await?.is_none(), "still there");
+        anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt("lb").await?.is_none(), "its record is still there");
         Ok(())
     })
     .await
@@ -801,17 +718,18 @@ async fn heartbeats_tell_a_quiet_watcher_from_a_stopped_one() {
     const HEARTBEAT: &str = "300ms";
     const IDLE: Duration = Duration::from_millis(1500);
     let c = cluster().await;
-    let watcher = c.0.watcher(None, &["--shutdown-grace", "3s", "--stream-heartbeat", HEARTBEAT]).unwrap();
+    let watcher = c.watcher(None, &["--shutdown-grace", "3s", "--stream-heartbeat", HEARTBEAT]).unwrap();
     let idle = format!("{}ms", IDLE.as_millis());
-    let lbaas = c.lbaas_with(
+    let lbaas = start_lbaas(
+        &c,
         &watcher,
         &["--service-finalizer", "all", "--stream-heartbeat", HEARTBEAT, "--stream-idle-timeout", &idle],
     );
-    lbaas.wait_serving().await;
-    let mut w = lbaas.watch("").await;
+    wait_serving(&lbaas).await;
+    let mut w = watch(&lbaas, &c, "").await;
     w.until("the snapshot", |s| s.live).await;
     let reconnects = |m: &str| metric_value(m, "kuryr_lbaas_watcher_reconnects_total");
-    let before = reconnects(&lbaas.metrics().await);
+    let before = reconnects(&metrics(&lbaas).await);
 
     // Nothing changes for three idle timeouts: heartbeats only, on both streams. (What the API
     // server itself still settles — the `kubernetes` Service's slice — restarts the count.)
@@ -833,7 +751,7 @@ async fn heartbeats_tell_a_quiet_watcher_from_a_stopped_one() {
     kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&lbaas.addr).unwrap(), LOAD_BALANCERS)
         .await
         .unwrap_or_else(|e| panic!("a quiet watcher was taken for dead: {e:#}\n{}", lbaas.proc.logs()));
-    assert_eq!(reconnects(&lbaas.metrics().await), before, "a quiet watcher was taken for dead");
+    assert_eq!(reconnects(&metrics(&lbaas).await), before, "a quiet watcher was taken for dead");
 
     // Stopped: the connection stays open, and only the silence tells.
     let pid = watcher.proc.pid().unwrap().to_string();
@@ -858,15 +776,15 @@ async fn heartbeats_tell_a_quiet_watcher_from_a_stopped_one() {
     // The idle timer runs from the last heartbeat, up to one interval before the stop.
     assert!(noticed >= IDLE / 2, "NOT_SERVING after {noticed:?}, long before the idle timeout: something else broke");
     assert!(noticed < 5 * IDLE, "NOT_SERVING only after {noticed:?}: --stream-idle-timeout was not applied");
-    assert!(reconnects(&lbaas.metrics().await) > before);
+    assert!(reconnects(&metrics(&lbaas).await) > before);
     // lbaas still serves what it has, and says it is alive.
     let ev = tokio::time::timeout(EVENT_TIMEOUT, w.stream.message()).await.unwrap().unwrap().unwrap();
     assert_eq!(ev.r#type(), LbEventType::Heartbeat);
 
     // Running again: the follower reconnects and lbaas is SERVING again.
     signal("-CONT").await;
-    lbaas.wait_serving().await;
+    wait_serving(&lbaas).await;
     assert!(lbaas.proc.logs().contains("not even a heartbeat"), "{}", lbaas.proc.logs());
-    c.create_service("after", json!({"ports": [{"port": 80}]})).await;
+    create_service(&c, "after", json!({"ports": [{"port": 80}]})).await;
     w.until("after", |s| s.specs.contains_key(&key("after"))).await;
 }

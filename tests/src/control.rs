@@ -14,14 +14,16 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 
 use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use crate::kube::KubeEnv;
@@ -205,4 +207,23 @@ impl ControlPlane {
         let proc = ServiceProcess::spawn("kuryr-watcher", &args, self.dir.path())?;
         Ok(Watcher { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") })
     }
+}
+
+/// Shard → (holder identity, its advertised endpoint) of the shard set `set` (`kuryr-lbaas`,
+/// `kuryr-vif-allocator`), as its Lease objects in `kuryr-system` say; held Leases only.
+pub async fn shard_holders(admin: &kube::Client, set: &str) -> Result<BTreeMap<u32, (String, String)>> {
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), SYSTEM_NAMESPACE);
+    let list = leases.list(&ListParams::default().labels(&format!("kuryr.openstack.org/shard-set={set}"))).await?;
+    let mut out = BTreeMap::new();
+    for l in list.items {
+        let name = l.metadata.name.clone().unwrap_or_default();
+        let Some(i) = name.strip_prefix(&format!("{set}-shard-")).and_then(|i| i.parse().ok()) else { continue };
+        let spec = l.spec.unwrap_or_default();
+        if let Some(h) = spec.holder_identity.filter(|h| !h.is_empty()) {
+            let endpoint =
+                l.metadata.annotations.and_then(|a| a.get("kuryr.openstack.org/endpoint").cloned()).unwrap_or_default();
+            out.insert(i, (h, endpoint));
+        }
+    }
+    Ok(out)
 }

@@ -58,19 +58,8 @@ const PROJECT: &str = "5b0c8e1f3a2d4c6b9e7f1a2b3c4d5e6f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "6d1f5a2c-9b3e-4c7d-8e0f-1a2b3c4d5e6f";
 
-/// The control plane for kuryr-lbaas.
-struct Cluster(ControlPlane);
-
-impl std::ops::Deref for Cluster {
-    type Target = ControlPlane;
-
-    fn deref(&self) -> &ControlPlane {
-        &self.0
-    }
-}
-
-async fn cluster() -> Cluster {
-    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
+async fn cluster() -> ControlPlane {
+    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
 struct Svc {
@@ -87,91 +76,89 @@ fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
     Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
 }
 
-impl Cluster {
-    fn watcher(&self) -> Watcher {
-        self.0.watcher(None, &[]).unwrap()
-    }
+fn start_watcher(c: &ControlPlane) -> Watcher {
+    c.watcher(None, &[]).unwrap()
+}
 
-    fn lbaas(&self, watcher: &Watcher, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
-        let kubeconfig = self.kubeconfig.display().to_string();
-        let mut args = vec![
-            "--kubeconfig",
-            &kubeconfig,
-            "--watcher",
-            &watcher.addr,
-            "--backend",
-            "octavia",
-            // This suite follows the finalizer's life on ClusterIP Services too.
-            "--service-finalizer",
-            "all",
-            "--octavia-url",
-            octavia_url,
-            "--os-project-id",
-            PROJECT,
-            "--cluster-name",
-            cluster_name,
-            "--drift-interval",
-            "3s",
-            "--octavia-active-timeout",
-            "20s",
-            "--log",
-            "info,kuryr_lbaas=debug",
-        ];
-        if !extra.contains(&"--vip-subnet-id") {
-            args.extend(["--vip-subnet-id", VIP_SUBNET]);
-        }
-        args.extend_from_slice(extra);
-        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path())
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
+    let kubeconfig = c.kubeconfig.display().to_string();
+    let mut args = vec![
+        "--kubeconfig",
+        &kubeconfig,
+        "--watcher",
+        &watcher.addr,
+        "--backend",
+        "octavia",
+        // This suite follows the finalizer's life on ClusterIP Services too.
+        "--service-finalizer",
+        "all",
+        "--octavia-url",
+        octavia_url,
+        "--os-project-id",
+        PROJECT,
+        "--cluster-name",
+        cluster_name,
+        "--drift-interval",
+        "3s",
+        "--octavia-active-timeout",
+        "20s",
+        "--log",
+        "info,kuryr_lbaas=debug",
+    ];
+    if !extra.contains(&"--vip-subnet-id") {
+        args.extend(["--vip-subnet-id", VIP_SUBNET]);
     }
+    args.extend_from_slice(extra);
+    spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), c.dir.path())
+}
 
-    fn services(&self) -> Api<Service> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+fn services(c: &ControlPlane) -> Api<Service> {
+    Api::namespaced(c.admin.clone(), NS)
+}
 
-    fn records(&self) -> Api<ServiceLoadBalancer> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+fn records(c: &ControlPlane) -> Api<ServiceLoadBalancer> {
+    Api::namespaced(c.admin.clone(), NS)
+}
 
-    async fn put_slice(&self, name: &str, service: &str, ports: Value, eps: Value) {
-        let slice: EndpointSlice = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
-            "addressType": "IPv4",
-            "ports": ports,
-            "endpoints": eps,
-        }))
-        .unwrap();
-        let api: Api<EndpointSlice> = Api::namespaced(self.admin.clone(), NS);
-        match api.get_opt(name).await.unwrap() {
-            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
-            Some(old) => {
-                let mut slice = slice;
-                slice.metadata.resource_version = old.metadata.resource_version;
-                api.replace(name, &PostParams::default(), &slice).await.unwrap();
-            }
+async fn put_slice(c: &ControlPlane, name: &str, service: &str, ports: Value, eps: Value) {
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": ports,
+        "endpoints": eps,
+    }))
+    .unwrap();
+    let api: Api<EndpointSlice> = Api::namespaced(c.admin.clone(), NS);
+    match api.get_opt(name).await.unwrap() {
+        None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
+        Some(old) => {
+            let mut slice = slice;
+            slice.metadata.resource_version = old.metadata.resource_version;
+            api.replace(name, &PostParams::default(), &slice).await.unwrap();
         }
     }
+}
 
-    /// The record once it is ACTIVE at its current generation.
-    async fn converged(&self, name: &str, lbaas: &Svc) -> ServiceLoadBalancer {
-        wait_until(&format!("{name}'s record ACTIVE at its generation"), CONVERGE, || async {
-            let r = self.records().get(name).await?;
-            let st = r.status.clone().unwrap_or_default();
-            anyhow::ensure!(
-                st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
-                "{st:?} at generation {:?}",
-                r.metadata.generation
-            );
-            Ok(r)
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)))
-    }
+/// The record once it is ACTIVE at its current generation.
+async fn converged(c: &ControlPlane, name: &str, lbaas: &Svc) -> ServiceLoadBalancer {
+    wait_until(&format!("{name}'s record ACTIVE at its generation"), CONVERGE, || async {
+        let r = records(c).get(name).await?;
+        let st = r.status.clone().unwrap_or_default();
+        anyhow::ensure!(
+            st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
+            "{st:?} at generation {:?}",
+            r.metadata.generation
+        );
+        Ok(r)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)))
+}
 
-    async fn events_about(&self, name: &str) -> Vec<Event> {
-        let events: Api<Event> = Api::namespaced(self.admin.clone(), NS);
-        let all = events.list(&ListParams::default()).await.unwrap().items;
-        all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
-    }
+async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(c.admin.clone(), NS);
+    let all = events.list(&ListParams::default()).await.unwrap().items;
+    all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
 }
 
 fn tail(text: &str, n: usize) -> String {
@@ -318,6 +305,7 @@ const REQUESTS: &str = "openstack_requests_total";
 async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let started = Instant::now();
     let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let c = &c;
     let os = os.unwrap();
     eprintln!("API server and Octavia up in {:?}", started.elapsed());
     let octavia_url = os.octavia_url().unwrap().to_string();
@@ -326,8 +314,8 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let cluster_tag = format!("kuryr-cluster={cluster_name}");
     let web_tag = format!("kuryr-service={NS}/web");
 
-    let watcher = c.watcher();
-    let mut lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &[]);
+    let watcher = start_watcher(c);
+    let mut lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &[]);
     lbaas.wait_serving().await;
     // The API server's own `default/kubernetes` Service gets a load balancer too; counts of
     // calls below start once it has one.
@@ -348,13 +336,14 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
     ]}}))
     .unwrap();
-    let web = c.services().create(&PostParams::default(), &svc).await.unwrap();
+    let web = services(c).create(&PostParams::default(), &svc).await.unwrap();
     let uid = web.metadata.uid.clone().unwrap();
     let vip = web.spec.as_ref().unwrap().cluster_ip.clone().unwrap();
     let both =
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
     let created = Instant::now();
-    c.put_slice(
+    put_slice(
+        c,
         "web-a",
         "web",
         both.clone(),
@@ -365,7 +354,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         ]),
     )
     .await;
-    let record = c.converged("web", &lbaas).await;
+    let record = converged(c, "web", &lbaas).await;
     eprintln!("Service created → load balancer ACTIVE and recorded: {:?}", created.elapsed());
     let lb = backend_id(&record);
     assert!(!lb.is_empty(), "{record:?}");
@@ -386,7 +375,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "one fully-populated create");
     assert_eq!(lbaas.metric(REQUESTS, &[r#"operation="listeners.create""#]).await, 0.0);
     assert!(
-        c.services().get("web").await.unwrap().metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER)
+        services(c).get("web").await.unwrap().metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER)
     );
     let got = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token).unwrap())
         .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
@@ -402,7 +391,8 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     // Endpoint churn. A change in the slice of both ports: one batch update per pool, two.
     let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
     let changed = Instant::now();
-    c.put_slice(
+    put_slice(
+        c,
         "web-a",
         "web",
         both.clone(),
@@ -422,13 +412,14 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         &lbaas,
     )
     .await;
-    c.converged("web", &lbaas).await;
+    converged(c, "web", &lbaas).await;
     eprintln!("endpoint change (2 pools) → converged and recorded: {:?}", changed.elapsed());
     assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 2.0, "one member PUT per changed pool");
     // A slice serving only the http port: one pool changes, one PUT.
     let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
     let changed = Instant::now();
-    c.put_slice(
+    put_slice(
+        c,
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
@@ -444,7 +435,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         &lbaas,
     )
     .await;
-    c.converged("web", &lbaas).await;
+    converged(c, "web", &lbaas).await;
     eprintln!("endpoint change (1 pool) → converged and recorded: {:?}", changed.elapsed());
     assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
     assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
@@ -475,8 +466,9 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         {"name": "http", "port": 80, "targetPort": 8080},
         {"name": "https", "port": 443, "targetPort": 8443},
     ]}});
-    c.services().patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
-    c.put_slice(
+    services(c).patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    put_slice(
+        c,
         "web-a",
         "web",
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "https", "port": 8443, "protocol": "TCP"}]),
@@ -485,7 +477,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     .await;
     let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.3:8081"];
     api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
-    c.converged("web", &lbaas).await;
+    converged(c, "web", &lbaas).await;
 
     // Drift: a pool deleted behind lbaas' back is created again by the periodic pass.
     let listeners = api.ok(&format!("listeners?loadbalancer_id={lb}")).await.unwrap();
@@ -505,7 +497,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(api.delete(&format!("loadbalancers/{lb}?cascade=true")).await, 204);
     let deleted = Instant::now();
     let record = wait_until("a new load balancer recorded", CONVERGE, || async {
-        let r = c.records().get("web").await?;
+        let r = records(c).get("web").await?;
         anyhow::ensure!(!backend_id(&r).is_empty() && backend_id(&r) != lb, "still {}", backend_id(&r));
         Ok(r)
     })
@@ -532,7 +524,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(orphan.status().as_u16(), 201);
     let orphan: Value = orphan.json().await.unwrap();
     let orphan = orphan["loadbalancer"]["id"].as_str().unwrap().to_string();
-    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &[]);
+    let lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &[]);
     lbaas.wait_serving().await;
     wait_until("the orphan deleted, web's load balancer adopted", CONVERGE, || async {
         let (status, body) = api.get(&format!("loadbalancers/{orphan}")).await?;
@@ -549,7 +541,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
-    let record = c.converged("web", &lbaas).await;
+    let record = converged(c, "web", &lbaas).await;
     assert_eq!(backend_id(&record), lb, "adopted, not replaced");
     assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await, 0.0, "the restarted lbaas created a load balancer");
     // Counted once lbaas' own wait sees it gone, which may be a poll after the test saw it.
@@ -566,7 +558,8 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     // create), is retried with backoff and reported; it converges once the worker is back.
     os.stop_process("octavia-worker").await.unwrap();
     let failures = lbaas.metric("kuryr_lbaas_failures_total", &[]).await;
-    c.put_slice(
+    put_slice(
+        c,
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
@@ -574,7 +567,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     )
     .await;
     wait_until("the stalled change reported", CONVERGE, || async {
-        let r = c.records().get("web").await?;
+        let r = records(c).get("web").await?;
         let st = r.status.unwrap_or_default();
         anyhow::ensure!(st.provisioning_status.as_deref() == Some("PENDING_UPDATE"), "{st:?}");
         anyhow::ensure!(lbaas.metric("kuryr_lbaas_failures_total", &[]).await > failures, "no failure counted");
@@ -585,12 +578,13 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     os.start_process("octavia-worker").await.unwrap();
     let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.4:8081"];
     api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
-    c.converged("web", &lbaas).await;
+    converged(c, "web", &lbaas).await;
 
     // The API stops: calls fail to connect, are retried, reported as Events; converges after.
     os.stop_process("octavia-api").await.unwrap();
     let failures = lbaas.metric("kuryr_lbaas_failures_total", &[r#"reason="unavailable""#]).await;
-    c.put_slice(
+    put_slice(
+        c,
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
@@ -604,7 +598,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
-    let events = c.events_about("web").await;
+    let events = events_about(c, "web").await;
     assert!(
         events
             .iter()
@@ -615,13 +609,13 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     os.start_process("octavia-api").await.unwrap();
     let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.5:8081"];
     api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
-    c.converged("web", &lbaas).await;
+    converged(c, "web", &lbaas).await;
 
     // Deletion: cascade delete, then the record and the finalizer go, and the Service with them.
-    c.services().delete("web", &DeleteParams::default()).await.unwrap();
+    services(c).delete("web", &DeleteParams::default()).await.unwrap();
     wait_until("web, its record and its load balancer gone", CONVERGE, || async {
-        anyhow::ensure!(c.services().get_opt("web").await?.is_none(), "Service still there");
-        anyhow::ensure!(c.records().get_opt("web").await?.is_none(), "record still there");
+        anyhow::ensure!(services(c).get_opt("web").await?.is_none(), "Service still there");
+        anyhow::ensure!(records(c).get_opt("web").await?.is_none(), "record still there");
         let (status, _) = api.get(&format!("loadbalancers/{lb}")).await?;
         anyhow::ensure!(status == 404, "load balancer answers {status}");
         Ok(())
@@ -635,6 +629,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
 #[tokio::test]
 async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
     let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Neutron, OsService::Octavia]));
+    let c = &c;
     let os = os.unwrap();
     let (octavia_url, neutron_url) = (os.octavia_url().unwrap().to_string(), os.neutron_url().unwrap().to_string());
     let vars = HashMap::from([
@@ -684,7 +679,7 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
         .unwrap();
     n.add_router_interface(&router.id, &RouterInterface::SubnetId(svc_sub.id.clone())).await.unwrap();
 
-    let watcher = c.watcher();
+    let watcher = start_watcher(c);
     let cluster_name = format!("f{}", unique_id());
     let extra = [
         "--vip-subnet-id",
@@ -697,20 +692,26 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
         "--floating-network-id",
         &ext.id,
     ];
-    let lbaas = c.lbaas(&watcher, &octavia_url, &cluster_name, &extra);
+    let lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &extra);
     lbaas.wait_serving().await;
     let api = OctaviaApi::new(&octavia_url);
 
     let svc: Service = serde_json::from_value(json!({"metadata": {"name": "pub"}, "spec": {
         "type": "LoadBalancer", "clusterIP": "10.96.7.7", "ports": [{"port": 80, "targetPort": 8080}]}}))
     .unwrap();
-    c.services().create(&PostParams::default(), &svc).await.unwrap();
-    c.put_slice("pub-a", "pub", json!([{"port": 8080, "protocol": "TCP"}]), json!([endpoint("10.244.2.5", true, "a")]))
-        .await;
-    let record = c.converged("pub", &lbaas).await;
+    services(c).create(&PostParams::default(), &svc).await.unwrap();
+    put_slice(
+        c,
+        "pub-a",
+        "pub",
+        json!([{"port": 8080, "protocol": "TCP"}]),
+        json!([endpoint("10.244.2.5", true, "a")]),
+    )
+    .await;
+    let record = converged(c, "pub", &lbaas).await;
     let ingress = record.status.as_ref().and_then(|s| s.ingress_ip.clone()).unwrap_or_default();
     assert!(ingress.starts_with("203.0.113."), "ingress {ingress:?} is not a floating IP: {record:?}");
-    let svc = c.services().get("pub").await.unwrap();
+    let svc = services(c).get("pub").await.unwrap();
     let shown = svc.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default();
     assert_eq!(shown.first().and_then(|i| i.ip.as_deref()), Some(ingress.as_str()), "Service status");
 
@@ -728,9 +729,9 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
     assert!(fip.tags.iter().any(|t| t == &format!("kuryr-service={NS}/pub")), "{fip:?}");
 
     // Deleted: the load balancer, the floating IP and the VIP port go, then the Service.
-    c.services().delete("pub", &DeleteParams::default()).await.unwrap();
+    services(c).delete("pub", &DeleteParams::default()).await.unwrap();
     wait_until("pub, its floating IP and its VIP port gone", CONVERGE, || async {
-        anyhow::ensure!(c.services().get_opt("pub").await?.is_none(), "Service still there");
+        anyhow::ensure!(services(c).get_opt("pub").await?.is_none(), "Service still there");
         anyhow::ensure!(n.get_port(&port_id).await.is_err_and(|e| e.is_not_found()), "VIP port still there");
         let left = n.list_floating_ips(&Filter::new().eq("floating_network_id", ext.id.clone())).await?;
         anyhow::ensure!(left.iter().all(|f| f.floating_ip_address != ingress), "floating IP still there");

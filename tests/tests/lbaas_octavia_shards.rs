@@ -45,19 +45,8 @@ const PROJECT: &str = "7c1d9e2f4b3a4d5c8e6f2a3b4c5d6e7f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "8e2f6b3d-0c4e-4d8f-9a1b-2c3d4e5f6a7b";
 
-/// The control plane for kuryr-lbaas.
-struct Cluster(ControlPlane);
-
-impl std::ops::Deref for Cluster {
-    type Target = ControlPlane;
-
-    fn deref(&self) -> &ControlPlane {
-        &self.0
-    }
-}
-
-async fn cluster() -> Cluster {
-    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
+async fn cluster() -> ControlPlane {
+    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
 struct Replica {
@@ -79,91 +68,89 @@ fn logs(replicas: &[&Replica]) -> String {
     replicas.iter().map(|r| format!("==== {}\n{}", r.id, tail(r.proc.logs()))).collect::<Vec<_>>().join("\n")
 }
 
-impl Cluster {
-    fn watcher(&self) -> Watcher {
-        self.0.watcher(None, &[]).unwrap()
-    }
+fn start_watcher(c: &ControlPlane) -> Watcher {
+    c.watcher(None, &[]).unwrap()
+}
 
-    fn lbaas(&self, watcher: &Watcher, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
-        let args = [
-            "--kubeconfig",
-            &self.kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--backend",
-            "octavia",
-            "--octavia-url",
-            octavia_url,
-            "--os-project-id",
-            PROJECT,
-            "--vip-subnet-id",
-            VIP_SUBNET,
-            "--cluster-name",
-            cluster_name,
-            "--drift-interval",
-            "5s",
-            "--octavia-active-timeout",
-            "30s",
-            // This suite follows the finalizer's life on ClusterIP Services too.
-            "--service-finalizer",
-            "all",
-            "--instance",
-            id,
-            "--replica-id",
-            id,
-            "--shards",
-            &SHARDS.to_string(),
-            "--lease-duration",
-            &format!("{}s", LEASE.as_secs()),
-            "--log",
-            "info,kuryr_lbaas=debug",
-        ];
-        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path(), id)
-    }
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
+    let args = [
+        "--kubeconfig",
+        &c.kubeconfig.display().to_string(),
+        "--watcher",
+        &watcher.addr,
+        "--backend",
+        "octavia",
+        "--octavia-url",
+        octavia_url,
+        "--os-project-id",
+        PROJECT,
+        "--vip-subnet-id",
+        VIP_SUBNET,
+        "--cluster-name",
+        cluster_name,
+        "--drift-interval",
+        "5s",
+        "--octavia-active-timeout",
+        "30s",
+        // This suite follows the finalizer's life on ClusterIP Services too.
+        "--service-finalizer",
+        "all",
+        "--instance",
+        id,
+        "--replica-id",
+        id,
+        "--shards",
+        &SHARDS.to_string(),
+        "--lease-duration",
+        &format!("{}s", LEASE.as_secs()),
+        "--log",
+        "info,kuryr_lbaas=debug",
+    ];
+    spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), c.dir.path(), id)
+}
 
-    fn services(&self) -> Api<Service> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+fn services(c: &ControlPlane) -> Api<Service> {
+    Api::namespaced(c.admin.clone(), NS)
+}
 
-    fn records(&self) -> Api<ServiceLoadBalancer> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
+fn records(c: &ControlPlane) -> Api<ServiceLoadBalancer> {
+    Api::namespaced(c.admin.clone(), NS)
+}
 
-    async fn create_service(&self, name: &str, members: &[String]) {
-        let svc: Service = serde_json::from_value(
-            json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
-        )
-        .unwrap();
-        self.services().create(&PostParams::default(), &svc).await.unwrap();
-        let endpoints: Vec<Value> = members
-            .iter()
-            .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
-            .collect();
-        let slice: EndpointSlice = serde_json::from_value(json!({
-            "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"port": 8080, "protocol": "TCP"}],
-            "endpoints": endpoints,
-        }))
-        .unwrap();
-        let slices: Api<EndpointSlice> = Api::namespaced(self.admin.clone(), NS);
-        slices.create(&PostParams::default(), &slice).await.unwrap();
-    }
+async fn create_service(c: &ControlPlane, name: &str, members: &[String]) {
+    let svc: Service = serde_json::from_value(
+        json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
+    )
+    .unwrap();
+    services(c).create(&PostParams::default(), &svc).await.unwrap();
+    let endpoints: Vec<Value> = members
+        .iter()
+        .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
+        .collect();
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4",
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+        "endpoints": endpoints,
+    }))
+    .unwrap();
+    let slices: Api<EndpointSlice> = Api::namespaced(c.admin.clone(), NS);
+    slices.create(&PostParams::default(), &slice).await.unwrap();
+}
 
-    /// Shard → holder identity, as the Lease objects say (held Leases only).
-    async fn holders(&self) -> BTreeMap<u32, String> {
-        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), "kuryr-system");
-        let list = leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-lbaas")).await;
-        let mut out = BTreeMap::new();
-        for l in list.map(|l| l.items).unwrap_or_default() {
-            let name = l.metadata.name.clone().unwrap_or_default();
-            let Some(i) = name.strip_prefix("kuryr-lbaas-shard-").and_then(|i| i.parse().ok()) else { continue };
-            if let Some(h) = l.spec.and_then(|s| s.holder_identity).filter(|h| !h.is_empty()) {
-                out.insert(i, h);
-            }
+/// Shard → holder identity, as the Lease objects say (held Leases only).
+async fn holders(c: &ControlPlane) -> BTreeMap<u32, String> {
+    let leases: Api<Lease> = Api::namespaced(c.admin.clone(), "kuryr-system");
+    let list = leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-lbaas")).await;
+    let mut out = BTreeMap::new();
+    for l in list.map(|l| l.items).unwrap_or_default() {
+        let name = l.metadata.name.clone().unwrap_or_default();
+        let Some(i) = name.strip_prefix("kuryr-lbaas-shard-").and_then(|i| i.parse().ok()) else { continue };
+        if let Some(h) = l.spec.and_then(|s| s.holder_identity).filter(|h| !h.is_empty()) {
+            out.insert(i, h);
         }
-        out
     }
+    out
 }
 
 impl Replica {
@@ -239,27 +226,28 @@ fn members(i: usize) -> Vec<String> {
     (0..2).map(|j| format!("10.244.{}.{}", i % 250, 20 + j)).collect()
 }
 
-async fn create_burst(c: &Cluster, range: std::ops::Range<usize>) {
-    join_all(range.map(|i| async move { c.create_service(&format!("svc-{i}"), &members(i)).await })).await;
+async fn create_burst(c: &ControlPlane, range: std::ops::Range<usize>) {
+    join_all(range.map(|i| async move { create_service(c, &format!("svc-{i}"), &members(i)).await })).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplicated() {
     let started = Instant::now();
     let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let c = &c;
     let os = os.unwrap();
     eprintln!("API server and Octavia up in {:?}", started.elapsed());
     let octavia_url = os.octavia_url().unwrap().to_string();
     let api = OctaviaApi::new(&octavia_url);
     let cluster_name = format!("t{}", unique_id());
 
-    let watcher = c.watcher();
-    let mut a = c.lbaas(&watcher, &octavia_url, &cluster_name, "lbo-a");
-    let b = c.lbaas(&watcher, &octavia_url, &cluster_name, "lbo-b");
+    let watcher = start_watcher(c);
+    let mut a = start_lbaas(c, &watcher, &octavia_url, &cluster_name, "lbo-a");
+    let b = start_lbaas(c, &watcher, &octavia_url, &cluster_name, "lbo-b");
     a.wait_serving().await;
     b.wait_serving().await;
     wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
-        let h = c.holders().await;
+        let h = holders(c).await;
         let of = |id: &str| h.values().filter(|h| *h == id).count();
         anyhow::ensure!(h.len() == SHARDS as usize && of("lbo-a") == 4 && of("lbo-b") == 4, "held: {h:?}");
         Ok(())
@@ -280,7 +268,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     let (takeover, ()) = tokio::join!(
         async {
             wait_until("lbo-b holding every shard", PHASE_TIMEOUT, || async {
-                let h = c.holders().await;
+                let h = holders(c).await;
                 anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|id| id == "lbo-b"), "held: {h:?}");
                 Ok(killed.elapsed())
             })
@@ -299,7 +287,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     // names; no other load balancer of this cluster in the namespace.
     let names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
     let converged = wait_until("one ACTIVE, complete load balancer per Service, recorded", CONVERGE, || async {
-        let records = c.records().list(&ListParams::default()).await?.items;
+        let records = records(c).list(&ListParams::default()).await?.items;
         let mut recorded = BTreeMap::new();
         for r in &records {
             let name = r.metadata.name.clone().unwrap_or_default();
@@ -313,7 +301,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
         }
         let have: BTreeSet<String> = recorded.keys().cloned().collect();
         anyhow::ensure!(have == names, "{} of {} Services recorded", have.len(), names.len());
-        for s in c.services().list(&ListParams::default()).await?.items {
+        for s in services(c).list(&ListParams::default()).await?.items {
             let fin = s.metadata.finalizers.unwrap_or_default();
             anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{:?} has no finalizer", s.metadata.name);
         }
@@ -345,13 +333,13 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     // Deleting them deletes their load balancers; the finalizer goes last.
     let dp = DeleteParams::default();
     join_all(names.iter().map(|n| {
-        let (api, dp) = (c.services(), &dp);
+        let (api, dp) = (services(c), &dp);
         async move { api.delete(n, dp).await.unwrap() }
     }))
     .await;
     wait_until("every Service, record and load balancer gone", CONVERGE, || async {
-        anyhow::ensure!(c.services().list(&ListParams::default()).await?.items.is_empty(), "Services left");
-        anyhow::ensure!(c.records().list(&ListParams::default()).await?.items.is_empty(), "records left");
+        anyhow::ensure!(services(c).list(&ListParams::default()).await?.items.is_empty(), "Services left");
+        anyhow::ensure!(records(c).list(&ListParams::default()).await?.items.is_empty(), "records left");
         let lbs = api.by_service(&cluster_name).await?;
         let left: Vec<&String> = lbs.keys().filter(|k| k.starts_with(&format!("{NS}/"))).collect();
         anyhow::ensure!(left.is_empty(), "load balancers left: {left:?}");

@@ -22,23 +22,19 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::control::{ControlPlane, Served, Watcher};
-use kuryr_tests::metrics::Scrape;
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::free_port;
+use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
 use serde_json::json;
 
 const NS: &str = "lbshards";
@@ -53,199 +49,101 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
 const FINALIZER: &str = "kuryr.openstack.org/lbaas";
 const SET: &str = "kuryr-lbaas";
 
-/// The control plane for kuryr-lbaas.
-struct Cluster(ControlPlane);
-
-impl std::ops::Deref for Cluster {
-    type Target = ControlPlane;
-
-    fn deref(&self) -> &ControlPlane {
-        &self.0
-    }
+async fn cluster() -> ControlPlane {
+    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
-async fn cluster() -> Cluster {
-    Cluster(ControlPlane::start(Served::Lbaas, NS).await.unwrap())
+fn start_watcher(c: &ControlPlane) -> Watcher {
+    c.watcher(None, &[]).unwrap()
 }
 
-/// A running process with its gRPC and metrics addresses.
-struct Replica {
-    proc: ServiceProcess,
-    id: String,
-    addr: String,
-    metrics: String,
+/// A replica named `id` (its identity in the Leases and its instance in Events).
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, id: &str) -> Sut {
+    let shards = SHARDS.to_string();
+    let lease = format!("{}s", LEASE.as_secs());
+    // This suite follows the finalizer's life on ClusterIP Services too.
+    let extra = ["--service-finalizer", "all", "--shards", &shards, "--lease-duration", &lease];
+    c.lbaas(watcher, id, &extra).unwrap()
 }
 
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, id: &str) -> Replica {
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
-    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), metrics.clone()]);
-    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Replica { proc, id: id.to_string(), addr, metrics }
+/// A Service `name` on port 80 with one IPv4 slice listing `members` on 8080.
+async fn create_service(c: &ControlPlane, name: &str, members: &[String]) {
+    let svc = sut::service(name, json!({"ports": [{"port": 80, "targetPort": 8080}]})).unwrap();
+    c.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
+    put_slice(c, name, members).await;
 }
 
-impl Cluster {
-    fn watcher(&self) -> Watcher {
-        self.0.watcher(None, &[]).unwrap()
-    }
+async fn put_slice(c: &ControlPlane, name: &str, members: &[String]) {
+    let endpoints: Vec<serde_json::Value> = members.iter().map(|a| sut::ready_endpoint(a)).collect();
+    let slice =
+        sut::slice(&format!("{name}-1"), name, "IPv4", json!([{"port": 8080, "protocol": "TCP"}]), json!(endpoints));
+    sut::put_slice(&c.api(), slice.unwrap()).await.unwrap();
+}
 
-    /// A replica named `id` (its identity in the Leases and its instance in Events).
-    fn lbaas(&self, watcher: &Watcher, id: &str) -> Replica {
-        let args = [
-            "--kubeconfig",
-            &self.kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            // This suite follows the finalizer's life on ClusterIP Services too.
-            "--service-finalizer",
-            "all",
-            "--instance",
-            id,
-            "--replica-id",
-            id,
-            "--shards",
-            &SHARDS.to_string(),
-            "--lease-duration",
-            &format!("{}s", LEASE.as_secs()),
-            "--log",
-            "info,kuryr_lbaas=debug,kuryr_shard=debug",
-        ];
-        spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), self.dir.path(), id)
-    }
+/// Shard → holder, as the Lease objects say (held Leases only), with the holder's endpoint.
+async fn holders(c: &ControlPlane) -> BTreeMap<u32, (String, String)> {
+    shard_holders(&c.admin, SET).await.unwrap_or_default()
+}
 
-    fn services(&self) -> Api<Service> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
-
-    fn slices(&self) -> Api<EndpointSlice> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
-
-    fn records(&self) -> Api<ServiceLoadBalancer> {
-        Api::namespaced(self.admin.clone(), NS)
-    }
-
-    /// A Service `name` on port 80 with one IPv4 slice listing `members` on 8080.
-    async fn create_service(&self, name: &str, members: &[String]) {
-        let svc: Service = serde_json::from_value(
-            json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
-        )
-        .unwrap();
-        self.services().create(&PostParams::default(), &svc).await.unwrap();
-        self.put_slice(name, members).await;
-    }
-
-    async fn put_slice(&self, name: &str, members: &[String]) {
-        let endpoints: Vec<serde_json::Value> = members
-            .iter()
-            .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
-            .collect();
-        let slice_name = format!("{name}-1");
-        let mut slice: EndpointSlice = serde_json::from_value(json!({
-            "metadata": {"name": slice_name, "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"port": 8080, "protocol": "TCP"}],
-            "endpoints": endpoints,
-        }))
-        .unwrap();
-        let api = self.slices();
-        match api.get_opt(&slice_name).await.unwrap() {
-            None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
-            Some(old) => {
-                slice.metadata.resource_version = old.metadata.resource_version;
-                api.replace(&slice_name, &PostParams::default(), &slice).await.unwrap();
-            }
+/// Waits until the shards are split between `replicas` as the fair share says (each holds
+/// `SHARDS / replicas.len()`), every holder advertising its own address.
+async fn wait_split(c: &ControlPlane, replicas: &[&Sut]) -> BTreeMap<u32, (String, String)> {
+    let share = SHARDS as usize / replicas.len();
+    wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
+        let h = holders(c).await;
+        anyhow::ensure!(h.len() == SHARDS as usize, "held: {h:?}");
+        for r in replicas {
+            let mine: Vec<_> = h.values().filter(|(id, _)| *id == r.id).collect();
+            anyhow::ensure!(mine.len() == share, "{} holds {} of {SHARDS}: {h:?}", r.id, mine.len());
+            anyhow::ensure!(mine.iter().all(|(_, e)| *e == r.addr), "{} advertises another address: {h:?}", r.id);
         }
-    }
+        Ok(h)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
+}
 
-    /// Shard → holder, as the Lease objects say (held Leases only), with the holder's endpoint.
-    async fn holders(&self) -> BTreeMap<u32, (String, String)> {
-        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), "kuryr-system");
-        let list = leases.list(&ListParams::default().labels(&format!("kuryr.openstack.org/shard-set={SET}"))).await;
+/// Every record in the namespace, by Service name, as (spec as streamed, finalizer check
+/// done separately); waits until each is PROGRAMMED at its generation and `names` are all
+/// there (and nothing else).
+async fn converged(
+    c: &ControlPlane,
+    names: &BTreeSet<String>,
+    replicas: &[&Sut],
+) -> BTreeMap<String, LoadBalancerSpec> {
+    wait_until("every Service's record PROGRAMMED at its generation, with the finalizer", PHASE_TIMEOUT, || async {
+        let records = c.api::<ServiceLoadBalancer>().list(&ListParams::default()).await?.items;
         let mut out = BTreeMap::new();
-        for l in list.map(|l| l.items).unwrap_or_default() {
-            let name = l.metadata.name.clone().unwrap_or_default();
-            let Some(i) = name.strip_prefix(&format!("{SET}-shard-")).and_then(|i| i.parse().ok()) else { continue };
-            let spec = l.spec.unwrap_or_default();
-            if let Some(h) = spec.holder_identity.filter(|h| !h.is_empty()) {
-                let endpoint = l
-                    .metadata
-                    .annotations
-                    .and_then(|a| a.get("kuryr.openstack.org/endpoint").cloned())
-                    .unwrap_or_default();
-                out.insert(i, (h, endpoint));
-            }
+        for r in records {
+            let name = r.metadata.name.clone().unwrap_or_default();
+            let generation = r.metadata.generation.unwrap_or(0);
+            let st = r.status.clone().unwrap_or_default();
+            anyhow::ensure!(
+                st.provisioning_status.as_deref() == Some("PROGRAMMED") && st.observed_generation == Some(generation),
+                "{name}: {st:?} at generation {generation}"
+            );
+            out.insert(name.clone(), r.spec.to_proto(NS, &name, u64::try_from(generation)?));
         }
-        out
-    }
-
-    /// Waits until the shards are split between `replicas` as the fair share says (each holds
-    /// `SHARDS / replicas.len()`), every holder advertising its own address.
-    async fn wait_split(&self, replicas: &[&Replica]) -> BTreeMap<u32, (String, String)> {
-        let share = SHARDS as usize / replicas.len();
-        wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
-            let h = self.holders().await;
-            anyhow::ensure!(h.len() == SHARDS as usize, "held: {h:?}");
-            for r in replicas {
-                let mine: Vec<_> = h.values().filter(|(id, _)| *id == r.id).collect();
-                anyhow::ensure!(mine.len() == share, "{} holds {} of {SHARDS}: {h:?}", r.id, mine.len());
-                anyhow::ensure!(mine.iter().all(|(_, e)| *e == r.addr), "{} advertises another address: {h:?}", r.id);
-            }
-            Ok(h)
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
-    }
-
-    /// Every record in the namespace, by Service name, as (spec as streamed, finalizer check
-    /// done separately); waits until each is PROGRAMMED at its generation and `names` are all
-    /// there (and nothing else).
-    async fn converged(&self, names: &BTreeSet<String>, replicas: &[&Replica]) -> BTreeMap<String, LoadBalancerSpec> {
-        wait_until("every Service's record PROGRAMMED at its generation, with the finalizer", PHASE_TIMEOUT, || async {
-            let records = self.records().list(&ListParams::default()).await?.items;
-            let mut out = BTreeMap::new();
-            for r in records {
-                let name = r.metadata.name.clone().unwrap_or_default();
-                let generation = r.metadata.generation.unwrap_or(0);
-                let st = r.status.clone().unwrap_or_default();
-                anyhow::ensure!(
-                    st.provisioning_status.as_deref() == Some("PROGRAMMED")
-                        && st.observed_generation == Some(generation),
-                    "{name}: {st:?} at generation {generation}"
-                );
-                out.insert(name.clone(), r.spec.to_proto(NS, &name, u64::try_from(generation)?));
-            }
-            let have: BTreeSet<String> = out.keys().cloned().collect();
-            anyhow::ensure!(have == *names, "records of {} Services, want {}", have.len(), names.len());
-            let services = self.services().list(&ListParams::default()).await?.items;
-            for s in &services {
-                let fin = s.metadata.finalizers.clone().unwrap_or_default();
-                let name = s.metadata.name.clone().unwrap_or_default();
-                anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{name} has no finalizer: {fin:?}");
-            }
-            Ok(out)
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
-    }
+        let have: BTreeSet<String> = out.keys().cloned().collect();
+        anyhow::ensure!(have == *names, "records of {} Services, want {}", have.len(), names.len());
+        let services = c.api::<Service>().list(&ListParams::default()).await?.items;
+        for s in &services {
+            let fin = s.metadata.finalizers.clone().unwrap_or_default();
+            let name = s.metadata.name.clone().unwrap_or_default();
+            anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{name} has no finalizer: {fin:?}");
+        }
+        Ok(out)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
 }
 
-fn logs(replicas: &[&Replica]) -> String {
-    replicas.iter().map(|r| format!("==== {}\n{}", r.id, r.proc.logs())).collect::<Vec<_>>().join("\n")
+fn logs(replicas: &[&Sut]) -> String {
+    sut::logs(replicas, 200)
 }
 
-impl Replica {
-    async fn wait_serving(&self) {
-        wait_until(&format!("{} SERVING", self.id), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
-    }
-
-    async fn scrape(&self) -> Scrape {
-        Scrape::http(&self.metrics).await.unwrap()
-    }
+async fn wait_serving(r: &Sut) {
+    r.wait_serving(LOAD_BALANCERS, PHASE_TIMEOUT).await.unwrap();
 }
 
 /// One event as a binder saw it.
@@ -330,7 +228,7 @@ fn follow(addr: String, who: &str, token: &str) -> Shared {
 
 /// Waits until the stream `s` holds exactly `want` of the test namespace (by Service name, specs and
 /// generations).
-async fn stream_matches(s: &Shared, who: &str, want: &BTreeMap<String, LoadBalancerSpec>, replicas: &[&Replica]) {
+async fn stream_matches(s: &Shared, who: &str, want: &BTreeMap<String, LoadBalancerSpec>, replicas: &[&Sut]) {
     let want: BTreeMap<String, LoadBalancerSpec> =
         want.iter().map(|(n, spec)| (format!("{NS}/{n}"), spec.clone())).collect();
     wait_until(&format!("{who}'s stream to carry every Service as recorded"), PHASE_TIMEOUT, || async {
@@ -354,27 +252,27 @@ fn members(i: usize, round: usize) -> Vec<String> {
     (0..2).map(|j| format!("10.244.{}.{}", (i + round * 7) % 250, 10 + j)).collect()
 }
 
-async fn create_burst(c: &Cluster, range: std::ops::Range<usize>) {
-    join_all(range.map(|i| async move { c.create_service(&format!("svc-{i}"), &members(i, 0)).await })).await;
+async fn create_burst(c: &ControlPlane, range: std::ops::Range<usize>) {
+    join_all(range.map(|i| async move { create_service(c, &format!("svc-{i}"), &members(i, 0)).await })).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_split_services_and_take_over_without_flaps() {
-    let c = cluster().await;
-    let watcher = c.watcher();
-    let mut a = c.lbaas(&watcher, "lb-a");
-    let b = c.lbaas(&watcher, "lb-b");
-    a.wait_serving().await;
-    b.wait_serving().await;
+    let c = &cluster().await;
+    let watcher = start_watcher(c);
+    let mut a = start_lbaas(c, &watcher, "lb-a");
+    let b = start_lbaas(c, &watcher, "lb-b");
+    wait_serving(&a).await;
+    wait_serving(&b).await;
 
     // 1. Both own shards, each advertising its own address.
-    let split = c.wait_split(&[&a, &b]).await;
+    let split = wait_split(c, &[&a, &b]).await;
     eprintln!("shards: {split:?}");
     // The Leases are written before the replica has loaded the shards it took: wait for both
     // metrics to catch up rather than reading them once.
     for r in [&a, &b] {
         wait_until(&format!("{} owning and serving its share", r.id), PHASE_TIMEOUT, || async {
-            let m = r.scrape().await;
+            let m = r.scrape().await.unwrap();
             let owned = m.value("kuryr_shards_owned", &[]).unwrap_or(-1.0);
             let served = m.value("kuryr_lbaas_shards_served", &[]).unwrap_or(-1.0);
             let share = f64::from(SHARDS / 2);
@@ -389,15 +287,15 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     let wa = follow(a.addr.clone(), "a", &c.binder_token);
     let wb = follow(b.addr.clone(), "b", &c.binder_token);
     let started = Instant::now();
-    create_burst(&c, 0..BURST).await;
+    create_burst(c, 0..BURST).await;
     let mut names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
-    let recorded = c.converged(&names, &[&a, &b]).await;
+    let recorded = converged(c, &names, &[&a, &b]).await;
     eprintln!("burst of {BURST} Services recorded and PROGRAMMED in {:?}", started.elapsed());
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
     let mut applied = 0.0;
     for r in [&a, &b] {
-        let m = r.scrape().await;
+        let m = r.scrape().await.unwrap();
         let mine = m.count("kuryr_lbaas_reconcile_seconds", &[("result", "applied")]);
         let mirrored = m.sum("kuryr_lbaas_records_mirrored_total", &[]);
         eprintln!("{}: {mine} reconciles applied, {mirrored} records of the other's shards followed", r.id);
@@ -409,23 +307,23 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     assert!(applied >= BURST as f64, "{applied} reconciles for {BURST} Services");
 
     // 3. A second burst; half-way, kill -9 of lb-a.
-    let before_b = b.scrape().await;
+    let before_b = b.scrape().await.unwrap();
     let first_burst: BTreeSet<String> = names.iter().map(|n| format!("{NS}/{n}")).collect();
     let mark_b = wb.lock().unwrap().events.len();
-    create_burst(&c, BURST..BURST + BURST / 2).await;
+    create_burst(c, BURST..BURST + BURST / 2).await;
     a.proc.kill().await.unwrap();
     let killed = Instant::now();
     let (takeover, ()) = tokio::join!(
         async {
             wait_until("lb-b holding every shard", PHASE_TIMEOUT, || async {
-                let h = c.holders().await;
+                let h = holders(c).await;
                 anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|(id, _)| id == "lb-b"), "held: {h:?}");
                 Ok(killed.elapsed())
             })
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}", b.proc.logs()))
         },
-        create_burst(&c, BURST + BURST / 2..2 * BURST)
+        create_burst(c, BURST + BURST / 2..2 * BURST)
     );
     eprintln!("kill -9 of lb-a → lb-b holds all {SHARDS} shards after {takeover:?}");
     assert!(
@@ -433,7 +331,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         "takeover took {takeover:?}, more than the Lease duration {LEASE:?} + one renewal {TICK:?} (+{SLACK:?})"
     );
     names.extend((BURST..2 * BURST).map(|i| format!("svc-{i}")));
-    let recorded = c.converged(&names, &[&b]).await;
+    let recorded = converged(c, &names, &[&b]).await;
     eprintln!("second burst converged {:?} after the kill", killed.elapsed());
     stream_matches(&wb, "lb-b", &recorded, &[&b]).await;
     assert!(wa.lock().unwrap().ended.is_some(), "lb-a's stream outlived it");
@@ -445,7 +343,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         let again: Vec<&Seen> = since.iter().filter(|e| first_burst.contains(&e.key)).collect();
         assert!(again.is_empty(), "Services converged before the kill were streamed again: {again:?}");
     }
-    let m = b.scrape().await;
+    let m = b.scrape().await.unwrap();
     assert_eq!(m.value("kuryr_shards_owned", &[]).unwrap(), f64::from(SHARDS));
     m.moved(&before_b, "kuryr_lbaas_shard_gains_total", &[]).at_least(f64::from(SHARDS / 2)).unwrap();
     m.moved(&before_b, "kuryr_shard_acquisitions_total", &[]).at_least(f64::from(SHARDS / 2)).unwrap();
@@ -454,9 +352,9 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     // 4. lb-a comes back under its name: the shards split again, its stream is complete, and
     //    lb-b's stays silent while the shards move.
     let mark_b = wb.lock().unwrap().events.len();
-    let a = c.lbaas(&watcher, "lb-a");
-    a.wait_serving().await;
-    c.wait_split(&[&a, &b]).await;
+    let a = start_lbaas(c, &watcher, "lb-a");
+    wait_serving(&a).await;
+    wait_split(c, &[&a, &b]).await;
     let wa = follow(a.addr.clone(), "a2", &c.binder_token);
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     // A round or two for whatever the rebalance would still do.
@@ -471,14 +369,14 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     let changed: Vec<usize> = (0..2 * BURST).step_by(8).collect();
     join_all(changed.iter().map(|&i| {
         let c = &c;
-        async move { c.put_slice(&format!("svc-{i}"), &members(i, 1)).await }
+        async move { put_slice(c, &format!("svc-{i}"), &members(i, 1)).await }
     }))
     .await;
     // Records that are PROGRAMMED at their generation may still be the ones from before the
     // change (lbaas has not seen the slices yet): wait for the new members, so that only an
     // update that never arrives fails.
     let recorded = wait_until("the endpoint changes recorded", PHASE_TIMEOUT, || async {
-        let recorded = c.converged(&names, &[&a, &b]).await;
+        let recorded = converged(c, &names, &[&a, &b]).await;
         for &i in &changed {
             let spec = &recorded[&format!("svc-{i}")];
             let addrs: Vec<&str> =
@@ -495,13 +393,13 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     // 6. Deleting every Service removes its load balancer everywhere and lets it go.
     let dp = DeleteParams::default();
     join_all(names.iter().map(|n| {
-        let (api, dp) = (c.services(), &dp);
+        let (api, dp) = (c.api::<Service>(), &dp);
         async move { api.delete(n, dp).await.unwrap() }
     }))
     .await;
     wait_until("every Service, record and finalizer gone", PHASE_TIMEOUT, || async {
-        let services = c.services().list(&ListParams::default()).await?.items;
-        let records = c.records().list(&ListParams::default()).await?.items;
+        let services = c.api::<Service>().list(&ListParams::default()).await?.items;
+        let records = c.api::<ServiceLoadBalancer>().list(&ListParams::default()).await?.items;
         anyhow::ensure!(services.is_empty(), "{} Services left", services.len());
         anyhow::ensure!(records.is_empty(), "{} records left", records.len());
         Ok(())
@@ -517,7 +415,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         assert_eq!(deleted.len(), names.len(), "{who}: LB_DELETED for {} of {} Services", deleted.len(), names.len());
     }
     for r in [&a, &b] {
-        let m = r.scrape().await;
+        let m = r.scrape().await.unwrap();
         assert_eq!(m.sum("kuryr_lbaas_failures_total", &[]), 0.0, "{} had failures:\n{}", r.id, r.proc.logs());
         assert!(m.count("kuryr_lbaas_reconcile_seconds", &[("result", "deleted")]) > 0.0, "{} deleted nothing", r.id);
     }

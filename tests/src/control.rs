@@ -20,15 +20,16 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
 
 use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use crate::kube::KubeEnv;
 use crate::services::{ServiceProcess, wait_until};
-use crate::sut::Sut;
+use crate::sut::{self, Sut};
 use crate::util::{free_port, repo_root};
 
 /// Bound on a CRD becoming Established.
@@ -162,6 +163,22 @@ impl ControlPlane {
         <K as kube::Resource>::DynamicType: Default,
     {
         Api::namespaced(self.admin.clone(), &self.ns)
+    }
+
+    /// A Service `name` in the suite's namespace on port 80, whose one IPv4 EndpointSlice
+    /// (`name-1`) lists `members` on 8080, ready.
+    pub async fn create_web_service(&self, name: &str, members: &[String]) -> Result<()> {
+        let svc = sut::service(name, json!({"ports": [{"port": 80, "targetPort": 8080}]}))?;
+        self.api::<Service>().create(&PostParams::default(), &svc).await?;
+        self.put_web_members(name, members).await
+    }
+
+    /// Sets the members of [`Self::create_web_service`]'s Service `name`.
+    pub async fn put_web_members(&self, name: &str, members: &[String]) -> Result<()> {
+        let endpoints: Vec<Value> = members.iter().map(|a| sut::ready_endpoint(a)).collect();
+        let ports = json!([{"port": 8080, "protocol": "TCP"}]);
+        let slice = sut::slice(&format!("{name}-1"), name, "IPv4", ports, json!(endpoints))?;
+        sut::put_slice(&self.api(), slice).await
     }
 
     /// Starts a kuryr-lbaas replica `id` under its ServiceAccount, following `watcher`, with

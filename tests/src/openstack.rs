@@ -328,3 +328,44 @@ impl Drop for OpenStackEnv {
         }
     }
 }
+
+/// kuryr-lbaas' flags for `--backend octavia` against an environment's Octavia.
+#[derive(Clone, Debug)]
+pub struct OctaviaLbaas {
+    /// Octavia's endpoint ([`OpenStackEnv::octavia_url`]).
+    pub url: String,
+    /// The project owning the load balancers (Octavia runs with noauth: any id will do).
+    pub project: String,
+    /// The VIP subnet (any id for the no-op network driver); `None` leaves the flag to the caller.
+    pub vip_subnet: Option<String>,
+    /// Tags the load balancers, so that a suite finds its own.
+    pub cluster_name: String,
+    /// `--drift-interval`.
+    pub drift_interval: String,
+    /// `--octavia-active-timeout`.
+    pub active_timeout: String,
+}
+
+impl OctaviaLbaas {
+    /// The flags.
+    pub fn args(&self) -> Vec<&str> {
+        let mut args = vec![
+            "--backend",
+            "octavia",
+            "--octavia-url",
+            &self.url,
+            "--os-project-id",
+            &self.project,
+            "--cluster-name",
+            &self.cluster_name,
+            "--drift-interval",
+            &self.drift_interval,
+            "--octavia-active-timeout",
+            &self.active_timeout,
+        ];
+        if let Some(subnet) = &self.vip_subnet {
+            args.extend(["--vip-subnet-id", subnet]);
+        }
+        args
+    }
+}

@@ -28,7 +28,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_lbaas::crd::ServiceLoadBalancer;
@@ -38,10 +37,10 @@ use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
-use kuryr_tests::metrics::Scrape;
-use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, unique_id};
+use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
+use kuryr_tests::util::unique_id;
 use serde_json::{Value, json};
 
 /// Bound on one convergence: Octavia takes 0.3–4 s per change on an idle machine, several
@@ -62,87 +61,34 @@ async fn cluster() -> ControlPlane {
     ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
-struct Svc {
-    proc: ServiceProcess,
-    addr: String,
-    metrics_url: String,
-}
-
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
-    let mport = free_port().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), format!("127.0.0.1:{mport}")]);
-    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
-}
-
 fn start_watcher(c: &ControlPlane) -> Watcher {
     c.watcher(None, &[]).unwrap()
 }
 
-fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Svc {
-    let kubeconfig = c.kubeconfig.display().to_string();
-    let mut args = vec![
-        "--kubeconfig",
-        &kubeconfig,
-        "--watcher",
-        &watcher.addr,
-        "--backend",
-        "octavia",
-        // This suite follows the finalizer's life on ClusterIP Services too.
-        "--service-finalizer",
-        "all",
-        "--octavia-url",
-        octavia_url,
-        "--os-project-id",
-        PROJECT,
-        "--cluster-name",
-        cluster_name,
-        "--drift-interval",
-        "3s",
-        "--octavia-active-timeout",
-        "20s",
-        "--log",
-        "info,kuryr_lbaas=debug",
-    ];
-    if !extra.contains(&"--vip-subnet-id") {
-        args.extend(["--vip-subnet-id", VIP_SUBNET]);
-    }
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia_url: &str, cluster_name: &str, extra: &[&str]) -> Sut {
+    let octavia = OctaviaLbaas {
+        url: octavia_url.into(),
+        project: PROJECT.into(),
+        vip_subnet: (!extra.contains(&"--vip-subnet-id")).then(|| VIP_SUBNET.into()),
+        cluster_name: cluster_name.into(),
+        drift_interval: "3s".into(),
+        active_timeout: "20s".into(),
+    };
+    let mut args = octavia.args();
+    // This suite follows the finalizer's life on ClusterIP Services too.
+    args.extend(["--service-finalizer", "all"]);
     args.extend_from_slice(extra);
-    spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), c.dir.path())
-}
-
-fn services(c: &ControlPlane) -> Api<Service> {
-    Api::namespaced(c.admin.clone(), NS)
-}
-
-fn records(c: &ControlPlane) -> Api<ServiceLoadBalancer> {
-    Api::namespaced(c.admin.clone(), NS)
+    c.lbaas(watcher, "lbo-1", &args).unwrap()
 }
 
 async fn put_slice(c: &ControlPlane, name: &str, service: &str, ports: Value, eps: Value) {
-    let slice: EndpointSlice = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
-        "addressType": "IPv4",
-        "ports": ports,
-        "endpoints": eps,
-    }))
-    .unwrap();
-    let api: Api<EndpointSlice> = Api::namespaced(c.admin.clone(), NS);
-    match api.get_opt(name).await.unwrap() {
-        None => drop(api.create(&PostParams::default(), &slice).await.unwrap()),
-        Some(old) => {
-            let mut slice = slice;
-            slice.metadata.resource_version = old.metadata.resource_version;
-            api.replace(name, &PostParams::default(), &slice).await.unwrap();
-        }
-    }
+    sut::put_slice(&c.api(), sut::slice(name, service, "IPv4", ports, eps).unwrap()).await.unwrap();
 }
 
 /// The record once it is ACTIVE at its current generation.
-async fn converged(c: &ControlPlane, name: &str, lbaas: &Svc) -> ServiceLoadBalancer {
+async fn converged(c: &ControlPlane, name: &str, lbaas: &Sut) -> ServiceLoadBalancer {
     wait_until(&format!("{name}'s record ACTIVE at its generation"), CONVERGE, || async {
-        let r = records(c).get(name).await?;
+        let r = c.api::<ServiceLoadBalancer>().get(name).await?;
         let st = r.status.clone().unwrap_or_default();
         anyhow::ensure!(
             st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
@@ -152,7 +98,7 @@ async fn converged(c: &ControlPlane, name: &str, lbaas: &Svc) -> ServiceLoadBala
         Ok(r)
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)))
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)))
 }
 
 async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {
@@ -161,39 +107,13 @@ async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {
     all.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
 }
 
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
+async fn wait_serving(lbaas: &Sut) {
+    lbaas.wait_serving(LOAD_BALANCERS, PHASE_TIMEOUT).await.unwrap();
 }
 
-impl Svc {
-    async fn wait_serving(&self) {
-        wait_until("kuryr-lbaas SERVING", PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
-    }
-
-    async fn metrics(&self) -> String {
-        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
-        assert!(out.status.success(), "GET {} failed", self.metrics_url);
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    /// The sum of the samples of `name` whose labels contain every one of `labels`.
-    async fn metric(&self, name: &str, labels: &[&str]) -> f64 {
-        sum_metric(&self.metrics().await, name, labels)
-    }
-}
-
-fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+/// The sum of the samples of `name` with every one of `labels`.
+async fn metric(lbaas: &Sut, name: &str, labels: &[(&str, &str)]) -> f64 {
+    lbaas.scrape().await.unwrap().sum(name, labels)
 }
 
 /// Octavia's API read directly, as an operator would.
@@ -257,7 +177,7 @@ impl OctaviaApi {
     }
 
     /// Waits until the load balancer `lb` is ACTIVE with exactly `want`.
-    async fn wait_tree(&self, lb: &str, want: &[(&str, &[&str])], lbaas: &Svc) {
+    async fn wait_tree(&self, lb: &str, want: &[(&str, &[&str])], lbaas: &Sut) {
         let want: Vec<(String, Vec<String>)> =
             want.iter().map(|(l, ms)| (l.to_string(), ms.iter().map(ToString::to_string).collect())).collect();
         wait_until(&format!("load balancer {lb} with {want:?}"), CONVERGE, || async {
@@ -268,7 +188,7 @@ impl OctaviaApi {
             Ok(())
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     }
 }
 
@@ -297,8 +217,8 @@ fn backend_id(r: &ServiceLoadBalancer) -> String {
     r.status.as_ref().and_then(|s| s.backend_id.clone()).unwrap_or_default()
 }
 
-const REPLACE: &str = r#"operation="members.replace""#;
-const CREATE: &str = r#"operation="loadbalancers.create""#;
+const REPLACE: (&str, &str) = ("operation", "members.replace");
+const CREATE: (&str, &str) = ("operation", "loadbalancers.create");
 const REQUESTS: &str = "openstack_requests_total";
 
 #[tokio::test]
@@ -316,7 +236,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
 
     let watcher = start_watcher(c);
     let mut lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &[]);
-    lbaas.wait_serving().await;
+    wait_serving(&lbaas).await;
     // The API server's own `default/kubernetes` Service gets a load balancer too; counts of
     // calls below start once it has one.
     wait_until("default/kubernetes ACTIVE", CONVERGE, || async {
@@ -326,9 +246,9 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
-    let creates = lbaas.metric(REQUESTS, &[CREATE]).await;
-    let scraped_before = Scrape::http(&lbaas.metrics_url).await.unwrap();
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
+    let creates = metric(&lbaas, REQUESTS, &[CREATE]).await;
+    let scraped_before = lbaas.scrape().await.unwrap();
 
     // A Service with two ports; two ready endpoints and one that is not.
     let svc: Service = serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"ports": [
@@ -336,7 +256,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
     ]}}))
     .unwrap();
-    let web = services(c).create(&PostParams::default(), &svc).await.unwrap();
+    let web = c.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
     let uid = web.metadata.uid.clone().unwrap();
     let vip = web.spec.as_ref().unwrap().cluster_ip.clone().unwrap();
     let both =
@@ -372,10 +292,18 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         &lbaas,
     )
     .await;
-    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "one fully-populated create");
-    assert_eq!(lbaas.metric(REQUESTS, &[r#"operation="listeners.create""#]).await, 0.0);
+    assert_eq!(metric(&lbaas, REQUESTS, &[CREATE]).await - creates, 1.0, "one fully-populated create");
+    assert_eq!(metric(&lbaas, REQUESTS, &[("operation", "listeners.create")]).await, 0.0);
     assert!(
-        services(c).get("web").await.unwrap().metadata.finalizers.unwrap_or_default().iter().any(|f| f == FINALIZER)
+        c.api::<Service>()
+            .get("web")
+            .await
+            .unwrap()
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == FINALIZER)
     );
     let got = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token).unwrap())
         .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
@@ -389,7 +317,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(got.observed_generation, u64::try_from(record.metadata.generation.unwrap()).unwrap());
 
     // Endpoint churn. A change in the slice of both ports: one batch update per pool, two.
-    let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
+    let puts = metric(&lbaas, REQUESTS, &[REPLACE]).await;
     let changed = Instant::now();
     put_slice(
         c,
@@ -414,9 +342,9 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     .await;
     converged(c, "web", &lbaas).await;
     eprintln!("endpoint change (2 pools) → converged and recorded: {:?}", changed.elapsed());
-    assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 2.0, "one member PUT per changed pool");
+    assert_eq!(metric(&lbaas, REQUESTS, &[REPLACE]).await - puts, 2.0, "one member PUT per changed pool");
     // A slice serving only the http port: one pool changes, one PUT.
-    let puts = lbaas.metric(REQUESTS, &[REPLACE]).await;
+    let puts = metric(&lbaas, REQUESTS, &[REPLACE]).await;
     let changed = Instant::now();
     put_slice(
         c,
@@ -437,10 +365,10 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     .await;
     converged(c, "web", &lbaas).await;
     eprintln!("endpoint change (1 pool) → converged and recorded: {:?}", changed.elapsed());
-    assert_eq!(lbaas.metric(REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
-    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
+    assert_eq!(metric(&lbaas, REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
+    assert_eq!(metric(&lbaas, REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
     // The Service's create and two member updates, in the Octavia and client metrics.
-    let m = Scrape::http(&lbaas.metrics_url).await.unwrap();
+    let m = lbaas.scrape().await.unwrap();
     let b = &scraped_before;
     let octavia_calls = [("service", "load-balancer")];
     let octavia_moved = || -> anyhow::Result<()> {
@@ -466,7 +394,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         {"name": "http", "port": 80, "targetPort": 8080},
         {"name": "https", "port": 443, "targetPort": 8443},
     ]}});
-    services(c).patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    c.api::<Service>().patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
     put_slice(
         c,
         "web-a",
@@ -497,16 +425,16 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     assert_eq!(api.delete(&format!("loadbalancers/{lb}?cascade=true")).await, 204);
     let deleted = Instant::now();
     let record = wait_until("a new load balancer recorded", CONVERGE, || async {
-        let r = records(c).get("web").await?;
+        let r = c.api::<ServiceLoadBalancer>().get("web").await?;
         anyhow::ensure!(!backend_id(&r).is_empty() && backend_id(&r) != lb, "still {}", backend_id(&r));
         Ok(r)
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     let lb = backend_id(&record);
     api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
     eprintln!("load balancer deleted out of band → re-created: {:?}", deleted.elapsed());
-    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await - creates, 2.0);
+    assert_eq!(metric(&lbaas, REQUESTS, &[CREATE]).await - creates, 2.0);
 
     // kill -9 and restart. Meanwhile an orphan of this cluster appears (its Service is gone).
     lbaas.proc.kill().await.unwrap();
@@ -525,7 +453,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let orphan: Value = orphan.json().await.unwrap();
     let orphan = orphan["loadbalancer"]["id"].as_str().unwrap().to_string();
     let lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &[]);
-    lbaas.wait_serving().await;
+    wait_serving(&lbaas).await;
     wait_until("the orphan deleted, web's load balancer adopted", CONVERGE, || async {
         let (status, body) = api.get(&format!("loadbalancers/{orphan}")).await?;
         anyhow::ensure!(status == 404 || body["loadbalancer"]["provisioning_status"] == "DELETED", "orphan: {status}");
@@ -540,13 +468,13 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     let record = converged(c, "web", &lbaas).await;
     assert_eq!(backend_id(&record), lb, "adopted, not replaced");
-    assert_eq!(lbaas.metric(REQUESTS, &[CREATE]).await, 0.0, "the restarted lbaas created a load balancer");
+    assert_eq!(metric(&lbaas, REQUESTS, &[CREATE]).await, 0.0, "the restarted lbaas created a load balancer");
     // Counted once lbaas' own wait sees it gone, which may be a poll after the test saw it.
     wait_until("the orphan counted", EVENT_WAIT, || async {
-        let n = lbaas.metric("kuryr_lbaas_octavia_orphans_deleted_total", &[]).await;
+        let n = metric(&lbaas, "kuryr_lbaas_octavia_orphans_deleted_total", &[]).await;
         anyhow::ensure!(n >= 1.0, "kuryr_lbaas_octavia_orphans_deleted_total {n}");
         Ok(())
     })
@@ -557,7 +485,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     // wait times out (20 s here: a cold worker on a loaded machine may take 10 s for a first
     // create), is retried with backoff and reported; it converges once the worker is back.
     os.stop_process("octavia-worker").await.unwrap();
-    let failures = lbaas.metric("kuryr_lbaas_failures_total", &[]).await;
+    let failures = metric(&lbaas, "kuryr_lbaas_failures_total", &[]).await;
     put_slice(
         c,
         "web-b",
@@ -567,14 +495,14 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     )
     .await;
     wait_until("the stalled change reported", CONVERGE, || async {
-        let r = records(c).get("web").await?;
+        let r = c.api::<ServiceLoadBalancer>().get("web").await?;
         let st = r.status.unwrap_or_default();
         anyhow::ensure!(st.provisioning_status.as_deref() == Some("PENDING_UPDATE"), "{st:?}");
-        anyhow::ensure!(lbaas.metric("kuryr_lbaas_failures_total", &[]).await > failures, "no failure counted");
+        anyhow::ensure!(metric(&lbaas, "kuryr_lbaas_failures_total", &[]).await > failures, "no failure counted");
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     os.start_process("octavia-worker").await.unwrap();
     let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.4:8081"];
     api.wait_tree(&lb, &[("TCP:443", &["10.244.0.5:8443"]), ("TCP:80", http_members)], &lbaas).await;
@@ -582,7 +510,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
 
     // The API stops: calls fail to connect, are retried, reported as Events; converges after.
     os.stop_process("octavia-api").await.unwrap();
-    let failures = lbaas.metric("kuryr_lbaas_failures_total", &[r#"reason="unavailable""#]).await;
+    let failures = metric(&lbaas, "kuryr_lbaas_failures_total", &[("reason", "unavailable")]).await;
     put_slice(
         c,
         "web-b",
@@ -592,12 +520,12 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     )
     .await;
     wait_until("failures while the API is down", CONVERGE, || async {
-        let n = lbaas.metric("kuryr_lbaas_failures_total", &[r#"reason="unavailable""#]).await;
+        let n = metric(&lbaas, "kuryr_lbaas_failures_total", &[("reason", "unavailable")]).await;
         anyhow::ensure!(n >= failures + 2.0, "{n} failures");
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     let events = events_about(c, "web").await;
     assert!(
         events
@@ -612,16 +540,16 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     converged(c, "web", &lbaas).await;
 
     // Deletion: cascade delete, then the record and the finalizer go, and the Service with them.
-    services(c).delete("web", &DeleteParams::default()).await.unwrap();
+    c.api::<Service>().delete("web", &DeleteParams::default()).await.unwrap();
     wait_until("web, its record and its load balancer gone", CONVERGE, || async {
-        anyhow::ensure!(services(c).get_opt("web").await?.is_none(), "Service still there");
-        anyhow::ensure!(records(c).get_opt("web").await?.is_none(), "record still there");
+        anyhow::ensure!(c.api::<Service>().get_opt("web").await?.is_none(), "Service still there");
+        anyhow::ensure!(c.api::<ServiceLoadBalancer>().get_opt("web").await?.is_none(), "record still there");
         let (status, _) = api.get(&format!("loadbalancers/{lb}")).await?;
         anyhow::ensure!(status == 404, "load balancer answers {status}");
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
     assert!(api.lbs_tagged(&web_tag).await.unwrap().iter().all(|l| l["provisioning_status"] == "DELETED"));
     eprintln!("whole test {:?}", started.elapsed());
 }
@@ -693,13 +621,13 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
         &ext.id,
     ];
     let lbaas = start_lbaas(c, &watcher, &octavia_url, &cluster_name, &extra);
-    lbaas.wait_serving().await;
+    wait_serving(&lbaas).await;
     let api = OctaviaApi::new(&octavia_url);
 
     let svc: Service = serde_json::from_value(json!({"metadata": {"name": "pub"}, "spec": {
         "type": "LoadBalancer", "clusterIP": "10.96.7.7", "ports": [{"port": 80, "targetPort": 8080}]}}))
     .unwrap();
-    services(c).create(&PostParams::default(), &svc).await.unwrap();
+    c.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
     put_slice(
         c,
         "pub-a",
@@ -711,7 +639,7 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
     let record = converged(c, "pub", &lbaas).await;
     let ingress = record.status.as_ref().and_then(|s| s.ingress_ip.clone()).unwrap_or_default();
     assert!(ingress.starts_with("203.0.113."), "ingress {ingress:?} is not a floating IP: {record:?}");
-    let svc = services(c).get("pub").await.unwrap();
+    let svc = c.api::<Service>().get("pub").await.unwrap();
     let shown = svc.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default();
     assert_eq!(shown.first().and_then(|i| i.ip.as_deref()), Some(ingress.as_str()), "Service status");
 
@@ -729,14 +657,14 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
     assert!(fip.tags.iter().any(|t| t == &format!("kuryr-service={NS}/pub")), "{fip:?}");
 
     // Deleted: the load balancer, the floating IP and the VIP port go, then the Service.
-    services(c).delete("pub", &DeleteParams::default()).await.unwrap();
+    c.api::<Service>().delete("pub", &DeleteParams::default()).await.unwrap();
     wait_until("pub, its floating IP and its VIP port gone", CONVERGE, || async {
-        anyhow::ensure!(services(c).get_opt("pub").await?.is_none(), "Service still there");
+        anyhow::ensure!(c.api::<Service>().get_opt("pub").await?.is_none(), "Service still there");
         anyhow::ensure!(n.get_port(&port_id).await.is_err_and(|e| e.is_not_found()), "VIP port still there");
         let left = n.list_floating_ips(&Filter::new().eq("floating_network_id", ext.id.clone())).await?;
         anyhow::ensure!(left.iter().all(|f| f.floating_ip_address != ingress), "floating IP still there");
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", tail(&lbaas.proc.logs(), 60)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
 }

@@ -11,21 +11,19 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams};
 use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::control::{ControlPlane, Served, Watcher};
-use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::{free_port, unique_id};
-use serde_json::{Value, json};
+use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
+use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
+use kuryr_tests::util::unique_id;
+use serde_json::Value;
 
 const NS: &str = "lbos";
 const SHARDS: u32 = 8;
@@ -49,118 +47,29 @@ async fn cluster() -> ControlPlane {
     ControlPlane::start(Served::Lbaas, NS).await.unwrap()
 }
 
-struct Replica {
-    proc: ServiceProcess,
-    id: String,
-    addr: String,
-}
-
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path, id: &str) -> Replica {
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
-    args.extend(["--listen".into(), addr.clone(), "--metrics-listen".into(), metrics]);
-    Replica { proc: ServiceProcess::spawn(bin, &args, dir).unwrap(), id: id.into(), addr }
-}
-
-fn logs(replicas: &[&Replica]) -> String {
-    let tail =
-        |s: String| s.lines().rev().take(80).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-    replicas.iter().map(|r| format!("==== {}\n{}", r.id, tail(r.proc.logs()))).collect::<Vec<_>>().join("\n")
+fn logs(replicas: &[&Sut]) -> String {
+    sut::logs(replicas, 80)
 }
 
 fn start_watcher(c: &ControlPlane) -> Watcher {
     c.watcher(None, &[]).unwrap()
 }
 
-fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia_url: &str, cluster_name: &str, id: &str) -> Replica {
-    let args = [
-        "--kubeconfig",
-        &c.kubeconfig.display().to_string(),
-        "--watcher",
-        &watcher.addr,
-        "--backend",
-        "octavia",
-        "--octavia-url",
-        octavia_url,
-        "--os-project-id",
-        PROJECT,
-        "--vip-subnet-id",
-        VIP_SUBNET,
-        "--cluster-name",
-        cluster_name,
-        "--drift-interval",
-        "5s",
-        "--octavia-active-timeout",
-        "30s",
-        // This suite follows the finalizer's life on ClusterIP Services too.
-        "--service-finalizer",
-        "all",
-        "--instance",
-        id,
-        "--replica-id",
-        id,
-        "--shards",
-        &SHARDS.to_string(),
-        "--lease-duration",
-        &format!("{}s", LEASE.as_secs()),
-        "--log",
-        "info,kuryr_lbaas=debug",
-    ];
-    spawn("kuryr-lbaas", args.iter().map(ToString::to_string).collect(), c.dir.path(), id)
+fn start_lbaas(c: &ControlPlane, watcher: &Watcher, octavia: &OctaviaLbaas, id: &str) -> Sut {
+    let shards = SHARDS.to_string();
+    let lease = format!("{}s", LEASE.as_secs());
+    let mut extra = octavia.args();
+    // This suite follows the finalizer's life on ClusterIP Services too.
+    extra.extend(["--service-finalizer", "all", "--shards", &shards, "--lease-duration", &lease]);
+    c.lbaas(watcher, id, &extra).unwrap()
 }
 
-fn services(c: &ControlPlane) -> Api<Service> {
-    Api::namespaced(c.admin.clone(), NS)
-}
-
-fn records(c: &ControlPlane) -> Api<ServiceLoadBalancer> {
-    Api::namespaced(c.admin.clone(), NS)
-}
-
-async fn create_service(c: &ControlPlane, name: &str, members: &[String]) {
-    let svc: Service = serde_json::from_value(
-        json!({"metadata": {"name": name}, "spec": {"ports": [{"port": 80, "targetPort": 8080}]}}),
-    )
-    .unwrap();
-    services(c).create(&PostParams::default(), &svc).await.unwrap();
-    let endpoints: Vec<Value> = members
-        .iter()
-        .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false}}))
-        .collect();
-    let slice: EndpointSlice = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
-        "addressType": "IPv4",
-        "ports": [{"port": 8080, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    }))
-    .unwrap();
-    let slices: Api<EndpointSlice> = Api::namespaced(c.admin.clone(), NS);
-    slices.create(&PostParams::default(), &slice).await.unwrap();
-}
-
-/// Shard → holder identity, as the Lease objects say (held Leases only).
 async fn holders(c: &ControlPlane) -> BTreeMap<u32, String> {
-    let leases: Api<Lease> = Api::namespaced(c.admin.clone(), "kuryr-system");
-    let list = leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-lbaas")).await;
-    let mut out = BTreeMap::new();
-    for l in list.map(|l| l.items).unwrap_or_default() {
-        let name = l.metadata.name.clone().unwrap_or_default();
-        let Some(i) = name.strip_prefix("kuryr-lbaas-shard-").and_then(|i| i.parse().ok()) else { continue };
-        if let Some(h) = l.spec.and_then(|s| s.holder_identity).filter(|h| !h.is_empty()) {
-            out.insert(i, h);
-        }
-    }
-    out
+    shard_holders(&c.admin, "kuryr-lbaas").await.unwrap_or_default().into_iter().map(|(i, (h, _))| (i, h)).collect()
 }
 
-impl Replica {
-    async fn wait_serving(&self) {
-        wait_until(&format!("{} SERVING", self.id), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, LOAD_BALANCERS).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
-    }
+async fn wait_serving(r: &Sut) {
+    r.wait_serving(LOAD_BALANCERS, PHASE_TIMEOUT).await.unwrap();
 }
 
 struct OctaviaApi {
@@ -227,7 +136,7 @@ fn members(i: usize) -> Vec<String> {
 }
 
 async fn create_burst(c: &ControlPlane, range: std::ops::Range<usize>) {
-    join_all(range.map(|i| async move { create_service(c, &format!("svc-{i}"), &members(i)).await })).await;
+    join_all(range.map(|i| async move { c.create_web_service(&format!("svc-{i}"), &members(i)).await.unwrap() })).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,11 +150,19 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     let api = OctaviaApi::new(&octavia_url);
     let cluster_name = format!("t{}", unique_id());
 
+    let octavia = OctaviaLbaas {
+        url: octavia_url.clone(),
+        project: PROJECT.into(),
+        vip_subnet: Some(VIP_SUBNET.into()),
+        cluster_name: cluster_name.clone(),
+        drift_interval: "5s".into(),
+        active_timeout: "30s".into(),
+    };
     let watcher = start_watcher(c);
-    let mut a = start_lbaas(c, &watcher, &octavia_url, &cluster_name, "lbo-a");
-    let b = start_lbaas(c, &watcher, &octavia_url, &cluster_name, "lbo-b");
-    a.wait_serving().await;
-    b.wait_serving().await;
+    let mut a = start_lbaas(c, &watcher, &octavia, "lbo-a");
+    let b = start_lbaas(c, &watcher, &octavia, "lbo-b");
+    wait_serving(&a).await;
+    wait_serving(&b).await;
     wait_until("the shards split between the replicas", PHASE_TIMEOUT, || async {
         let h = holders(c).await;
         let of = |id: &str| h.values().filter(|h| *h == id).count();
@@ -256,7 +173,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
 
     // The burst; half-way, once lbo-a is in the middle of creating load balancers, kill -9.
-    create_burst(&c, 0..BURST / 2).await;
+    create_burst(c, 0..BURST / 2).await;
     wait_until("lbo-a creating load balancers", PHASE_TIMEOUT, || async {
         anyhow::ensure!(a.proc.logs().contains("load balancer created"), "not yet");
         Ok(())
@@ -275,7 +192,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n{}", b.proc.logs()))
         },
-        create_burst(&c, BURST / 2..BURST)
+        create_burst(c, BURST / 2..BURST)
     );
     eprintln!("kill -9 of lbo-a mid-create → lbo-b holds all {SHARDS} shards after {takeover:?}");
     assert!(
@@ -287,7 +204,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     // names; no other load balancer of this cluster in the namespace.
     let names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
     let converged = wait_until("one ACTIVE, complete load balancer per Service, recorded", CONVERGE, || async {
-        let records = records(c).list(&ListParams::default()).await?.items;
+        let records = c.api::<ServiceLoadBalancer>().list(&ListParams::default()).await?.items;
         let mut recorded = BTreeMap::new();
         for r in &records {
             let name = r.metadata.name.clone().unwrap_or_default();
@@ -301,7 +218,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
         }
         let have: BTreeSet<String> = recorded.keys().cloned().collect();
         anyhow::ensure!(have == names, "{} of {} Services recorded", have.len(), names.len());
-        for s in services(c).list(&ListParams::default()).await?.items {
+        for s in c.api::<Service>().list(&ListParams::default()).await?.items {
             let fin = s.metadata.finalizers.unwrap_or_default();
             anyhow::ensure!(fin.iter().any(|f| f == FINALIZER), "{:?} has no finalizer", s.metadata.name);
         }
@@ -333,13 +250,16 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     // Deleting them deletes their load balancers; the finalizer goes last.
     let dp = DeleteParams::default();
     join_all(names.iter().map(|n| {
-        let (api, dp) = (services(c), &dp);
+        let (api, dp) = (c.api::<Service>(), &dp);
         async move { api.delete(n, dp).await.unwrap() }
     }))
     .await;
     wait_until("every Service, record and load balancer gone", CONVERGE, || async {
-        anyhow::ensure!(services(c).list(&ListParams::default()).await?.items.is_empty(), "Services left");
-        anyhow::ensure!(records(c).list(&ListParams::default()).await?.items.is_empty(), "records left");
+        anyhow::ensure!(c.api::<Service>().list(&ListParams::default()).await?.items.is_empty(), "Services left");
+        anyhow::ensure!(
+            c.api::<ServiceLoadBalancer>().list(&ListParams::default()).await?.items.is_empty(),
+            "records left"
+        );
         let lbs = api.by_service(&cluster_name).await?;
         let left: Vec<&String> = lbs.keys().filter(|k| k.starts_with(&format!("{NS}/"))).collect();
         anyhow::ensure!(left.is_empty(), "load balancers left: {left:?}");

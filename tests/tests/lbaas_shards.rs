@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams};
 use kuryr_lbaas::crd::ServiceLoadBalancer;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
@@ -35,7 +35,6 @@ use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
-use serde_json::json;
 
 const NS: &str = "lbshards";
 const SHARDS: u32 = 8;
@@ -64,20 +63,6 @@ fn start_lbaas(c: &ControlPlane, watcher: &Watcher, id: &str) -> Sut {
     // This suite follows the finalizer's life on ClusterIP Services too.
     let extra = ["--service-finalizer", "all", "--shards", &shards, "--lease-duration", &lease];
     c.lbaas(watcher, id, &extra).unwrap()
-}
-
-/// A Service `name` on port 80 with one IPv4 slice listing `members` on 8080.
-async fn create_service(c: &ControlPlane, name: &str, members: &[String]) {
-    let svc = sut::service(name, json!({"ports": [{"port": 80, "targetPort": 8080}]})).unwrap();
-    c.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
-    put_slice(c, name, members).await;
-}
-
-async fn put_slice(c: &ControlPlane, name: &str, members: &[String]) {
-    let endpoints: Vec<serde_json::Value> = members.iter().map(|a| sut::ready_endpoint(a)).collect();
-    let slice =
-        sut::slice(&format!("{name}-1"), name, "IPv4", json!([{"port": 8080, "protocol": "TCP"}]), json!(endpoints));
-    sut::put_slice(&c.api(), slice.unwrap()).await.unwrap();
 }
 
 /// Shard → holder, as the Lease objects say (held Leases only), with the holder's endpoint.
@@ -253,7 +238,8 @@ fn members(i: usize, round: usize) -> Vec<String> {
 }
 
 async fn create_burst(c: &ControlPlane, range: std::ops::Range<usize>) {
-    join_all(range.map(|i| async move { create_service(c, &format!("svc-{i}"), &members(i, 0)).await })).await;
+    join_all(range.map(|i| async move { c.create_web_service(&format!("svc-{i}"), &members(i, 0)).await.unwrap() }))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,7 +355,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     let changed: Vec<usize> = (0..2 * BURST).step_by(8).collect();
     join_all(changed.iter().map(|&i| {
         let c = &c;
-        async move { put_slice(c, &format!("svc-{i}"), &members(i, 1)).await }
+        async move { c.put_web_members(&format!("svc-{i}"), &members(i, 1)).await.unwrap() }
     }))
     .await;
     // Records that are PROGRAMMED at their generation may still be the ones from before the

@@ -3,8 +3,9 @@
 //! Services, so endpoints keep changing) while a fault is injected every few seconds, chosen at
 //! random:
 //!
-//! - kill -9 of kuryr-watcher, kuryr-vif-allocator, kuryr-lbaas, or a node's kuryr-binder, each
-//!   started again after a short outage;
+//! - kill -9 of kuryr-watcher, of either of the two replicas of kuryr-vif-allocator and of
+//!   kuryr-lbaas (sharded through Leases), or of a node's kuryr-binder, each started again after
+//!   a short outage;
 //! - the same while pods are being deleted (the binder during their CNI DEL, the allocator while
 //!   it releases their VIFs);
 //! - SIGSTOP/SIGCONT of kuryr-watcher, kuryr-vif-allocator or kuryr-lbaas (a silent partition);
@@ -142,23 +143,25 @@ enum Fault {
     KillBinder(usize),
     /// Pods of a node deleted, then its binder killed while their DELs run.
     KillBinderDuringDel(usize),
-    /// Pods deleted, then the allocator killed while it releases their VIFs.
-    KillAllocatorDuringGc,
+    /// Pods deleted, then an allocator replica killed while it releases their VIFs.
+    KillAllocatorDuringGc(ServiceKind),
     Stop(ServiceKind),
     StallApiServer,
 }
 
 fn draw(rng: &mut fastrand::Rng, nodes: usize) -> Fault {
+    let allocator = [ServiceKind::Allocator, ServiceKind::SecondAllocator][rng.usize(0..2)];
+    let lbaas = [ServiceKind::Lbaas, ServiceKind::SecondLbaas][rng.usize(0..2)];
     match rng.usize(0..9) {
         0 => Fault::Kill(ServiceKind::Watcher),
-        1 => Fault::Kill(ServiceKind::Allocator),
-        2 => Fault::Kill(ServiceKind::Lbaas),
+        1 => Fault::Kill(allocator),
+        2 => Fault::Kill(lbaas),
         3 => Fault::KillBinder(rng.usize(0..nodes)),
         4 => Fault::KillBinderDuringDel(rng.usize(0..nodes)),
-        5 => Fault::KillAllocatorDuringGc,
-        6 => Fault::Stop([ServiceKind::Watcher, ServiceKind::Allocator, ServiceKind::Lbaas][rng.usize(0..3)]),
+        5 => Fault::KillAllocatorDuringGc(allocator),
+        6 => Fault::Stop([ServiceKind::Watcher, allocator, lbaas][rng.usize(0..3)]),
         7 => Fault::StallApiServer,
-        _ => Fault::Stop(ServiceKind::Allocator),
+        _ => Fault::Stop(allocator),
     }
 }
 
@@ -169,6 +172,7 @@ pub async fn run(opts: &ChaosOptions) -> Result<Outcome> {
         nodes: opts.nodes,
         services: true,
         node_prefix: "chaos".into(),
+        replicas: 2,
         // Partitions (SIGSTOP) are told from quiet streams within a few seconds.
         stream_timing: Some(StreamTiming { heartbeat: "1s".into(), idle_timeout: "4s".into() }),
         ..ClusterOptions::default()
@@ -433,12 +437,12 @@ async fn inject(
             tokio::time::sleep(outage).await;
             binder.restart().await
         }
-        Fault::KillAllocatorDuringGc => {
+        Fault::KillAllocatorDuringGc(kind) => {
             delete_some(client, churn, None, 6).await;
             tokio::time::sleep(Duration::from_millis(rng.u64(50..600))).await;
-            cluster.kill_service(ServiceKind::Allocator).await?;
+            cluster.kill_service(kind).await?;
             tokio::time::sleep(outage).await;
-            cluster.restart_service(ServiceKind::Allocator).await
+            cluster.restart_service(kind).await
         }
         Fault::Stop(kind) => {
             cluster.stop_service(kind).await?;

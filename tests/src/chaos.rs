@@ -243,14 +243,17 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
     let mut startup: HashMap<String, (Duration, u32)> = HashMap::new();
     let mut fault_log = Vec::new();
     let mut last_fault_end = Instant::now();
+    let mut last_fault_start = Instant::now();
     while started.elapsed() < opts.duration {
-        let gap = opts.fault_every.mul_f64(0.5 + rng.f64());
+        // Gaps from the start of one fault to the start of the next.
+        let gap = opts.fault_every.mul_f64(0.5 + rng.f64()).saturating_sub(last_fault_start.elapsed());
         tokio::time::sleep(gap.min(opts.duration.saturating_sub(started.elapsed()))).await;
         if started.elapsed() >= opts.duration {
             break;
         }
         let fault = draw(&mut rng, node_names.len());
         let t = Instant::now();
+        last_fault_start = t;
         let res = inject(cluster, fault, &mut rng, &client, &churn).await;
         last_fault_end = Instant::now();
         let line = format!(

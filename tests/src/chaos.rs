@@ -38,6 +38,7 @@ use crate::cluster::checks::{self, RunningPod};
 use crate::cluster::{Cluster, ClusterOptions, ServiceKind, StreamTiming, reach, svc};
 use crate::echo::{self, Proto};
 use crate::kubelet::PodPhase;
+use crate::metrics::Scrape;
 use invariants::{Allocation, Findings, LivePod, NodeHeld, Snapshot, VifRecord};
 
 /// The namespace of the churned pods and Services.
@@ -119,6 +120,10 @@ pub struct Outcome {
     pub pings: usize,
     /// The run's length, cluster start-up excluded.
     pub ran: Duration,
+    /// `kuryr_retries_total` at the end by component (summed over reasons and the processes
+    /// scraped: the watcher, the first allocator and lbaas replicas, every binder; counted since
+    /// each process's last start).
+    pub retries: BTreeMap<String, f64>,
 }
 
 impl Outcome {
@@ -325,6 +330,7 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
     outcome.retried_starts = startup.values().filter(|v| v.1 > 1).count();
 
     final_checks(cluster, &mut outcome).await?;
+    outcome.retries = retries(cluster).await;
     Ok(outcome)
 }
 
@@ -659,6 +665,25 @@ async fn final_checks(cluster: &Cluster, outcome: &mut Outcome) -> Result<()> {
         drop(servers);
     }
     Ok(())
+}
+
+/// `kuryr_retries_total` by component, over the services and binders that answer a scrape.
+async fn retries(cluster: &Cluster) -> BTreeMap<String, f64> {
+    let mut scrapes = Vec::new();
+    for s in [Some(cluster.watcher()), Some(cluster.allocator()), cluster.lbaas()].into_iter().flatten() {
+        scrapes.push(Scrape::http(&s.metrics).await);
+    }
+    for n in cluster.nodes() {
+        scrapes.push(Scrape::in_netns(&n.node.netns_path(), "127.0.0.1:9631").await);
+    }
+    let mut out = BTreeMap::new();
+    for s in scrapes.into_iter().flatten() {
+        for series in s.select("kuryr_retries_total", &[]) {
+            let component = series.labels.get("component").cloned().unwrap_or_default();
+            *out.entry(component).or_insert(0.0) += series.value;
+        }
+    }
+    out
 }
 
 /// The Running pods of the namespace (those not Running are counted by the records check).

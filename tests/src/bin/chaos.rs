@@ -104,6 +104,8 @@ fn main() -> ExitCode {
         );
     }
     println!("checked: {} pings answered, {} Services from every node", outcome.pings, outcome.services_checked);
+    let retries: Vec<String> = outcome.retries.iter().map(|(c, n)| format!("{c} {n}")).collect();
+    println!("kuryr_retries_total by component at the end (since each process's last start): {}", retries.join(", "));
     println!(
         "load average: {load_before} at the start, {} at the end; run took {:.0} s",
         loadavg(),

@@ -70,6 +70,7 @@ async fn sixty_pods_of_churn_under_random_faults_leave_nothing_leaked_duplicated
         "converged after the last fault in {:?}; start-up (p50, p99, max) {:?}",
         outcome.converged_in, outcome.startup
     );
+    eprintln!("kuryr_retries_total by component at the end: {:?}", outcome.retries);
     eprintln!("{}", outcome.last_line());
     assert_eq!(outcome.pods, 60, "every pod created");
     assert!(outcome.faults >= 10, "only {} faults injected", outcome.faults);

@@ -118,6 +118,18 @@ bench-kubelet: tools
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/kubelet-bench
 
+## chaos: pods churned on an embedded cluster while kuryr processes are killed (-9, also during DEL and
+## GC), stopped (SIGSTOP) and the API server stalled, a fault every ~CHAOS_FAULT_SECONDS; then the
+## invariants (CHAOS_PODS, default 1000; CHAOS_SECONDS; CHAOS_BACKEND=embedded). Last line:
+## `chaos: N pods, K faults, L leaked, D duplicate, U unreachable`; fails unless the last three are 0
+.PHONY: chaos
+CHAOS_PODS ?= 1000
+CHAOS_SECONDS ?= 600
+CHAOS_BACKEND ?= embedded
+chaos: tools
+	$(CARGO) build --workspace --bins
+	CHAOS_PODS=$(CHAOS_PODS) CHAOS_SECONDS=$(CHAOS_SECONDS) CHAOS_BACKEND=$(CHAOS_BACKEND) ./target/debug/chaos
+
 .PHONY: conformance
 
 ## conformance: a real-node cluster (kubelet, containerd, kube-scheduler, no kube-proxy) with kuryr installed

@@ -131,6 +131,12 @@ pub struct ClusterOptions {
     /// The services' `--stream-heartbeat` and their followers' (the binders' too)
     /// `--stream-idle-timeout`; their defaults when `None`.
     pub stream_timing: Option<StreamTiming>,
+    /// Replicas of kuryr-vif-allocator and (with `services`) kuryr-lbaas. With more than one,
+    /// the replicas split their shards through Leases (4 s), and every node reaches them as a
+    /// pod would: a forwarder in the node's namespace per allocator replica at the endpoint it
+    /// advertises (its TCP address), and one per service at a Service-like address that reaches
+    /// any replica (the binder's `--allocator` and `--lbaas`).
+    pub replicas: usize,
 }
 
 /// How often the services' streams carry heartbeats, and how long their readers wait for one.
@@ -170,6 +176,7 @@ impl Default for ClusterOptions {
             binder_args: Vec::new(),
             progress: None,
             stream_timing: None,
+            replicas: 1,
         }
     }
 }
@@ -185,6 +192,7 @@ impl fmt::Debug for ClusterOptions {
             .field("run_containers", &self.run_containers)
             .field("services", &self.services)
             .field("stream_timing", &self.stream_timing)
+            .field("replicas", &self.replicas)
             .finish_non_exhaustive()
     }
 }
@@ -250,6 +258,11 @@ pub struct Cluster {
     lbaas: Option<Service>,
     policy: Option<Service>,
     allocator: Service,
+    /// Replicas after the first ([`ClusterOptions::replicas`]).
+    more_allocators: Vec<Service>,
+    more_lbaas: Vec<Service>,
+    /// The nodes' forwarders to the replicas.
+    forwarders: Vec<crate::forward::UnixForwarder>,
     watcher: Service,
     controller_manager: Option<ControllerManager>,
     underlay: Underlay,
@@ -352,6 +365,7 @@ impl Cluster {
             &opts.service_log,
             service_names::WATCHER,
             &progress,
+            0,
         )
         .await?;
         progress.step(&format!("kuryr-watcher serving on {} and {}", watcher.tcp, watcher.socket.display()), t);
@@ -376,18 +390,34 @@ impl Cluster {
         allocator_args.extend(StreamTiming::idle_args(timing));
         allocator_args
             .extend(opts.ipv4_block_prefix.iter().flat_map(|p| ["--ipv4-block-prefix".to_string(), p.to_string()]));
-        let allocator = start_service(
-            "kuryr-vif-allocator",
-            dir.path(),
-            &[&allocator_args[..], &opts.service_args].concat(),
-            &opts.service_log,
-            service_names::VIF_ALLOCATOR,
-            &progress,
-        )
-        .await?;
+        let replicated = opts.replicas > 1;
+        if replicated {
+            allocator_args.extend(["--lease-duration".to_string(), "4s".to_string()]);
+        }
+        let mut allocators = Vec::new();
+        for i in 0..opts.replicas.max(1) {
+            let mut args = allocator_args.clone();
+            if let Some(id) = args.iter_mut().find(|a| a.as_str() == "kuryr-vif-allocator-0") {
+                *id = format!("kuryr-vif-allocator-{i}");
+            }
+            allocators.push(
+                start_service(
+                    "kuryr-vif-allocator",
+                    dir.path(),
+                    &[&args[..], &opts.service_args].concat(),
+                    &opts.service_log,
+                    service_names::VIF_ALLOCATOR,
+                    &progress,
+                    i,
+                )
+                .await?,
+            );
+        }
+        let allocator = allocators.remove(0);
         progress
             .step(&format!("kuryr-vif-allocator serving on {} and {}", allocator.tcp, allocator.socket.display()), t);
 
+        let mut more_lbaas = Vec::new();
         let lbaas = if opts.services {
             let t = Instant::now();
             let lbaas_config = kube.service_account_kubeconfig(SYSTEM_NAMESPACE, LBAAS_ACCOUNT).await?;
@@ -405,15 +435,30 @@ impl Cluster {
             ];
             lbaas_args.extend(StreamTiming::heartbeat_args(timing));
             lbaas_args.extend(StreamTiming::idle_args(timing));
-            let lbaas = start_service(
-                "kuryr-lbaas",
-                dir.path(),
-                &[&lbaas_args[..], &opts.service_args].concat(),
-                &opts.service_log,
-                service_names::LOAD_BALANCERS,
-                &progress,
-            )
-            .await?;
+            if replicated {
+                lbaas_args.extend(["--lease-duration".to_string(), "4s".to_string()]);
+            }
+            let mut replicas = Vec::new();
+            for i in 0..opts.replicas.max(1) {
+                let mut args = lbaas_args.clone();
+                if let Some(id) = args.iter_mut().find(|a| a.as_str() == "kuryr-lbaas-0") {
+                    *id = format!("kuryr-lbaas-{i}");
+                }
+                replicas.push(
+                    start_service(
+                        "kuryr-lbaas",
+                        dir.path(),
+                        &[&args[..], &opts.service_args].concat(),
+                        &opts.service_log,
+                        service_names::LOAD_BALANCERS,
+                        &progress,
+                        i,
+                    )
+                    .await?,
+                );
+            }
+            let lbaas = replicas.remove(0);
+            more_lbaas = replicas;
             progress.step(&format!("kuryr-lbaas serving on {} and {}", lbaas.tcp, lbaas.socket.display()), t);
             Some(lbaas)
         } else {
@@ -440,6 +485,7 @@ impl Cluster {
                 &opts.service_log,
                 service_names::POLICIES,
                 &progress,
+                0,
             )
             .await?;
             progress.step(&format!("kuryr-policy serving on {} and {}", policy.tcp, policy.socket.display()), t);
@@ -453,12 +499,27 @@ impl Cluster {
         progress.record(|m| m.underlay_netns = Some(underlay.netns_name().to_string()));
         progress.step(&format!("underlay network namespace {} (bridge)", underlay.netns_name()), t);
 
+        let all_allocators: Vec<&Service> = [&allocator].into_iter().chain(&allocators).collect();
+        let all_lbaas: Vec<&Service> = lbaas.iter().chain(&more_lbaas).collect();
+        let vips = (free_port()?, free_port()?);
         let starts = (0..opts.nodes).map(|i| {
             let name = format!("{}-{}", opts.node_prefix, i + 1);
-            let upstream = Upstream { allocator: &allocator, lbaas: lbaas.as_ref(), policy: policy.as_ref() };
+            let upstream = Upstream {
+                allocators: &all_allocators,
+                lbaas: &all_lbaas,
+                policy: policy.as_ref(),
+                vips: replicated.then_some(vips),
+            };
             start_node(name, i, &kube, &client, &underlay, upstream, &opts, &progress)
         });
-        let nodes = futures::future::try_join_all(starts).await?;
+        let started: Vec<(ClusterNode, Vec<crate::forward::UnixForwarder>)> =
+            futures::future::try_join_all(starts).await?;
+        let mut forwarders = Vec::new();
+        let mut nodes = Vec::new();
+        for (n, f) in started {
+            nodes.push(n);
+            forwarders.extend(f);
+        }
 
         let kubelets = if opts.kubelet {
             nodes
@@ -486,6 +547,9 @@ impl Cluster {
             lbaas,
             policy,
             allocator,
+            more_allocators: allocators,
+            more_lbaas,
+            forwarders,
             watcher,
             controller_manager,
             underlay,
@@ -590,8 +654,14 @@ impl Cluster {
             self.watcher.logs(),
             self.allocator.logs()
         );
+        for (i, a) in self.more_allocators.iter().enumerate() {
+            out.push_str(&format!("==== kuryr-vif-allocator replica {}\n{}\n", i + 1, a.logs()));
+        }
         if let Some(l) = &self.lbaas {
             out.push_str(&format!("==== kuryr-lbaas\n{}\n", l.logs()));
+        }
+        for (i, l) in self.more_lbaas.iter().enumerate() {
+            out.push_str(&format!("==== kuryr-lbaas replica {}\n{}\n", i + 1, l.logs()));
         }
         if let Some(p) = &self.policy {
             out.push_str(&format!("==== kuryr-policy\n{}\n", p.logs()));
@@ -609,7 +679,20 @@ impl Cluster {
     pub async fn shutdown(self) -> Result<Duration> {
         let t = Instant::now();
         let Cluster {
-            kubelets, nodes, lbaas, policy, allocator, watcher, controller_manager, underlay, dir, kube, ..
+            kubelets,
+            nodes,
+            lbaas,
+            policy,
+            allocator,
+            more_allocators,
+            more_lbaas,
+            forwarders,
+            watcher,
+            controller_manager,
+            underlay,
+            dir,
+            kube,
+            ..
         } = self;
         drop(kubelets);
         let mut errors = Vec::new();
@@ -619,7 +702,8 @@ impl Cluster {
         }))
         .await;
         errors.extend(results.into_iter().filter_map(Result::err));
-        for s in lbaas.into_iter().chain(policy).chain([allocator, watcher]) {
+        drop(forwarders);
+        for s in lbaas.into_iter().chain(more_lbaas).chain(policy).chain(more_allocators).chain([allocator, watcher]) {
             let mut s = s;
             if let Err(e) = s.process.terminate(STOP_TIMEOUT).await {
                 errors.push(e);
@@ -658,6 +742,10 @@ pub enum ServiceKind {
     Lbaas,
     /// `kuryr-policy` (with [`ClusterOptions::policy`]).
     Policy,
+    /// The second replica of `kuryr-vif-allocator` (with [`ClusterOptions::replicas`] > 1).
+    SecondAllocator,
+    /// The second replica of `kuryr-lbaas`.
+    SecondLbaas,
 }
 
 impl Cluster {
@@ -667,6 +755,13 @@ impl Cluster {
             ServiceKind::Allocator => Ok(&mut self.allocator),
             ServiceKind::Lbaas => self.lbaas.as_mut().context("this cluster runs no kuryr-lbaas (services: false)"),
             ServiceKind::Policy => self.policy.as_mut().context("this cluster runs no kuryr-policy (policy: false)"),
+            ServiceKind::SecondAllocator => {
+                self.more_allocators.first_mut().context("this cluster runs one kuryr-vif-allocator (replicas: 1)")
+            }
+            ServiceKind::SecondLbaas => self
+                .more_lbaas
+                .first_mut()
+                .context("this cluster runs one kuryr-lbaas (replicas: 1, or services: false)"),
         }
     }
 
@@ -758,9 +853,13 @@ async fn start_service(
     log: &str,
     service: &str,
     progress: &Progress,
+    replica: usize,
 ) -> Result<Service> {
     let short = bin.trim_start_matches("kuryr-").trim_start_matches("vif-");
-    let socket = dir.join(format!("{short}.sock"));
+    let socket = match replica {
+        0 => dir.join(format!("{short}.sock")),
+        i => dir.join(format!("{short}-{i}.sock")),
+    };
     let (port, mport) = (free_port()?, free_port()?);
     let tcp = format!("127.0.0.1:{port}");
     let metrics = format!("127.0.0.1:{mport}");
@@ -794,9 +893,12 @@ async fn start_service(
 /// The services a node's binder follows.
 #[derive(Clone, Copy)]
 struct Upstream<'a> {
-    allocator: &'a Service,
-    lbaas: Option<&'a Service>,
+    /// Every replica, the first first.
+    allocators: &'a [&'a Service],
+    lbaas: &'a [&'a Service],
     policy: Option<&'a Service>,
+    /// With replicas: the node-local ports that reach any allocator / lbaas replica.
+    vips: Option<(u16, u16)>,
 }
 
 /// One node: containerd in a fresh namespace, plugged into the underlay, registered in the API,
@@ -808,10 +910,10 @@ async fn start_node(
     kube: &KubeEnv,
     client: &kube::Client,
     underlay: &Underlay,
-    Upstream { allocator, lbaas, policy }: Upstream<'_>,
+    Upstream { allocators, lbaas, policy, vips }: Upstream<'_>,
     opts: &ClusterOptions,
     progress: &Progress,
-) -> Result<ClusterNode> {
+) -> Result<(ClusterNode, Vec<crate::forward::UnixForwarder>)> {
     let t = Instant::now();
     let ctd = Containerd::start(ContainerdOptions::default()).await.with_context(|| format!("{name}: containerd"))?;
     progress.record(|m| {
@@ -834,13 +936,37 @@ async fn start_node(
         vec!["--log".to_string(), opts.service_log.clone(), "--auth-token-file".into(), token.display().to_string()];
     binder_args.extend(StreamTiming::idle_args(opts.stream_timing.as_ref()));
     binder_args.extend(opts.binder_args.iter().cloned());
-    if let Some(lbaas) = lbaas {
-        binder_args.extend(["--lbaas".to_string(), lbaas.unix_target()]);
+    let mut forwarders = Vec::new();
+    let (allocator_target, lbaas_target) = match vips {
+        None => (allocators[0].unix_target(), lbaas.first().map(|l| l.unix_target())),
+        Some((allocator_vip, lbaas_vip)) => {
+            let netns = ctd.netns_path();
+            crate::node::netns_exec(&netns, &["ip", "link", "set", "lo", "up"]).await?;
+            // Each allocator replica at the endpoint it advertises (its TCP address), for the
+            // redirects to a node's shard owner; and either service's replicas behind one port.
+            for a in allocators {
+                let port: u16 = a.tcp.rsplit(':').next().unwrap_or_default().parse()?;
+                forwarders.push(crate::forward::UnixForwarder::start(&netns, port, vec![a.socket.clone()]).await?);
+            }
+            let sockets = allocators.iter().map(|a| a.socket.clone()).collect();
+            forwarders.push(crate::forward::UnixForwarder::start(&netns, allocator_vip, sockets).await?);
+            let lbaas_target = if lbaas.is_empty() {
+                None
+            } else {
+                let sockets = lbaas.iter().map(|l| l.socket.clone()).collect();
+                forwarders.push(crate::forward::UnixForwarder::start(&netns, lbaas_vip, sockets).await?);
+                Some(format!("127.0.0.1:{lbaas_vip}"))
+            };
+            (format!("127.0.0.1:{allocator_vip}"), lbaas_target)
+        }
+    };
+    if let Some(lbaas) = lbaas_target {
+        binder_args.extend(["--lbaas".to_string(), lbaas]);
     }
     if let Some(policy) = policy {
         binder_args.extend(["--policy".to_string(), policy.unix_target()]);
     }
-    let node = Node::with_containerd(ctd, &name, &allocator.unix_target(), &binder_args)
+    let node = Node::with_containerd(ctd, &name, &allocator_target, &binder_args)
         .await
         .with_context(|| format!("{name}: kuryr-binder"))?;
     progress.record(|m| {
@@ -850,7 +976,7 @@ async fn start_node(
         m.node_mut(&name).binder_dir = node.binder.state_dir.parent().map(Path::to_path_buf);
     });
     progress.step(&format!("{name}: kuryr-binder serving on {}, CRI NetworkReady", node.binder.socket.display()), t);
-    Ok(ClusterNode { name, ips, node })
+    Ok((ClusterNode { name, ips, node }, forwarders))
 }
 
 fn join(ips: &[IpAddr]) -> String {

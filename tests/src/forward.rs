@@ -95,3 +95,61 @@ impl Drop for NetnsForwarder {
         self.accept.abort();
     }
 }
+
+/// The other way round: a TCP listener on `127.0.0.1:<port>` inside a network namespace whose
+/// connections go to unix sockets of services on the host — how a node's binder reaches the
+/// replicas of a service by `HOST:PORT` (a replica's advertised endpoint, or a Service-like
+/// address that reaches any replica). Each connection tries the sockets from a random one on
+/// and takes the first that accepts, as a Service's load balancing would.
+#[derive(Debug)]
+pub struct UnixForwarder {
+    accept: JoinHandle<()>,
+}
+
+impl UnixForwarder {
+    /// Listens on `127.0.0.1:port` inside the namespace at `netns`, forwarding to `sockets`.
+    pub async fn start(netns: &Path, port: u16, sockets: Vec<std::path::PathBuf>) -> Result<Self> {
+        anyhow::ensure!(!sockets.is_empty(), "no socket to forward to");
+        let ns = File::open(netns).with_context(|| format!("opening {}", netns.display()))?;
+        let bound = std::thread::Builder::new()
+            .name("netns-listen".into())
+            .spawn(move || -> Result<std::net::TcpListener> {
+                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
+                let l = std::net::TcpListener::bind(("127.0.0.1", port)).context("binding")?;
+                l.set_nonblocking(true)?;
+                Ok(l)
+            })
+            .context("spawning the namespace listener thread")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("the namespace listener thread panicked"))?
+            .with_context(|| format!("listening on 127.0.0.1:{port} in {}", netns.display()))?;
+        let listener = TcpListener::from_std(bound)?;
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else { continue };
+                let sockets = sockets.clone();
+                tokio::spawn(async move {
+                    let first = fastrand::usize(..sockets.len());
+                    for k in 0..sockets.len() {
+                        let path = &sockets[(first + k) % sockets.len()];
+                        let Ok(Ok(mut upstream)) =
+                            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path)).await
+                        else {
+                            continue;
+                        };
+                        let _ = client.set_nodelay(true);
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        return;
+                    }
+                });
+            }
+        });
+        Ok(Self { accept })
+    }
+}
+
+impl Drop for UnixForwarder {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}

@@ -33,6 +33,7 @@
 
 pub mod auth;
 pub mod binder;
+pub mod chaos;
 pub mod cluster;
 pub mod conformance;
 pub mod control;

@@ -83,12 +83,13 @@ pub fn classify(mode: RetryMode, outcome: &Result<ApiResponse, Error>) -> Option
     }
 }
 
-/// The wait before retry number `retry` (1-based): `base * 2^(retry-1)` capped at `max`, of which
-/// half is fixed and half scaled by `unit` (a random number in [0, 1)).
+/// The wait before retry number `retry` (1-based): the shared backoff's ceiling
+/// ([`kuryr_stream::backoff::ceiling`], `base * 2^(retry-1)` capped at `max`) scaled by `unit` (a
+/// random number in [0, 1)): full jitter, so that clients that failed together do not retry
+/// together.
 pub fn backoff(config: &RetryConfig, retry: u32, unit: f64) -> Duration {
-    let exp = config.base_delay.saturating_mul(1u32 << retry.saturating_sub(1).min(20));
-    let full = exp.min(config.max_delay);
-    full / 2 + (full / 2).mul_f64(unit.clamp(0.0, 1.0))
+    let ceiling = kuryr_stream::backoff::ceiling(retry, config.base_delay, config.max_delay);
+    kuryr_stream::Jitter::Full.apply(ceiling, unit)
 }
 
 /// `Retry-After` in seconds (the HTTP-date form is not used by OpenStack services).
@@ -132,6 +133,7 @@ impl tower::retry::Policy<ApiRequest, ApiResponse, Error> for Policy {
         }
         self.attempt += 1;
         self.metrics.record_retry(req.call(), reason.as_str());
+        kuryr_stream::backoff::count("openstack", reason.as_str());
         let detail = match result {
             Ok(resp) => format!("HTTP {}", resp.status.as_u16()),
             Err(e) => e.to_string(),
@@ -202,18 +204,19 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_with_half_jitter_up_to_the_cap() {
+    fn backoff_doubles_with_full_jitter_up_to_the_cap() {
         let c =
             RetryConfig { max_attempts: 10, base_delay: Duration::from_millis(100), max_delay: Duration::from_secs(1) };
-        assert_eq!(backoff(&c, 1, 0.0), Duration::from_millis(50));
-        assert_eq!(backoff(&c, 1, 1.0), Duration::from_millis(100));
-        assert_eq!(backoff(&c, 2, 0.0), Duration::from_millis(100));
-        assert_eq!(backoff(&c, 3, 0.5), Duration::from_millis(300));
-        assert_eq!(backoff(&c, 5, 0.0), Duration::from_millis(500));
-        assert_eq!(backoff(&c, 60, 1.0), Duration::from_secs(1));
+        let ms = |retry, unit| backoff(&c, retry, unit).as_millis();
+        assert_eq!(ms(1, 0.0), 0);
+        assert_eq!(ms(1, 1.0), 100);
+        assert_eq!(ms(2, 1.0), 200);
+        assert_eq!(ms(3, 0.5), 200);
+        assert_eq!(ms(5, 1.0), 1000);
+        assert_eq!(ms(60, 1.0), 1000);
         for retry in 1..40 {
             let d = backoff(&c, retry, fastrand::f64());
-            assert!(d <= c.max_delay && d >= Duration::from_millis(50), "{retry}: {d:?}");
+            assert!(d <= c.max_delay, "{retry}: {d:?}");
         }
     }
 

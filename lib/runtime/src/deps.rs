@@ -30,7 +30,7 @@ pub fn spawn_probe<F, Fut>(
 {
     tokio::spawn(async move {
         health.register(service).await;
-        let mut delay = RETRY_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("dependency-probe", RETRY_MIN, RETRY_MAX);
         let mut was_ok: Option<bool> = None;
         loop {
             let res = match tokio::time::timeout(PROBE_TIMEOUT, probe()).await {
@@ -44,7 +44,7 @@ pub fn spawn_probe<F, Fut>(
                         health.set_serving(service).await;
                     }
                     was_ok = Some(true);
-                    delay = RETRY_MIN;
+                    backoff.reset();
                     RECHECK
                 }
                 Err(e) => {
@@ -58,9 +58,7 @@ pub fn spawn_probe<F, Fut>(
                         health.set_not_serving(service).await;
                     }
                     was_ok = Some(false);
-                    let d = delay;
-                    delay = (delay * 2).min(RETRY_MAX);
-                    d
+                    backoff.next_delay("unreachable")
                 }
             };
             tokio::select! {

@@ -134,15 +134,15 @@ pub fn channel(target: &str, kubeconfig: Option<PathBuf>) -> anyhow::Result<Chan
     let service: ServiceTarget = target.parse()?;
     let (channel, changes) = Channel::balance_channel::<SocketAddr>(CHANGES);
     tokio::spawn(async move {
-        let mut delay = CLIENT_RETRY_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("discover", CLIENT_RETRY_MIN, CLIENT_RETRY_MAX);
         let client = loop {
             match crate::kube_client(kubeconfig.as_deref()).await {
                 Ok(c) => break c,
                 Err(e) => {
+                    let delay = backoff.next_delay("kube-client");
                     tracing::warn!(target = %service, error = %e, retry_in = ?delay,
                         "no Kubernetes client to discover the service with");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(CLIENT_RETRY_MAX);
                 }
             }
         };

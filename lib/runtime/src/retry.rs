@@ -5,19 +5,21 @@ use std::time::Duration;
 
 use crate::Shutdown;
 
-/// The first delay between attempts; it doubles after each failure.
+/// The first ceiling of the delay between attempts ([`kuryr_stream::backoff`], full jitter); it
+/// doubles after each failure.
 pub const RETRY_MIN: Duration = Duration::from_millis(200);
-/// The longest delay between attempts.
+/// The longest ceiling of the delay between attempts.
 pub const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Runs `step` until it succeeds, backing off between attempts from [`RETRY_MIN`] to
-/// [`RETRY_MAX`] and logging each new error once; `None` at shutdown.
-pub async fn retry<T, F, Fut>(what: &str, shutdown: &Shutdown, mut step: F) -> Option<T>
+/// [`RETRY_MAX`] (each retry counted in `kuryr_retries_total{component="startup",reason=what}`)
+/// and logging each new error once; `None` at shutdown. `what` is a fixed phrase naming the step.
+pub async fn retry<T, F, Fut>(what: &'static str, shutdown: &Shutdown, mut step: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
-    let mut delay = RETRY_MIN;
+    let mut backoff = kuryr_stream::Backoff::new("startup", RETRY_MIN, RETRY_MAX);
     let mut last_error = String::new();
     loop {
         let attempt = tokio::select! {
@@ -35,10 +37,9 @@ where
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            () = backoff.sleep(what) => {}
             () = shutdown.clone().wait() => return None,
         }
-        delay = (delay * 2).min(RETRY_MAX);
     }
 }
 

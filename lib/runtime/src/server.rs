@@ -156,6 +156,11 @@ impl Runtime {
 
         let mut registry = self.registry;
         let grpc_metrics = GrpcMetrics::register(&mut registry, methods_of(DESCRIPTOR_SETS));
+        registry.register(
+            kuryr_stream::backoff::METRIC,
+            kuryr_stream::backoff::METRIC_HELP,
+            kuryr_stream::backoff::retries().clone(),
+        );
         let registry = Arc::new(registry);
         let routes = with_standard_services(services, self.health_server)?;
         let shutdown = self.trigger.signal();

@@ -11,7 +11,8 @@
 //!   heartbeat — for dead (the server is stopped, partitioned or stuck: its connection may stay
 //!   open for ever), drops it and reconnects; an open that does not answer within that time
 //!   fails the same way;
-//! - reconnects with equal-jitter exponential backoff, from [`FollowConfig::backoff_min`] up to
+//! - reconnects with full-jitter exponential backoff ([`crate::backoff`]; each reconnect counted in
+//!   `kuryr_retries_total` under the follower's name and the failure), from [`FollowConfig::backoff_min`] up to
 //!   [`FollowConfig::backoff_max`], starting from the minimum again once the stream was live
 //!   (its snapshot complete), unless the source asks to retry at once (a redirect to the replica
 //!   that serves the stream);
@@ -26,7 +27,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::queue::backoff;
+use crate::backoff::Backoff;
 
 /// The first reconnect delay (before jitter); it doubles after each failure.
 pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -147,8 +148,8 @@ pub struct Follower<S: Source> {
     resume: String,
     stream: Option<S::Stream>,
     live: bool,
-    /// Failures since the stream was last live: the backoff grows with them.
-    failures: u32,
+    /// The reconnect backoff: it grows with the failures since the stream was last live.
+    backoff: Backoff,
     /// Wait this long before the next open.
     wait: Option<Duration>,
     /// The current outage has been logged as a warning.
@@ -165,7 +166,7 @@ impl<S: Source> Follower<S> {
             resume: String::new(),
             stream: None,
             live: false,
-            failures: 0,
+            backoff: Backoff::new(what, config.backoff_min, config.backoff_max),
             wait: None,
             warned: false,
         }
@@ -210,15 +211,19 @@ impl<S: Source> Follower<S> {
                     Ok(Err(e)) => {
                         let why = format!("cannot open the stream: {e}");
                         let retry = self.source.failed(Failure::Open(&e));
-                        return self.down(why, retry);
+                        return self.down(why, "open", retry);
                     }
                     Err(_) => {
                         let retry = self.source.failed(Failure::OpenSilent);
-                        return self.down(format!("opening the stream got no answer within {idle:?}"), retry);
+                        return self.down(
+                            format!("opening the stream got no answer within {idle:?}"),
+                            "open-silent",
+                            retry,
+                        );
                     }
                 }
             };
-            let (why, retry) = match tokio::time::timeout(idle, S::next(stream)).await {
+            let (why, reason, retry) = match tokio::time::timeout(idle, S::next(stream)).await {
                 Ok(Ok(Some(event))) => {
                     let point = S::resume_point(&event);
                     if !point.is_empty() {
@@ -231,7 +236,7 @@ impl<S: Source> Follower<S> {
                         Mark::SnapshotComplete => {
                             if !self.live {
                                 self.live = true;
-                                self.failures = 0;
+                                self.backoff.reset();
                                 self.warned = false;
                                 self.source.live();
                             }
@@ -239,27 +244,29 @@ impl<S: Source> Follower<S> {
                     }
                     return Followed::Event(event);
                 }
-                Ok(Ok(None)) => ("the server ended the stream".to_string(), self.source.failed(Failure::Ended)),
-                Ok(Err(e)) => (format!("the stream broke: {e}"), self.source.failed(Failure::Broke(&e))),
+                Ok(Ok(None)) => {
+                    ("the server ended the stream".to_string(), "ended", self.source.failed(Failure::Ended))
+                }
+                Ok(Err(e)) => (format!("the stream broke: {e}"), "broke", self.source.failed(Failure::Broke(&e))),
                 Err(_) => (
                     format!(
                         "nothing received for {idle:?}, not even a heartbeat: the server is gone, stopped or stuck"
                     ),
+                    "silent",
                     self.source.failed(Failure::Silent),
                 ),
             };
-            return self.down(why, retry);
+            return self.down(why, reason, retry);
         }
     }
 
     /// Drops the stream and schedules the reconnect.
-    fn down(&mut self, why: String, retry: Retry) -> Followed<S::Event> {
+    fn down(&mut self, why: String, reason: &'static str, retry: Retry) -> Followed<S::Event> {
         self.stream = None;
         self.live = false;
-        self.failures = self.failures.saturating_add(1);
         self.wait = match retry {
             Retry::Now => None,
-            Retry::Backoff => Some(backoff(self.failures, self.config.backoff_min, self.config.backoff_max)),
+            Retry::Backoff => Some(self.backoff.next_delay(reason)),
         };
         if self.warned {
             tracing::debug!(error = why, retry_in = ?self.wait, "{} still unavailable", self.what);

@@ -193,7 +193,7 @@ async fn reconnects_back_off_with_jitter_and_start_over_once_live() {
     for (i, pair) in times.windows(2).enumerate() {
         let gap = pair[1] - pair[0];
         let ceiling = (BACKOFF_MIN * (1 << i)).min(BACKOFF_MAX);
-        assert!(gap >= ceiling / 2 && gap <= ceiling, "reconnect {i}: {gap:?} vs ceiling {ceiling:?}");
+        assert!(gap <= ceiling, "reconnect {i}: {gap:?} vs ceiling {ceiling:?}");
     }
     // Live: the next failure starts from the minimum again.
     drop(s);
@@ -205,7 +205,7 @@ async fn reconnects_back_off_with_jitter_and_start_over_once_live() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let gap = script.open_times()[8] - down;
-    assert!(gap >= BACKOFF_MIN / 2 && gap <= BACKOFF_MIN + Duration::from_millis(1), "{gap:?}");
+    assert!(gap <= BACKOFF_MIN + Duration::from_millis(1), "{gap:?}");
     waiting.abort();
 }
 

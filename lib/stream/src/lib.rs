@@ -14,6 +14,8 @@
 //! - [`follow`]: the other end: one follower per stream that resumes after breaks, handles
 //!   RESET, drops a stream silent for longer than its idle timeout, and reconnects with jittered
 //!   backoff.
+//! - [`backoff`]: the one retry backoff (exponential, full jitter) and the process-wide count of
+//!   retries by component and reason.
 //! - [`queue`]: a keyed work queue: work on one key is serial, different keys run in parallel,
 //!   only the latest state matters, failures are retried with capped, jittered backoff.
 //!
@@ -21,12 +23,14 @@
 //! services encode the events into their own gRPC messages (see [`feed::Subscriber`]) and read
 //! them back at the gRPC edge (see [`follow::Source`]).
 
+pub mod backoff;
 pub mod epoch;
 pub mod feed;
 pub mod follow;
 pub mod log;
 pub mod queue;
 
+pub use backoff::{Backoff, Jitter};
 pub use epoch::Epoch;
 pub use feed::{Event, How, Options, Subscriber};
 pub use follow::{FollowConfig, Followed, Follower, Mark, Source};

@@ -42,6 +42,8 @@ pub struct WorkQueue {
     notify: Notify,
     base: Duration,
     cap: Duration,
+    /// The component its retries are counted under in `kuryr_retries_total`.
+    component: &'static str,
 }
 
 impl Default for WorkQueue {
@@ -62,7 +64,14 @@ pub enum Outcome {
 impl WorkQueue {
     /// A queue whose retries back off from `base`, doubling, up to `cap`.
     pub fn new(base: Duration, cap: Duration) -> Self {
-        Self { state: Mutex::new(State::default()), notify: Notify::new(), base, cap }
+        Self { state: Mutex::new(State::default()), notify: Notify::new(), base, cap, component: "workqueue" }
+    }
+
+    /// Counts its retries under `component` (reason `reconcile`) instead of `workqueue`.
+    #[must_use]
+    pub fn counted_as(mut self, component: &'static str) -> Self {
+        self.component = component;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -126,7 +135,7 @@ impl WorkQueue {
                 let generation = s.next_generation;
                 let failures = s.failures.get(key).map_or(0, |f| f.0) + 1;
                 s.failures.insert(key.to_string(), (failures, generation));
-                let delay = backoff(failures, self.base, self.cap);
+                let delay = crate::backoff::delay(self.component, "reconcile", failures, self.base, self.cap);
                 let queue = Arc::downgrade(self);
                 let key = key.to_string();
                 tokio::spawn(async move {
@@ -168,13 +177,6 @@ impl WorkQueue {
         self.lock().closed = true;
         self.notify.notify_waiters();
     }
-}
-
-/// Equal-jitter exponential backoff: half the ceiling plus a random part of the other half.
-pub fn backoff(failures: u32, base: Duration, cap: Duration) -> Duration {
-    let ceiling = base.saturating_mul(1u32 << failures.saturating_sub(1).min(16)).min(cap);
-    let half = ceiling / 2;
-    half + half.mul_f64(fastrand::f64())
 }
 
 #[cfg(test)]
@@ -228,7 +230,7 @@ mod tests {
         }
         for (i, d) in delays.iter().enumerate() {
             let ceiling = Duration::from_millis(100 * (1 << i)).min(Duration::from_millis(800));
-            assert!(*d >= ceiling / 2 && *d <= ceiling, "retry {i}: {d:?} vs ceiling {ceiling:?}");
+            assert!(*d <= ceiling, "retry {i}: {d:?} vs ceiling {ceiling:?}");
         }
         assert_eq!(runs.load(Ordering::Relaxed), 6);
         // An add runs it before the last timer fires; a success forgets the failures, and the

@@ -220,7 +220,8 @@ impl CniService {
             plugged: true,
             host_ifname: att.host_ifname.clone(),
         };
-        let mut delay = Duration::from_millis(50);
+        let mut backoff =
+            kuryr_stream::Backoff::new("binder-report-plugged", Duration::from_millis(50), Duration::from_secs(1));
         loop {
             let limit = deadline.saturating_duration_since(Instant::now()).min(PLUG_REPORT_TIMEOUT);
             let mut call = tonic::Request::new(req.clone());
@@ -236,15 +237,20 @@ impl CniService {
                     ));
                 }
                 Err(s)
-                    if Instant::now() + delay < deadline
+                    if Instant::now() + backoff.last_ceiling().max(Duration::from_millis(50)) < deadline
                         && matches!(
                             s.code(),
                             tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Aborted
                         ) =>
                 {
                     tracing::warn!(pod_uid = att.pod_uid, code = ?s.code(), error = s.message(), "plugged report failed; retrying");
+                    let reason = match s.code() {
+                        tonic::Code::Unavailable => "unavailable",
+                        tonic::Code::Aborted => "aborted",
+                        _ => "deadline",
+                    };
+                    let delay = backoff.next_delay(reason).min(deadline.saturating_duration_since(Instant::now()));
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(1));
                 }
                 Err(s) => {
                     return Err(CniError::new(

@@ -72,7 +72,7 @@ pub async fn write_when_live(vifs: VifCache, path: PathBuf, socket: PathBuf, ver
         }
     }
     let contents = render(&socket, &version);
-    let mut delay = Duration::from_millis(200);
+    let mut backoff = kuryr_stream::Backoff::new("binder-cniconf", Duration::from_millis(200), Duration::from_secs(10));
     loop {
         match write_atomic(&path, &contents) {
             Ok(()) => {
@@ -84,10 +84,9 @@ pub async fn write_when_live(vifs: VifCache, path: PathBuf, socket: PathBuf, ver
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            () = backoff.sleep("write") => {}
             () = shutdown.clone().wait() => return,
         }
-        delay = (delay * 2).min(Duration::from_secs(10));
     }
 }
 

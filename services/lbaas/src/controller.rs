@@ -193,7 +193,7 @@ impl<B: Backend> Controller<B> {
             backend,
             view,
             records,
-            queue: Arc::new(WorkQueue::default()),
+            queue: Arc::new(WorkQueue::default().counted_as("lbaas")),
             metrics,
             told: Mutex::default(),
             shards: Shards::all(),

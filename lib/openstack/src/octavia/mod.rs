@@ -83,7 +83,9 @@ impl Octavia {
     /// finished delete); [`Error::Timeout`] if still pending after `timeout`.
     pub async fn wait_load_balancer(&self, id: &str, timeout: Duration) -> Result<LoadBalancer, Error> {
         let deadline = Instant::now() + timeout;
-        let mut delay = Duration::from_millis(200);
+        let mut polls = kuryr_stream::Backoff::new("octavia-wait", Duration::from_millis(200), Duration::from_secs(2))
+            .with_factor(1.5)
+            .with_jitter(kuryr_stream::Jitter::Equal);
         loop {
             let lb = self.get_load_balancer(id).await?;
             if !lb.provisioning_status.is_pending() {
@@ -93,8 +95,7 @@ impl Octavia {
             if now >= deadline {
                 return Err(Error::Timeout { call: Call { service: LB, operation: "loadbalancers.wait" }, timeout });
             }
-            tokio::time::sleep(delay.min(deadline - now)).await;
-            delay = (delay * 3 / 2).min(Duration::from_secs(2));
+            tokio::time::sleep(polls.next_delay("pending").min(deadline - now)).await;
         }
     }
 

@@ -190,7 +190,7 @@ impl Dataplane {
             Err(e) => tracing::error!(error = %e, "Service dataplane: nft cannot be run; Service rules will fail"),
         }
         let mut p = Programmer::default();
-        let mut delay = RETRY_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("binder-services", RETRY_MIN, RETRY_MAX);
         loop {
             let work = self.lock().take_work();
             let Some(work) = work else {
@@ -218,11 +218,12 @@ impl Dataplane {
                         "Service rules programmed"
                     );
                     self.lock().programmed_ok = true;
-                    delay = RETRY_MIN;
+                    backoff.reset();
                     self.report_sync("programmed");
                 }
                 Err(e) => {
                     self.metrics.transaction(kind, false, None);
+                    let delay = backoff.next_delay(kind);
                     tracing::warn!(kind, error = %e, retry_in = ?delay, "programming Service rules failed");
                     {
                         let mut s = self.lock();
@@ -234,7 +235,6 @@ impl Dataplane {
                         () = tokio::time::sleep(delay) => {}
                         () = shutdown.clone().wait() => return,
                     }
-                    delay = (delay * 2).min(RETRY_MAX);
                 }
             }
         }

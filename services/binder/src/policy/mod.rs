@@ -186,7 +186,7 @@ impl Dataplane {
         bridged_traffic_filtered();
         let mut programmed = self.load_record().await;
         let mut first = true;
-        let mut delay = RETRY_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("binder-policy", RETRY_MIN, RETRY_MAX);
         loop {
             let desired = {
                 let s = self.lock();
@@ -240,7 +240,7 @@ impl Dataplane {
                     self.metrics.set_synced(true);
                     programmed = Some(new);
                     first = false;
-                    delay = RETRY_MIN;
+                    backoff.reset();
                     if self.since.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
                         continue;
                     }
@@ -252,6 +252,7 @@ impl Dataplane {
                 Err((kind, e)) => {
                     self.metrics.transaction(kind, false, None);
                     self.metrics.set_synced(false);
+                    let delay = backoff.next_delay(kind);
                     tracing::warn!(kind, error = %e, retry_in = ?delay, "programming NetworkPolicy rules failed");
                     // What the kernel holds is not known any more: the retry replaces it.
                     programmed = None;
@@ -263,7 +264,6 @@ impl Dataplane {
                         () = tokio::time::sleep(delay) => {}
                         () = shutdown.clone().wait() => return,
                     }
-                    delay = (delay * 2).min(RETRY_MAX);
                 }
             }
         }

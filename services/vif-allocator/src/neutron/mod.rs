@@ -658,7 +658,8 @@ impl NeutronBackend {
             let span = tracing::info_span!("refill", node = %key.node);
             tokio::spawn(
                 async move {
-                    let mut delay = Duration::from_millis(500);
+                    let mut backoff =
+                        kuryr_stream::Backoff::new("pool-refill", Duration::from_millis(500), Duration::from_secs(30));
                     // A pool of a network no longer served (a namespace's, being removed) is not refilled.
                     while this.serves(&key) {
                         let n = guard(&this.inv).refill(&key, this.limits);
@@ -675,10 +676,10 @@ impl NeutronBackend {
                             Err(e) => {
                                 let reason = e.reason();
                                 this.metrics.refill_failures.get_or_create(&ReasonLabels { reason }).inc();
+                                let delay = backoff.next_delay(reason);
                                 tracing::warn!(error = %crate::cluster::chain(&e), reason, retry_in = ?delay,
                                     "pool refill failed");
                                 tokio::time::sleep(delay).await;
-                                delay = (delay * 2).min(Duration::from_secs(30));
                             }
                         }
                     }

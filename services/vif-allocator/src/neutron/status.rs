@@ -59,6 +59,7 @@ impl NeutronBackend {
         let (min, max) = self.poll;
         let mut delay = min;
         let mut failing = false;
+        let mut failures = kuryr_stream::Backoff::new("neutron-status", min, max.max(FAILURE_CAP));
         let mut link_rx = self.events.as_ref().map(|e| e.link.clone());
         // The link epoch whose (re)connection read is done.
         let mut synced = 0u64;
@@ -110,6 +111,7 @@ impl NeutronBackend {
                         tracing::info!("Neutron answers status reads again");
                         failing = false;
                     }
+                    failures.reset();
                     let status: HashMap<&str, &str> =
                         ports.iter().map(|p| (p.id.as_str(), p.status.as_str())).collect();
                     let changed = self.apply_status(&status, &watched, &recycling, "poll").await;
@@ -121,7 +123,7 @@ impl NeutronBackend {
                         tracing::warn!(error = %e, ports = ids.len(), "reading port status failed; retrying with backoff");
                         failing = true;
                     }
-                    delay = (delay * 2).min(max.max(FAILURE_CAP));
+                    delay = failures.next_delay("list-ports");
                 }
             }
             let next = if failing { tokio::time::Instant::now() + delay } else { started + delay };

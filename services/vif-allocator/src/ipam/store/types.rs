@@ -154,13 +154,15 @@ impl Counters {
     }
 }
 
-/// Equal-jitter exponential backoff: half the ceiling plus a random part of the other half, the
-/// ceiling doubling from `base` per retry up to `cap`. The random part spreads out allocators that
-/// lost the same race; the fixed half keeps a loser from re-reading before the winner wrote.
+/// Equal-jitter exponential backoff ([`kuryr_stream::Jitter::Equal`] under the shared
+/// backoff's ceiling, doubling from `base` per retry up to `cap`), counted in
+/// `kuryr_retries_total{component="ipam-store",reason="conflict"}`. The random half spreads out
+/// allocators that lost the same race; the fixed half keeps a loser from re-reading before the
+/// winner wrote.
 pub fn backoff_delay(retry: u32, base: Duration, cap: Duration) -> Duration {
-    let ceiling = base.saturating_mul(1u32 << retry.min(16)).min(cap);
-    let half = ceiling / 2;
-    half + half.mul_f64(fastrand::f64())
+    kuryr_stream::backoff::count("ipam-store", "conflict");
+    let ceiling = kuryr_stream::backoff::ceiling(retry.saturating_add(1), base, cap);
+    kuryr_stream::Jitter::Equal.apply(ceiling, fastrand::f64())
 }
 
 #[cfg(test)]
@@ -175,8 +177,9 @@ mod tests {
             let ceiling = (base * 2u32.pow(retry.min(16))).min(cap);
             for _ in 0..50 {
                 let d = backoff_delay(retry, base, cap);
+                let ceiling = ceiling + Duration::from_micros(1); // (f32 steps)
                 assert!(
-                    d >= ceiling / 2 && d <= ceiling,
+                    d >= ceiling / 2 - Duration::from_micros(1) && d <= ceiling,
                     "retry {retry}: {d:?} outside {:?}..={ceiling:?}",
                     ceiling / 2
                 );

@@ -267,7 +267,7 @@ impl PortEvents {
     /// Consumes until shutdown, reconnecting with backoff; never returns early.
     pub async fn run(self, sink: Arc<dyn PortEventSink>, shutdown: Shutdown) {
         let hosts = self.config.url.hosts.clone();
-        let mut delay = BACKOFF_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("neutron-events", BACKOFF_MIN, BACKOFF_MAX);
         let mut down_since: Option<std::time::Instant> = None;
         let mut next = 0usize;
         tracing::info!(origin = %self.config.origin, brokers = ?hosts, vhost = %self.config.url.virtual_host,
@@ -277,7 +277,7 @@ impl PortEvents {
             for i in 0..hosts.len() {
                 let host = &hosts[(next + i) % hosts.len()];
                 let ended = tokio::select! {
-                    r = self.session(host, &*sink, &mut down_since, &mut delay) => r,
+                    r = self.session(host, &*sink, &mut down_since, &mut backoff) => r,
                     () = shutdown.clone().wait() => Ended::Shutdown,
                 };
                 self.set_link(false);
@@ -295,12 +295,10 @@ impl PortEvents {
                     }
                 }
             }
-            let wait = delay.mul_f64(0.5 + fastrand::f64());
             tokio::select! {
-                () = tokio::time::sleep(wait) => {}
+                () = backoff.sleep("broker-lost") => {}
                 () = shutdown.clone().wait() => return,
             }
-            delay = (delay * 2).min(BACKOFF_MAX);
         }
     }
 
@@ -322,7 +320,7 @@ impl PortEvents {
         host: &BrokerHost,
         sink: &dyn PortEventSink,
         down_since: &mut Option<std::time::Instant>,
-        delay: &mut Duration,
+        backoff: &mut kuryr_stream::Backoff,
     ) -> Ended {
         let setup = tokio::time::timeout(CONNECT_TIMEOUT, self.connect(host)).await;
         let (conn, channel, mut rx) = match setup {
@@ -343,7 +341,7 @@ impl PortEvents {
                 tracing::info!(broker = %host.display(), queue = %self.queue_name, "subscribed to Neutron's port events")
             }
         }
-        *delay = BACKOFF_MIN;
+        backoff.reset();
         self.set_link(true);
         // Subscribed once, at its first poll below: a notification is never missed between
         // two messages. The periodic check covers one sent before that first poll.

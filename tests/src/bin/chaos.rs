@@ -1,0 +1,119 @@
+//! `make chaos`: pods churned on a whole embedded cluster while kuryr processes are killed,
+//! stopped and starved at random ([`kuryr_tests::chaos`]), then the invariants checked. Prints
+//! the faults as they happen, the figures, every problem found, and as its last line exactly
+//! `chaos: N pods, K faults, L leaked, D duplicate, U unreachable`; exits non-zero unless the
+//! last three are 0.
+//!
+//! Environment: CHAOS_PODS (pods created over the run, default 1000), CHAOS_SECONDS (length of
+//! the churn, default 600), CHAOS_BACKEND (`embedded`; `neutron` is not implemented yet),
+//! CHAOS_FAULT_SECONDS (mean gap between faults, default 10), CHAOS_NODES (default 2),
+//! CHAOS_LIVE (live pods at most, default 60), CHAOS_SERVICES (default 3), CHAOS_QUIET_SECONDS
+//! (bound on converging after the last fault, default 180), CHAOS_SEED (default 1).
+
+#![allow(clippy::print_stdout)] // a report whose output is the point
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kuryr_tests::chaos::{self, ChaosOptions};
+
+fn env_num(name: &str, default: u64) -> Result<u64> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().with_context(|| format!("{name}={v}: not a number")),
+        _ => Ok(default),
+    }
+}
+
+fn options() -> Result<ChaosOptions> {
+    let backend = std::env::var("CHAOS_BACKEND").unwrap_or_else(|_| "embedded".into());
+    match backend.as_str() {
+        "embedded" => {}
+        "neutron" => bail!("CHAOS_BACKEND=neutron: not implemented yet (no fault proxy in front of Neutron/Octavia)"),
+        other => bail!("CHAOS_BACKEND={other}: expected embedded or neutron"),
+    }
+    let d = ChaosOptions::default();
+    let as_usize = |v: u64| usize::try_from(v).context("too large");
+    Ok(ChaosOptions {
+        pods: as_usize(env_num("CHAOS_PODS", d.pods as u64)?)?,
+        duration: Duration::from_secs(env_num("CHAOS_SECONDS", d.duration.as_secs())?),
+        fault_every: Duration::from_secs(env_num("CHAOS_FAULT_SECONDS", d.fault_every.as_secs())?.max(1)),
+        nodes: as_usize(env_num("CHAOS_NODES", d.nodes as u64)?.max(1))?,
+        live: as_usize(env_num("CHAOS_LIVE", d.live as u64)?.max(1))?,
+        services: as_usize(env_num("CHAOS_SERVICES", d.services as u64)?)?,
+        quiet: Duration::from_secs(env_num("CHAOS_QUIET_SECONDS", d.quiet.as_secs())?),
+        seed: env_num("CHAOS_SEED", d.seed)?,
+        verbose: true,
+    })
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    let opts = match options() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("chaos: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let t = Instant::now();
+    let load_before = loadavg();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = match runtime.block_on(chaos::run(&opts)) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("chaos: the run failed: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    println!("faults:");
+    for f in &outcome.fault_log {
+        println!("  {f}");
+    }
+    println!(
+        "churn: {} pods created over {:.0} s ({} live at most, {} nodes, {} Services), {} live at the end",
+        outcome.pods,
+        outcome.ran.as_secs_f64(),
+        opts.live,
+        opts.nodes,
+        opts.services,
+        outcome.live_at_end
+    );
+    match outcome.converged_in {
+        Some(d) => println!("converged {:.1} s after the last fault", d.as_secs_f64()),
+        None => println!("NOT converged within {:?} of the last fault", opts.quiet),
+    }
+    if let Some((p50, p99, max)) = outcome.startup {
+        println!(
+            "pod start-up during chaos (kubelet sees the pod → sandbox with network): p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; {} pods needed more than one RunPodSandbox",
+            p50.as_secs_f64() * 1e3,
+            p99.as_secs_f64() * 1e3,
+            max.as_secs_f64() * 1e3,
+            outcome.retried_starts
+        );
+    }
+    println!("checked: {} pings answered, {} Services from every node", outcome.pings, outcome.services_checked);
+    let retries: Vec<String> = outcome.retries.iter().map(|(c, n)| format!("{c} {n}")).collect();
+    println!("kuryr_retries_total by component at the end (since each process's last start): {}", retries.join(", "));
+    println!(
+        "load average: {load_before} at the start, {} at the end; run took {:.0} s",
+        loadavg(),
+        t.elapsed().as_secs_f64()
+    );
+    for d in &outcome.details {
+        println!("  {d}");
+    }
+    println!("{}", outcome.last_line());
+    if outcome.ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}

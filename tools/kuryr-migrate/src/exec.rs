@@ -429,6 +429,9 @@ impl Migrator<'_> {
                 tagged: ours.iter().all(|t| lb.tags.contains(t)),
                 pending: lb.provisioning_status.is_pending(),
             }),
+            wants_finalizer: self.args.service_finalizer.wants(
+                svc.as_ref().and_then(|s| s.spec.as_ref()).and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP"),
+            ),
         };
         let (l, p, m) = klb.counts;
         let describe = match (&klb.lb_id, &lb) {

@@ -95,6 +95,12 @@ pub struct Args {
     #[arg(long, env = "KURYR_CLUSTER_NAME", default_value = "kubernetes")]
     pub cluster_name: String,
 
+    /// lbaas' --service-finalizer: which Services get lbaas' finalizer in place of Kuryr's
+    /// (`load-balancer`: type LoadBalancer only; `all`; `none`). Load balancers of Services
+    /// without it are still removed by lbaas should the Service go (orphans by tag).
+    #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
+    pub service_finalizer: kuryr_lbaas::controller::FinalizerPolicy,
+
     /// Leave Kuryr's free pool ports alone (they are tagged into the allocator's pools by
     /// default).
     #[arg(long)]

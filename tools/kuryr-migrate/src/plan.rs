@@ -219,6 +219,8 @@ pub struct ServiceFacts {
     pub cluster_ip: Option<String>,
     /// The load balancer, if Octavia has it.
     pub lb: Option<LbFacts>,
+    /// lbaas puts its finalizer on this Service (its --service-finalizer and the Service type).
+    pub wants_finalizer: bool,
 }
 
 /// The steps left for one Service, or why it cannot be migrated now.
@@ -243,7 +245,7 @@ pub fn lb_steps(f: &ServiceFacts, kuryr_finalizer: &str, our_finalizer: &str) ->
         }
     }
     // No load balancer (never made, or deleted behind Kuryr's back): lbaas creates one.
-    if !svc.deleting && !svc.has(our_finalizer) {
+    if f.wants_finalizer && !svc.deleting && !svc.has(our_finalizer) {
         steps.push(LbStep::AddFinalizer);
     }
     if svc.has(kuryr_finalizer) {
@@ -391,6 +393,7 @@ mod tests {
             service: Some(Owner { uid: "s1".into(), finalizers: vec![KF.into()], deleting: false }),
             cluster_ip: Some("10.96.0.10".into()),
             lb: Some(LbFacts { vip: "10.96.0.10".into(), tagged: false, pending: false }),
+            wants_finalizer: true,
         }
     }
 
@@ -406,6 +409,13 @@ mod tests {
         f.service.as_mut().unwrap().finalizers = vec![OURS.into()];
         f.klb_finalizers.clear();
         assert_eq!(lb_steps(&f, KF, OURS).unwrap(), vec![DeleteKlb]);
+    }
+
+    #[test]
+    fn a_service_lbaas_puts_no_finalizer_on_gets_none() {
+        let mut f = service();
+        f.wants_finalizer = false;
+        assert!(!lb_steps(&f, KF, OURS).unwrap().contains(&LbStep::AddFinalizer));
     }
 
     #[test]

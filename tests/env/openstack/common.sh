@@ -11,6 +11,8 @@ UV_VERSION=0.13.8
 UV="$OS_CACHE/uv-tool/bin/uv"
 export UV_CACHE_DIR="$OS_CACHE/uv-cache"
 OS_SERVICES=(keystone neutron octavia)
+# Built only when named (setup.sh kuryr): Kuryr-Kubernetes, the system kuryr-rs replaces.
+OS_EXTRA_VENVS=(kuryr)
 
 log() { printf '%s: %s\n' "${SCRIPT:-openstack}" "$*" >&2; }
 die() { log "error: $*"; exit 1; }

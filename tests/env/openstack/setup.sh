@@ -3,7 +3,9 @@
 # sets committed beside this script (constraints-<service>.txt), under
 # /var/cache/kuryr-rs/openstack/<service> (KURYR_OPENSTACK_CACHE overrides).
 #
-#   setup.sh [keystone|neutron|octavia ...]     default: all three
+#   setup.sh [keystone|neutron|octavia|kuryr ...]     default: keystone, neutron, octavia
+#
+# kuryr (Kuryr-Kubernetes 10.0.0, for the side-by-side runs) is built only when named.
 #
 # Each venv carries a stamp: the hash of its constraints file, the interpreter's version and uv's
 # version. A venv whose stamp matches is left alone, so a warm run takes well under a second; any
@@ -20,7 +22,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 services=("$@")
 ((${#services[@]})) || services=("${OS_SERVICES[@]}")
 for s in "${services[@]}"; do
-    [[ " ${OS_SERVICES[*]} " == *" $s "* ]] || die "unknown service '$s' (known: ${OS_SERVICES[*]})"
+    [[ " ${OS_SERVICES[*]} ${OS_EXTRA_VENVS[*]} " == *" $s "* ]] ||
+        die "unknown service '$s' (known: ${OS_SERVICES[*]} ${OS_EXTRA_VENVS[*]})"
     [[ -f "$OS_HERE/constraints-$s.txt" ]] || die "missing $OS_HERE/constraints-$s.txt"
 done
 
@@ -47,6 +50,19 @@ for s in "${services[@]}"; do
     "$UV" venv -q --python "$PYTHON" "$venv" || die "$s: uv venv failed"
     # sync installs exactly the pinned set: nothing more, nothing newer.
     "$UV" pip sync -q --python "$venv/bin/python" "$constraints" || die "$s: installing $constraints failed"
+    if [[ "$s" == kuryr ]]; then
+        # Kuryr's CRD manifests ship in its source distribution only (not the wheel): fetched
+        # at the pinned version and kept beside the venv, in share/kuryr-crds/.
+        version="$(sed -n 's/^kuryr-kubernetes==//p' "$constraints")"
+        dl="$(mktemp -d)"
+        "$OS_CACHE/uv-tool/bin/pip" download -q --no-deps --no-binary :all: -d "$dl" \
+            "kuryr-kubernetes==$version" || die "kuryr: downloading the kuryr-kubernetes $version sdist failed"
+        mkdir -p "$venv/share/kuryr-crds"
+        tar -xzf "$dl"/kuryr*kubernetes-"$version".tar.gz -C "$dl" || die "kuryr: unpacking the sdist failed"
+        cp "$dl"/kuryr*kubernetes-"$version"/kubernetes_crds/kuryr_crds/*.yaml "$venv/share/kuryr-crds/" ||
+            die "kuryr: no kubernetes_crds/kuryr_crds/*.yaml in the sdist"
+        rm -rf "$dl"
+    fi
     echo "$stamp" >"$venv/.kuryr-stamp"
     log "$s: venv ready in $((SECONDS - t0))s"
 done

@@ -62,6 +62,17 @@ impl Octavia {
         self.get("loadbalancers.show", "/lbaas/loadbalancers", id, "loadbalancer").await
     }
 
+    /// Replaces a load balancer's tags (a PUT of `tags` alone); the load balancer goes through
+    /// PENDING_UPDATE, so wait for ACTIVE before the next change.
+    pub async fn set_load_balancer_tags(&self, id: &str, tags: &[String]) -> Result<LoadBalancer, Error> {
+        let path = format!("/lbaas/loadbalancers/{}", require_id("loadbalancer", id)?);
+        let body = serde_json::json!({ "tags": tags });
+        let req =
+            ApiRequest::with_json(LB, "loadbalancers.update", Method::PUT, path, &Wrap::new("loadbalancer", &body))?
+                .retry_on_conflict();
+        self.client.json_field(req, "loadbalancer").await
+    }
+
     /// Load balancers matching `filter` (tags, name, vip_address, project_id, ...).
     pub async fn list_load_balancers(&self, filter: &Filter) -> Result<Vec<LoadBalancer>, Error> {
         self.list("loadbalancers.list", "/lbaas/loadbalancers", "loadbalancers", filter).await

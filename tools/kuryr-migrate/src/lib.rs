@@ -1,0 +1,144 @@
+//! `kuryr-migrate`: hands a Kuryr-Kubernetes deployment over to kuryr-rs without recreating
+//! its OpenStack resources. Run it with Kuryr's controller stopped and before kuryr-rs' allocator
+//! and lbaas start (or while they run: both pick up what it records).
+//!
+//! - **Pods** (KuryrPort): the pod's Neutron port — same id, MAC, addresses, binding — becomes
+//!   its kuryr-rs VIF: the port gets the allocator's cluster tag (the allocator's recovery then
+//!   counts it as held by the pod, whose uid is its `device_id` already), a PodVif records it,
+//!   the allocator's finalizer goes on the pod; then Kuryr's finalizers come off and the
+//!   KuryrPort is deleted.
+//! - **Pool ports**: Kuryr's free pool ports (`kuryr-pool-port`, no device) on the pod network
+//!   get the cluster tag and so join the allocator's pools at its next start.
+//! - **Services** (KuryrLoadBalancer): the Octavia load balancer gets lbaas' ownership tags;
+//!   lbaas adopts a load balancer so tagged with its listeners, pools and members, changing
+//!   only what differs from the Service. lbaas' finalizer goes on the Service, Kuryr's comes off,
+//!   the KuryrLoadBalancer is deleted.
+//! - **KuryrNetwork, KuryrNetworkPolicy**: listed, not migrated (see the operator guide).
+//!
+//! Each object is migrated by the state machine of [`plan`]: its steps are derived from what is
+//! observed, so a run that was interrupted anywhere is finished by running again, and a run
+//! with nothing left to do changes nothing. `--dry-run` prints the plan only.
+//!
+//! Crate placement: the tool reads and writes the records of two services (the allocator's
+//! PodVifs and port tags, lbaas' load balancer tags), so it sits above both, in `tools/`, using
+//! their published types and constants rather than teaching either service about Kuryr.
+
+pub mod exec;
+pub mod kuryr;
+pub mod plan;
+
+use std::path::PathBuf;
+
+use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
+use kuryr_openstack::{CloudConfig, ConfigSource, ServiceType};
+
+/// Writes one line of output (the plan, the report). A closed stdout or stderr is no reason to
+/// stop a migration half-way, so a failed write is ignored.
+pub fn report(out: &mut dyn std::io::Write, line: &str) {
+    let _ = writeln!(out, "{line}");
+}
+
+/// The command line.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "kuryr-migrate", about = "Hands Kuryr-Kubernetes' ports and load balancers to kuryr-rs.")]
+pub struct Args {
+    /// Print the plan (every object and its remaining steps) and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// The kubeconfig; else in-cluster, else $KUBECONFIG.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// The cloud of clouds.yaml (else $OS_CLOUD, else the OS_* variables).
+    #[arg(long, env = "KURYR_OS_CLOUD")]
+    pub os_cloud: Option<String>,
+
+    /// The clouds.yaml to read instead of the standard search path.
+    #[arg(long, env = "KURYR_CLOUDS_YAML")]
+    pub clouds_yaml: Option<PathBuf>,
+
+    /// Neutron's URL for a deployment without Keystone (with --octavia-url and --project-id).
+    #[arg(long, env = "KURYR_NEUTRON_URL")]
+    pub neutron_url: Option<String>,
+
+    /// Octavia's URL for a deployment without Keystone.
+    #[arg(long, env = "KURYR_OCTAVIA_URL")]
+    pub octavia_url: Option<String>,
+
+    /// The project, with --neutron-url / --octavia-url.
+    #[arg(long, env = "KURYR_PROJECT_ID")]
+    pub project_id: Option<String>,
+
+    /// The allocator's pod network (its --pod-network-id): ports elsewhere are not migrated.
+    #[arg(long, env = "KURYR_POD_NETWORK_ID")]
+    pub pod_network_id: String,
+
+    /// The allocator's pod subnets (its --pod-subnet-ids), comma-separated; every subnet of the
+    /// network when unset. VIFs are recorded exactly as the allocator would record them.
+    #[arg(long, env = "KURYR_POD_SUBNET_IDS", value_delimiter = ',')]
+    pub pod_subnet_ids: Vec<String>,
+
+    /// The allocator's --cluster-id (its port tag `kuryr.openstack.org/cluster=<id>`).
+    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
+    pub cluster_id: String,
+
+    /// The allocator's --device-owner.
+    #[arg(long, env = "KURYR_DEVICE_OWNER", default_value = "compute:kuryr")]
+    pub device_owner: String,
+
+    /// The allocator's --ovs-bridge.
+    #[arg(long, env = "KURYR_OVS_BRIDGE", default_value = "br-int")]
+    pub ovs_bridge: String,
+
+    /// lbaas' --cluster-name (its load balancer tags).
+    #[arg(long, env = "KURYR_CLUSTER_NAME", default_value = "kubernetes")]
+    pub cluster_name: String,
+
+    /// lbaas' --service-finalizer: which Services get lbaas' finalizer in place of Kuryr's
+    /// (`load-balancer`: type LoadBalancer only; `all`; `none`). Load balancers of Services
+    /// without it are still removed by lbaas should the Service go (orphans by tag).
+    #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
+    pub service_finalizer: kuryr_lbaas::controller::FinalizerPolicy,
+
+    /// Leave Kuryr's free pool ports alone (they are tagged into the allocator's pools by
+    /// default).
+    #[arg(long)]
+    pub skip_pool_ports: bool,
+
+    /// Log filter (tracing's EnvFilter syntax).
+    #[arg(long, env = "KURYR_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl Args {
+    /// The OpenStack cloud: direct endpoints with --neutron-url/--octavia-url, else clouds.yaml.
+    pub fn cloud(&self) -> anyhow::Result<CloudConfig> {
+        if self.neutron_url.is_some() || self.octavia_url.is_some() {
+            let mut overrides = std::collections::BTreeMap::new();
+            for (flag, url, service) in [
+                ("--neutron-url", &self.neutron_url, ServiceType::Network),
+                ("--octavia-url", &self.octavia_url, ServiceType::LoadBalancer),
+            ] {
+                if let Some(u) = url {
+                    overrides.insert(service, u.parse().map_err(|e| anyhow::anyhow!("{flag} {u:?}: {e}"))?);
+                }
+            }
+            return Ok(CloudConfig {
+                origin: "--neutron-url/--octavia-url".into(),
+                auth: AuthConfig::NoAuth { project_id: self.project_id.clone() },
+                region_name: None,
+                interface: Interface::default(),
+                tls: TlsConfig::default(),
+                endpoint_overrides: overrides,
+            });
+        }
+        let mut source = ConfigSource::from_process(self.os_cloud.clone());
+        if let Some(path) = &self.clouds_yaml {
+            anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
+            source.clouds_files = Some(vec![path.clone()]);
+        }
+        CloudConfig::load(&source)
+            .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))
+    }
+}

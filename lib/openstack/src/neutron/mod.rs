@@ -143,6 +143,12 @@ impl Neutron {
         if tag.is_empty() {
             return Err(Error::InvalidRequest("empty tag".into()));
         }
+        // Neutron decodes the path before routing, so an encoded `/` still splits it: 404.
+        if tag.contains('/') {
+            return Err(Error::InvalidRequest(format!(
+                "tag {tag:?} holds a '/', which Neutron's one-tag calls cannot take; use set_tags"
+            )));
+        }
         Ok(format!("/{}/{}/tags/{}", resource.collection(), require_id(resource.singular(), id)?, path_segment(tag)))
     }
 

@@ -132,7 +132,10 @@ async fn tags_routers_and_floating_ips() {
     .await;
     let tags = n.set_tags(TaggedResource::Port, "p1", &["a".into(), "b".into()]).await.unwrap();
     assert_eq!(tags, ["a", "b"]);
-    n.add_tag(TaggedResource::Network, "n1", "kuryr.openstack.org/ns=x").await.unwrap();
+    n.add_tag(TaggedResource::Network, "n1", "kuryr-ns=x y").await.unwrap();
+    // Neutron routes on the decoded path: a `/` in a one-tag call is refused before sending.
+    let e = n.add_tag(TaggedResource::Network, "n1", "kuryr.openstack.org/ns=x").await.unwrap_err();
+    assert!(e.to_string().contains("use set_tags"), "{e}");
     assert!(n.remove_tag(TaggedResource::SecurityGroup, "sg", "t").await.unwrap());
     let info = n.add_router_interface("r1", &RouterInterface::SubnetId("s1".into())).await.unwrap();
     assert_eq!(info.port_id, "rp");
@@ -142,7 +145,7 @@ async fn tags_routers_and_floating_ips() {
 
     let reqs = server.requests();
     assert_eq!(reqs[0].json(), json!({"tags": ["a", "b"]}));
-    assert_eq!(reqs[1].path, "/v2.0/networks/n1/tags/kuryr.openstack.org%2Fns%3Dx");
+    assert_eq!(reqs[1].path, "/v2.0/networks/n1/tags/kuryr-ns%3Dx%20y");
     assert_eq!(reqs[2].path, "/v2.0/security-groups/sg/tags/t");
     assert_eq!(reqs[3].json(), json!({"subnet_id": "s1"}));
     assert_eq!(reqs[4].json(), json!({"floatingip": {"port_id": null}}));

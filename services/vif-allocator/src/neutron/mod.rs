@@ -430,8 +430,12 @@ impl NeutronBackend {
                 self.delete_port(&extra.id, "duplicate").await?;
             }
             if !existing.tags.contains(&self.tag) {
+                // The whole list in one request: the cluster tag holds a `/`, which Neutron's
+                // one-tag call (the tag in the URL path) cannot take.
+                let mut tags = existing.tags.clone();
+                tags.push(self.tag.clone());
                 self.neutron
-                    .add_tag(kuryr_openstack::neutron::TaggedResource::Port, &existing.id, &self.tag)
+                    .set_tags(kuryr_openstack::neutron::TaggedResource::Port, &existing.id, &tags)
                     .await
                     .map_err(neutron_err(format!("tagging port {}", existing.id)))?;
             }

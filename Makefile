@@ -20,7 +20,7 @@ all: build
 setup:
 	bash tests/env/setup.sh
 	bash tests/env/tools.sh
-	bash tests/env/openstack/setup.sh
+	bash tests/env/openstack/setup.sh keystone neutron octavia kuryr
 
 ## tools: build only the Go test tools (cached; fast when warm)
 tools:
@@ -105,7 +105,7 @@ bench-neutron: tools openstack
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack
 openstack:
-	bash tests/env/openstack/setup.sh
+	bash tests/env/openstack/setup.sh keystone neutron octavia kuryr
 
 .PHONY: bench-kubelet
 

@@ -180,7 +180,18 @@ impl NeutronCluster {
     /// `namespaces`, the CRDs, the watcher's and allocator's RBAC and credentials, and the Node
     /// of the Neutron agent's host.
     pub async fn start(namespaces: &[&str]) -> Result<Self> {
-        let (os, kube) = tokio::join!(OpenStackEnv::start(&[Service::Keystone, Service::Neutron]), KubeEnv::start());
+        Self::start_with_env(namespaces, &[]).await
+    }
+
+    /// [`NeutronCluster::start`] with the agent enforcing security groups: the `openvswitch`
+    /// firewall driver (OpenFlow and conntrack on the userspace datapath) instead of `noop`.
+    pub async fn start_with_firewall(namespaces: &[&str]) -> Result<Self> {
+        Self::start_with_env(namespaces, &[("NEUTRON_FIREWALL_DRIVER", "openvswitch")]).await
+    }
+
+    async fn start_with_env(namespaces: &[&str], vars: &[(&str, &str)]) -> Result<Self> {
+        let (os, kube) =
+            tokio::join!(OpenStackEnv::start_with_env(&[Service::Keystone, Service::Neutron], vars), KubeEnv::start());
         let (os, kube) = (os?, kube?);
         let admin = kube.client().await?;
         let pp = PostParams::default();
@@ -239,6 +250,30 @@ impl NeutronCluster {
     pub fn watcher(&self) -> Result<Svc> {
         let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
         spawn("kuryr-watcher", args, self.dir.path())
+    }
+
+    /// Starts kuryr-policy `--backend neutron` under its service account (its RBAC applied
+    /// here), as the `kuryr` user from clouds.yaml, with `extra` flags.
+    pub async fn policy(&self, watcher: &Svc, extra: &[String]) -> Result<Svc> {
+        self.kube.apply_file(&repo_root().join("deploy/rbac/policy.yaml")).await?;
+        let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, crate::cluster::POLICY_ACCOUNT).await?;
+        let mut args: Vec<String> = [
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "neutron",
+            "--clouds-yaml",
+            &self.os.clouds_yaml().display().to_string(),
+            "--os-cloud",
+            "kuryr",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        args.extend(extra.iter().cloned());
+        spawn("kuryr-policy", args, self.dir.path())
     }
 
     /// Starts kuryr-vif-allocator `--backend neutron` on the pod network (both subnets),

@@ -285,17 +285,24 @@ impl Neutron {
 
     // ---- security groups ----
 
-    /// Creates a security group (with the rules Neutron adds to every new group). Tags go with
-    /// the creation; if Neutron dropped them (no `tag-creation` extension), one more call sets
-    /// them.
+    /// Creates a security group (with the rules Neutron adds to every new group), then sets its
+    /// tags: Neutron refuses them in the creation ("Attribute 'tags' not allowed in POST").
     pub async fn create_security_group(&self, mut group: SecurityGroupCreate) -> Result<SecurityGroup, Error> {
         fill_project(&mut group.project_id, &self.client);
+        let tags = group.tags.take().unwrap_or_default();
         let mut created: SecurityGroup =
             self.create("security_groups.create", "/security-groups", "security_group", &group).await?;
-        if let Some(tags) = group.tags.as_ref().filter(|t| !t.is_empty())
-            && !tags.iter().all(|t| created.tags.contains(t))
-        {
-            created.tags = self.set_tags(TaggedResource::SecurityGroup, &created.id, tags).await?;
+        if !tags.is_empty() {
+            match self.set_tags(TaggedResource::SecurityGroup, &created.id, &tags).await {
+                Ok(t) => created.tags = t,
+                Err(e) => {
+                    // An untagged group would never be found again by its owner: remove it.
+                    if let Err(d) = self.delete_security_group(&created.id).await {
+                        tracing::warn!(group = %created.id, error = %d, "untagged security group left behind");
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(created)
     }

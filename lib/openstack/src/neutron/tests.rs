@@ -191,7 +191,11 @@ async fn tags_dropped_at_creation_are_set_afterwards() {
 #[tokio::test]
 async fn security_groups_are_tagged_and_rules_created_in_one_bulk_call() {
     let (server, n) = neutron(|r, _| match (r.method.as_str(), r.path.as_str()) {
-        // No `tag-creation` extension: the tags are dropped, and set with one more call.
+        // Tags are refused in the creation: set with one more call.
+        ("POST", "/v2.0/security-groups") if r.json()["security_group"].get("tags").is_some() => Reply::json(
+            400,
+            json!({"NeutronError": {"type": "HTTPBadRequest", "message": "Attribute 'tags' not allowed in POST"}}),
+        ),
         ("POST", "/v2.0/security-groups") => Reply::json(
             201,
             json!({"security_group": {"id": "sg-1", "name": "np", "tags": [],
@@ -251,10 +255,7 @@ async fn security_groups_are_tagged_and_rules_created_in_one_bulk_call() {
 
     let reqs = server.requests();
     assert_eq!(reqs.len(), 5, "the empty bulk sends nothing");
-    assert_eq!(
-        reqs[0].json(),
-        json!({"security_group": {"name": "np", "description": "d", "project_id": "proj", "tags": ["kuryr"]}})
-    );
+    assert_eq!(reqs[0].json(), json!({"security_group": {"name": "np", "description": "d", "project_id": "proj"}}));
     assert_eq!(
         reqs[2].json(),
         json!({"security_group_rules": [

@@ -408,8 +408,7 @@ pub struct SecurityGroupCreate {
     pub description: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub project_id: Option<String>,
-    /// Sent with the creation (Neutron's `tag-creation` extension applies them in the same
-    /// call); without that extension the client sets them right after.
+    /// Set right after the creation (Neutron refuses tags in the creation of a group).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tags: Option<Vec<String>>,
 }

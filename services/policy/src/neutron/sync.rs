@@ -1,8 +1,8 @@
 //! The reconciler: converges Neutron to the latest [`Desired`] state with the fewest calls.
 //!
 //! It keeps what it knows Neutron holds (owned groups with their rules, the pods' ports' groups)
-//! and, per pass, sends only the differences: a missing group is created (its tags in the same
-//! call), a group's missing rules go in one bulk call and its stale rules are deleted one by one
+//! and, per pass, sends only the differences: a missing group is created (and tagged: Neutron
+//! takes no tags in the creation), a group's missing rules go in one bulk call and its stale rules are deleted one by one
 //! (after the new ones exist, so that traffic that stays allowed is never cut), a port is updated
 //! only when its groups change, and groups no live policy owns are deleted after the ports left
 //! them. What it knows is read from Neutron at start, after any failure (a timed-out call may

@@ -250,7 +250,7 @@ fn a_policy_on_its_own_names_its_pods_and_peers() {
     c.upsert_pod(pod("shop", "web", "n2", "10.0.2.2", &[("app", "api")]));
     let ing = c.policy_peers(&pk).unwrap().ingress.unwrap();
     assert!(ing.is_empty(), "{ing:?}");
-    assert_eq!(c.policy_keys(), [pk.clone()]);
+    assert_eq!(c.policy_keys(), std::slice::from_ref(&pk));
     c.remove_policy(&pk);
     assert!(c.policy_peers(&pk).is_none());
 }

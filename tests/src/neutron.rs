@@ -471,6 +471,46 @@ impl CniPod {
     }
 }
 
+/// kuryr-policy's Neutron calls so far (`openstack_requests_total{service="network"}`) and the
+/// generations of its desired and applied Neutron state.
+pub async fn policy_counters(policy: &Svc) -> Result<(f64, i64, i64)> {
+    let text = policy.metrics().await?;
+    let calls = metric_sum(&text, "openstack_requests_total", &[r#"service="network""#]);
+    let desired = metric(&text, "kuryr_policy_neutron_desired_generation") as i64;
+    let applied = metric(&text, "kuryr_policy_neutron_applied_generation") as i64;
+    Ok((calls, desired, applied))
+}
+
+/// One change to kuryr-policy's Neutron backend, measured: Neutron calls made and time from the
+/// change to Neutron converged.
+#[derive(Clone, Debug)]
+pub struct PolicyChange {
+    pub calls: f64,
+    pub took: Duration,
+}
+
+/// Runs `change` and waits until kuryr-policy reports Neutron converged on a desired state newer
+/// than before it (`applied == desired`); returns the calls made meanwhile.
+pub async fn measure_policy_change<F: std::future::Future<Output = Result<()>>>(
+    policy: &Svc,
+    timeout: Duration,
+    change: F,
+) -> Result<PolicyChange> {
+    let (before, gen_before, _) = policy_counters(policy).await?;
+    let t = std::time::Instant::now();
+    change.await?;
+    wait_until("Neutron converged", timeout, || async {
+        let (_, desired, applied) = policy_counters(policy).await?;
+        anyhow::ensure!(desired > gen_before && applied == desired, "desired {desired}, applied {applied}");
+        Ok(())
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", policy.proc.logs()))?;
+    let took = t.elapsed();
+    let (after, _, _) = policy_counters(policy).await?;
+    Ok(PolicyChange { calls: after - before, took })
+}
+
 /// The value of one sample (`name{labels}` exactly as exposed); 0 when absent.
 pub fn metric(text: &str, sample: &str) -> f64 {
     text.lines()

@@ -28,7 +28,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -39,7 +39,7 @@ use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{GetVifRequest, Vif};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric, metric_sum};
+use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, measure_policy_change};
 use kuryr_tests::services::wait_until;
 use serde_json::json;
 
@@ -191,16 +191,7 @@ async fn dropped(from: &TestPod, to: &str) {
     .unwrap();
 }
 
-/// kuryr-policy's Neutron calls so far, and its desired and applied generations.
-async fn counters(policy: &Svc) -> (f64, i64, i64) {
-    let text = policy.metrics().await.unwrap();
-    let calls = metric_sum(&text, "openstack_requests_total", &[r#"service="network""#]);
-    let desired = metric(&text, "kuryr_policy_neutron_desired_generation") as i64;
-    let applied = metric(&text, "kuryr_policy_neutron_applied_generation") as i64;
-    (calls, desired, applied)
-}
-
-/// One measured change: Neutron calls and time from the change to Neutron converged.
+/// One measured change, with Kuryr's count estimated for it.
 struct Measured {
     what: &'static str,
     calls: f64,
@@ -208,22 +199,14 @@ struct Measured {
     kuryr: usize,
 }
 
-/// Runs `change`, waits for kuryr-policy to report Neutron converged on a newer desired state,
-/// and returns the calls it made meanwhile.
 async fn measure<F: Future<Output = ()>>(policy: &Svc, what: &'static str, kuryr: usize, change: F) -> Measured {
-    let (before, gen_before, _) = counters(policy).await;
-    let t = Instant::now();
-    change.await;
-    wait_until(&format!("Neutron converged after: {what}"), SLOW, || async {
-        let (_, desired, applied) = counters(policy).await;
-        anyhow::ensure!(desired > gen_before && applied == desired, "desired {desired}, applied {applied}");
+    let m = measure_policy_change(policy, SLOW, async {
+        change.await;
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", policy.proc.logs()));
-    let took = t.elapsed();
-    let (after, _, _) = counters(policy).await;
-    Measured { what, calls: after - before, took, kuryr }
+    .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    Measured { what, calls: m.calls, took: m.took, kuryr }
 }
 
 #[tokio::test]

@@ -102,6 +102,16 @@ bench-neutron: tools openstack
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/neutron-bench
 
+## bench-netpol-neutron: kuryr-policy --backend neutron against a real Neutron (ML2/OVS agent with the
+## openvswitch firewall driver), optimised: Neutron calls and time to converge per policy change (new,
+## edited, pod relabelled, deleted) beside Kuryr's estimated count (BENCH_NP_TARGETS, BENCH_NP_CLIENTS,
+## BENCH_NP_ROUNDS)
+.PHONY: bench-netpol-neutron
+bench-netpol-neutron: tools openstack
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-policy -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-policy --bin netpol-neutron-bench
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-policy target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/netpol-neutron-bench
+
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack
 openstack:

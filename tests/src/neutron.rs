@@ -180,7 +180,18 @@ impl NeutronCluster {
     /// `namespaces`, the CRDs, the watcher's and allocator's RBAC and credentials, and the Node
     /// of the Neutron agent's host.
     pub async fn start(namespaces: &[&str]) -> Result<Self> {
-        let (os, kube) = tokio::join!(OpenStackEnv::start(&[Service::Keystone, Service::Neutron]), KubeEnv::start());
+        Self::start_with_env(namespaces, &[]).await
+    }
+
+    /// [`NeutronCluster::start`] with the agent enforcing security groups: the `openvswitch`
+    /// firewall driver (OpenFlow and conntrack on the userspace datapath) instead of `noop`.
+    pub async fn start_with_firewall(namespaces: &[&str]) -> Result<Self> {
+        Self::start_with_env(namespaces, &[("NEUTRON_FIREWALL_DRIVER", "openvswitch")]).await
+    }
+
+    async fn start_with_env(namespaces: &[&str], vars: &[(&str, &str)]) -> Result<Self> {
+        let (os, kube) =
+            tokio::join!(OpenStackEnv::start_with_env(&[Service::Keystone, Service::Neutron], vars), KubeEnv::start());
         let (os, kube) = (os?, kube?);
         let admin = kube.client().await?;
         let pp = PostParams::default();
@@ -239,6 +250,30 @@ impl NeutronCluster {
     pub fn watcher(&self) -> Result<Svc> {
         let args = vec!["--kubeconfig".into(), self.watcher_kubeconfig.display().to_string()];
         spawn("kuryr-watcher", args, self.dir.path())
+    }
+
+    /// Starts kuryr-policy `--backend neutron` under its service account (its RBAC applied
+    /// here), as the `kuryr` user from clouds.yaml, with `extra` flags.
+    pub async fn policy(&self, watcher: &Svc, extra: &[String]) -> Result<Svc> {
+        self.kube.apply_file(&repo_root().join("deploy/rbac/policy.yaml")).await?;
+        let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, crate::cluster::POLICY_ACCOUNT).await?;
+        let mut args: Vec<String> = [
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+            "--watcher",
+            &watcher.addr,
+            "--backend",
+            "neutron",
+            "--clouds-yaml",
+            &self.os.clouds_yaml().display().to_string(),
+            "--os-cloud",
+            "kuryr",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        args.extend(extra.iter().cloned());
+        spawn("kuryr-policy", args, self.dir.path())
     }
 
     /// Starts kuryr-vif-allocator `--backend neutron` on the pod network (both subnets),
@@ -434,6 +469,46 @@ impl CniPod {
         }
         run_shim(&env, conf.to_string().as_bytes())
     }
+}
+
+/// kuryr-policy's Neutron calls so far (`openstack_requests_total{service="network"}`) and the
+/// generations of its desired and applied Neutron state.
+pub async fn policy_counters(policy: &Svc) -> Result<(f64, i64, i64)> {
+    let text = policy.metrics().await?;
+    let calls = metric_sum(&text, "openstack_requests_total", &[r#"service="network""#]);
+    let desired = metric(&text, "kuryr_policy_neutron_desired_generation") as i64;
+    let applied = metric(&text, "kuryr_policy_neutron_applied_generation") as i64;
+    Ok((calls, desired, applied))
+}
+
+/// One change to kuryr-policy's Neutron backend, measured: Neutron calls made and time from the
+/// change to Neutron converged.
+#[derive(Clone, Debug)]
+pub struct PolicyChange {
+    pub calls: f64,
+    pub took: Duration,
+}
+
+/// Runs `change` and waits until kuryr-policy reports Neutron converged on a desired state newer
+/// than before it (`applied == desired`); returns the calls made meanwhile.
+pub async fn measure_policy_change<F: std::future::Future<Output = Result<()>>>(
+    policy: &Svc,
+    timeout: Duration,
+    change: F,
+) -> Result<PolicyChange> {
+    let (before, gen_before, _) = policy_counters(policy).await?;
+    let t = std::time::Instant::now();
+    change.await?;
+    wait_until("Neutron converged", timeout, || async {
+        let (_, desired, applied) = policy_counters(policy).await?;
+        anyhow::ensure!(desired > gen_before && applied == desired, "desired {desired}, applied {applied}");
+        Ok(())
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", policy.proc.logs()))?;
+    let took = t.elapsed();
+    let (after, _, _) = policy_counters(policy).await?;
+    Ok(PolicyChange { calls: after - before, took })
 }
 
 /// The value of one sample (`name{labels}` exactly as exposed); 0 when absent.

@@ -135,6 +135,12 @@ impl OpenStackEnv {
     /// answers. A watchdog tied to this process stops them even if the test binary dies without
     /// running `Drop`.
     pub async fn start(services: &[Service]) -> Result<OpenStackEnv> {
+        Self::start_with_env(services, &[]).await
+    }
+
+    /// [`OpenStackEnv::start`] with more environment for `up.sh` (e.g.
+    /// `NEUTRON_FIREWALL_DRIVER=openvswitch`: the agent enforces security groups).
+    pub async fn start_with_env(services: &[Service], vars: &[(&str, &str)]) -> Result<OpenStackEnv> {
         if services.is_empty() {
             bail!("OpenStackEnv::start: no service given");
         }
@@ -151,6 +157,7 @@ impl OpenStackEnv {
             .arg(&env.state_dir)
             .args(services.iter().map(|s| s.name()))
             .env("OS_UP_OWNER_PID", std::process::id().to_string())
+            .envs(vars.iter().copied())
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         let out = tokio::time::timeout(UP_TIMEOUT, cmd.output())

@@ -552,6 +552,57 @@ impl Compiler {
     }
 }
 
+/// One policy on its own, for dataplanes that enforce each policy separately and let the union
+/// happen there (Neutron security groups: a port with several groups allows what any allows).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyPeers {
+    /// What the policy lets into the pods it selects; `None` when it does not isolate ingress.
+    /// Named ports resolve against every selected pod at once (the union of their numbers).
+    pub ingress: Option<Allowed>,
+    /// What the policy lets the pods it selects reach; `None` when it does not isolate egress.
+    pub egress: Option<Allowed>,
+    /// The pods it selects: scheduled, with addresses of their own.
+    pub pods: BTreeSet<PodKey>,
+}
+
+impl Compiler {
+    /// Every policy.
+    pub fn policy_keys(&self) -> Vec<PolicyKey> {
+        let mut keys: Vec<PolicyKey> = self.policies.keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
+    /// Policy `key` on its own ([`PolicyPeers`]); `None` for an unknown policy. Computed on
+    /// each call from the selectors' members (no cache: callers ask after changes only).
+    pub fn policy_peers(&self, key: &PolicyKey) -> Option<PolicyPeers> {
+        let c = self.policies.get(key)?;
+        let pods: BTreeSet<PodKey> = self
+            .pods_by_ns
+            .get(&key.namespace)
+            .into_iter()
+            .flatten()
+            .filter(|k| {
+                let p = &self.pods[*k].pod;
+                !p.node.is_empty() && p.has_own_addresses() && c.spec.pod_selector.matches(&p.labels)
+            })
+            .cloned()
+            .collect();
+        let names = c.ingress_port_names();
+        let mut bindings = Bindings::new();
+        for k in &pods {
+            for (name, found) in compile::bindings(&self.pods[k].pod, &names) {
+                bindings.entry(name).or_default().extend(found);
+            }
+        }
+        let view = View(self);
+        let ingress = c.rules(PolicyType::Ingress).map(|r| compile::allowed(PolicyType::Ingress, r, &bindings, &view));
+        let egress =
+            c.rules(PolicyType::Egress).map(|r| compile::allowed(PolicyType::Egress, r, &Bindings::new(), &view));
+        Some(PolicyPeers { ingress, egress, pods })
+    }
+}
+
 /// The compiler's pods, as group contents see them.
 struct View<'a>(&'a Compiler);
 

@@ -235,3 +235,22 @@ fn a_pod_moving_node_is_counted_on_the_new_one() {
     c.remove_pod(&key("shop", "db-2"));
     assert_eq!(c.stats().groups, 0, "member counts per node went back to zero");
 }
+
+#[test]
+fn a_policy_on_its_own_names_its_pods_and_peers() {
+    let mut c = world();
+    let pk = PolicyKey { namespace: "shop".into(), name: "db".into() };
+    let p = c.policy_peers(&pk).unwrap();
+    assert_eq!(p.pods, [key("shop", "db-1"), key("shop", "db-2")].into());
+    assert!(p.egress.is_none(), "an ingress policy");
+    let ing = p.ingress.unwrap();
+    assert!(ing.allows(&ip("10.0.2.2"), Traffic::Port(Protocol::Tcp, 5432)));
+    assert!(!ing.allows(&ip("10.0.3.1"), Traffic::Port(Protocol::Tcp, 5432)));
+    // web's label changes: it is no peer any more.
+    c.upsert_pod(pod("shop", "web", "n2", "10.0.2.2", &[("app", "api")]));
+    let ing = c.policy_peers(&pk).unwrap().ingress.unwrap();
+    assert!(ing.is_empty(), "{ing:?}");
+    assert_eq!(c.policy_keys(), std::slice::from_ref(&pk));
+    c.remove_policy(&pk);
+    assert!(c.policy_peers(&pk).is_none());
+}

@@ -19,6 +19,9 @@
 //! bound to a node reads that node's policy only. kuryr-policy authenticates to the watcher with
 //! its own token (`--auth-token-file`).
 //!
+//! **Neutron** (`--backend neutron`): besides the stream, NetworkPolicies are enforced by
+//! Neutron security groups on the pods' ports, one group per policy ([`neutron`]).
+//!
 //! Readiness: NOT_SERVING until the watcher's first snapshot is compiled, and while its stream
 //! is down or silent for longer than `--stream-idle-timeout` (the state already streamed stays
 //! in force on the nodes). One replica serves every node; lease sharding (as the allocator and
@@ -28,6 +31,7 @@ pub mod convert;
 pub mod follow;
 pub mod grpc;
 pub mod metrics;
+pub mod neutron;
 pub mod publish;
 
 use std::path::PathBuf;
@@ -87,6 +91,15 @@ pub struct Config {
     #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
     pub binder_accounts: Vec<AccountRef>,
 
+    /// Where policies are enforced besides the binders' nftables: `embedded` (only there) or
+    /// `neutron` (also Neutron security groups on the pods' ports; see the --os-cloud,
+    /// --cluster-id and --neutron-* flags).
+    #[arg(long, env = "KURYR_POLICY_BACKEND", value_enum, default_value_t = BackendKind::Embedded)]
+    pub backend: BackendKind,
+
+    #[command(flatten)]
+    pub neutron: neutron::NeutronArgs,
+
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
 
@@ -95,6 +108,15 @@ pub struct Config {
 
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// Where policies are enforced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The binders' nftables, from the WatchPolicies stream.
+    Embedded,
+    /// Neutron security groups too.
+    Neutron,
 }
 
 /// Who may call what: every Policies method, the binders.
@@ -121,9 +143,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
+    let mut publisher = Publisher::new(log.clone(), metrics.clone());
+    if config.backend == BackendKind::Neutron {
+        publisher = publisher.with_neutron(neutron::start(&config, &mut rt).await?);
+    }
     let follower = follow::Follower {
         channel: watcher,
-        publisher: Publisher::new(log.clone(), metrics.clone()),
+        publisher,
         readiness,
         metrics: metrics.clone(),
         subscriber: format!("kuryr-policy/{}", config.instance_name()),

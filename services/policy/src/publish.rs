@@ -22,8 +22,11 @@ use kuryr_proto::watcher::v1::{EventType, Kind, SubscribeResponse};
 use kuryr_stream::SharedLog;
 use kuryr_stream::log::lock;
 
+use tokio::sync::watch;
+
 use crate::convert;
 use crate::metrics::Metrics;
+use crate::neutron::sync::DesiredState;
 
 /// An item of one node's state.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -81,6 +84,8 @@ pub struct Publisher {
     snapshot: Option<HashSet<ObjKey>>,
     /// Policies the compiler reported problems with, for the log (once per change).
     invalid: BTreeMap<PolicyKey, Vec<String>>,
+    /// With `--backend neutron`: where the desired Neutron state goes.
+    neutron: Option<watch::Sender<DesiredState>>,
 }
 
 impl Publisher {
@@ -96,7 +101,28 @@ impl Publisher {
             owners: HashMap::new(),
             snapshot: Some(HashSet::new()),
             invalid: BTreeMap::new(),
+            neutron: None,
         }
+    }
+
+    /// Also hands the desired Neutron security-group state to `tx` after every change.
+    pub fn with_neutron(mut self, tx: watch::Sender<DesiredState>) -> Self {
+        self.neutron = Some(tx);
+        self
+    }
+
+    /// Computes the desired Neutron state and hands it over if it changed.
+    fn publish_neutron(&self) {
+        let Some(tx) = &self.neutron else { return };
+        let desired = crate::neutron::desired(&self.compiler);
+        tx.send_if_modified(|cur| match cur {
+            Some((_, d)) if **d == desired => false,
+            _ => {
+                let generation = cur.as_ref().map_or(1, |(g, _)| g + 1);
+                *cur = Some((generation, Arc::new(desired)));
+                true
+            }
+        });
     }
 
     /// Applies one event of the watcher's stream.
@@ -113,6 +139,7 @@ impl Publisher {
                         self.remove(kind, &ns, &name);
                     }
                     self.publish();
+                    self.publish_neutron();
                     let mut log = lock(&self.log);
                     if !log.is_ready() {
                         log.set_ready();
@@ -131,8 +158,8 @@ impl Publisher {
                 } else {
                     self.remove(o.kind, &o.namespace, &o.name);
                 }
-                if self.snapshot.is_none() {
-                    self.publish();
+                if self.snapshot.is_none() && (self.publish() || o.kind() == Kind::NetworkPolicy) {
+                    self.publish_neutron();
                 }
                 Effect::None
             }
@@ -212,12 +239,12 @@ impl Publisher {
         self.pod_ips.insert(key, ips);
     }
 
-    /// Writes the state of every node the compiler says changed.
-    fn publish(&mut self) {
+    /// Writes the state of every node the compiler says changed; whether any did.
+    fn publish(&mut self) -> bool {
         let started = Instant::now();
         let nodes = self.compiler.take_changed_nodes();
         if nodes.is_empty() {
-            return;
+            return false;
         }
         let mut changes = 0;
         for node in nodes {
@@ -230,6 +257,7 @@ impl Publisher {
         }
         let stats = self.compiler.stats();
         self.metrics.observe_publish(started.elapsed(), changes, stats, lock(&self.log).len());
+        true
     }
 
     /// A node's entries.

@@ -4,6 +4,10 @@
 # agent. The agent reaches RabbitMQ, which listens on the host's loopback, through a socat pair
 # joined by a unix socket (a network namespace has a loopback of its own).
 #
+# The agent's firewall is `noop` (security groups are API state only) unless
+# NEUTRON_FIREWALL_DRIVER says otherwise: `openvswitch` enforces them with OpenFlow and conntrack
+# on the userspace datapath (what kuryr-policy's Neutron security-group suite asks for).
+#
 # Uses from up.sh: STATE LOGS TRANSPORT_URL RABBIT_AMQP_PORT AGENT_HOST POD_NET_V4 POD_NET_V6,
 # start/wait_ready/fail/envline/took/create_db/migrate/uwsgi_ini.
 
@@ -82,7 +86,7 @@ vni_ranges = 1:1000
 [ml2_type_flat]
 flat_networks = *
 [securitygroup]
-firewall_driver = noop
+firewall_driver = ${NEUTRON_FIREWALL_DRIVER:-noop}
 EOF
     cat >"$n/openvswitch_agent.ini" <<EOF
 [DEFAULT]
@@ -98,7 +102,7 @@ local_ip = 127.0.0.1
 tunnel_types = vxlan
 root_helper = $n/root-helper
 [securitygroup]
-firewall_driver = noop
+firewall_driver = ${NEUTRON_FIREWALL_DRIVER:-noop}
 EOF
     files=(--config-file "$n/neutron.conf" --config-file "$n/ml2_conf.ini")
     migrate neutron neutron "$venv/bin/neutron-db-manage" "${files[@]}" upgrade heads

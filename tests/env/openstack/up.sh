@@ -47,6 +47,8 @@
 #                       that process is gone
 #   NEUTRON_AGENT_HOST  the agent's host name, i.e. the `binding:host_id` ports bind to
 #   NEUTRON_API_PROCESSES  uWSGI processes of the Neutron API (default 2)
+#   NEUTRON_FIREWALL_DRIVER  the agent's `[securitygroup] firewall_driver` (default noop;
+#                       `openvswitch` enforces security groups)
 set -euo pipefail
 SCRIPT=openstack/up.sh
 # shellcheck source=common.sh

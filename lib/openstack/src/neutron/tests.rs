@@ -190,3 +190,81 @@ async fn tags_dropped_at_creation_are_set_afterwards() {
     n.create_port(PortCreate { network_id: "n".into(), ..Default::default() }).await.unwrap();
     assert_eq!(server.count("PUT", "/ports/p1/tags"), 1, "nothing asked, nothing set");
 }
+
+#[tokio::test]
+async fn security_groups_are_tagged_and_rules_created_in_one_bulk_call() {
+    let (server, n) = neutron(|r, _| match (r.method.as_str(), r.path.as_str()) {
+        // Tags are refused in the creation: set with one more call.
+        ("POST", "/v2.0/security-groups") if r.json()["security_group"].get("tags").is_some() => Reply::json(
+            400,
+            json!({"NeutronError": {"type": "HTTPBadRequest", "message": "Attribute 'tags' not allowed in POST"}}),
+        ),
+        ("POST", "/v2.0/security-groups") => Reply::json(
+            201,
+            json!({"security_group": {"id": "sg-1", "name": "np", "tags": [],
+                   "security_group_rules": [{"id": "r0", "security_group_id": "sg-1", "direction": "egress",
+                                             "ethertype": "IPv4", "protocol": null, "remote_ip_prefix": null}]}}),
+        ),
+        ("PUT", "/v2.0/security-groups/sg-1/tags") => Reply::json(200, json!({"tags": ["kuryr"]})),
+        ("POST", "/v2.0/security-group-rules") => {
+            let asked = r.json()["security_group_rules"].as_array().unwrap().clone();
+            let out: Vec<_> = asked
+                .iter()
+                .enumerate()
+                .map(|(i, a)| {
+                    let mut a = a.clone();
+                    a["id"] = json!(format!("r{}", i + 1));
+                    a
+                })
+                .collect();
+            Reply::json(201, json!({"security_group_rules": out}))
+        }
+        ("DELETE", "/v2.0/security-group-rules/r0") => Reply::empty(204),
+        ("DELETE", "/v2.0/security-groups/sg-1") => {
+            Reply::json(409, json!({"NeutronError": {"type": "SecurityGroupInUse", "message": "in use"}}))
+        }
+        _ => Reply::empty(500),
+    })
+    .await;
+    let g = n
+        .create_security_group(SecurityGroupCreate {
+            name: "np".into(),
+            description: Some("d".into()),
+            tags: Some(vec!["kuryr".into()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(g.tags, ["kuryr"]);
+    assert_eq!(g.security_group_rules[0].protocol, None, "null is any protocol");
+    let rule = |prefix: &str, port: Option<u16>| SecurityGroupRuleCreate {
+        security_group_id: "sg-1".into(),
+        direction: "ingress".into(),
+        ethertype: "IPv4".into(),
+        protocol: port.map(|_| "tcp".into()),
+        port_range_min: port,
+        port_range_max: port,
+        remote_ip_prefix: Some(prefix.into()),
+        ..Default::default()
+    };
+    let created =
+        n.create_security_group_rules(vec![rule("10.0.0.1/32", Some(80)), rule("10.0.0.0/24", None)]).await.unwrap();
+    assert_eq!(created.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["r1", "r2"]);
+    assert_eq!(created[0].port_range_min, Some(80));
+    assert!(n.create_security_group_rules(vec![]).await.unwrap().is_empty());
+    assert!(n.delete_security_group_rule("r0").await.unwrap());
+    let busy = n.delete_security_group("sg-1").await.unwrap_err();
+    assert!(busy.is_conflict(), "{busy}");
+
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 5, "the empty bulk sends nothing");
+    assert_eq!(reqs[0].json(), json!({"security_group": {"name": "np", "description": "d", "project_id": "proj"}}));
+    assert_eq!(
+        reqs[2].json(),
+        json!({"security_group_rules": [
+            {"security_group_id": "sg-1", "direction": "ingress", "ethertype": "IPv4", "protocol": "tcp",
+             "port_range_min": 80, "port_range_max": 80, "remote_ip_prefix": "10.0.0.1/32", "project_id": "proj"},
+            {"security_group_id": "sg-1", "direction": "ingress", "ethertype": "IPv4",
+             "remote_ip_prefix": "10.0.0.0/24", "project_id": "proj"}]})
+    );
+}

@@ -379,3 +379,84 @@ pub struct FloatingIpAssociation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fixed_ip_address: Option<String>,
 }
+
+/// A security group.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct SecurityGroup {
+    pub id: String,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub project_id: Option<String>,
+    #[serde(default)]
+    pub security_group_rules: Vec<SecurityGroupRule>,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub revision_number: Option<u64>,
+}
+
+/// The body of a security group creation. Neutron adds its default rules to a new group (today:
+/// allow all egress, IPv4 and IPv6); callers that want none delete them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SecurityGroupCreate {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
+    /// Set right after the creation (Neutron refuses tags in the creation of a group).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tags: Option<Vec<String>>,
+}
+
+/// A security group rule as Neutron shows it. `None` fields mean "any": every protocol, every
+/// port, every remote address.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct SecurityGroupRule {
+    pub id: String,
+    pub security_group_id: String,
+    /// `ingress` or `egress`.
+    pub direction: String,
+    /// `IPv4` or `IPv6`.
+    pub ethertype: String,
+    /// A name (`tcp`) or a number as Neutron stored it.
+    #[serde(default)]
+    pub protocol: Option<String>,
+    #[serde(default)]
+    pub port_range_min: Option<u16>,
+    #[serde(default)]
+    pub port_range_max: Option<u16>,
+    #[serde(default)]
+    pub remote_ip_prefix: Option<String>,
+    #[serde(default)]
+    pub remote_group_id: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// The body of a security group rule creation (one element of a bulk create).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct SecurityGroupRuleCreate {
+    pub security_group_id: String,
+    /// `ingress` or `egress`.
+    pub direction: String,
+    /// `IPv4` or `IPv6`.
+    pub ethertype: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_range_min: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_range_max: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_ip_prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_group_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
+}

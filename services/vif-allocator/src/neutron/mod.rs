@@ -144,6 +144,10 @@ pub struct NeutronBackend {
     project: String,
     /// Sorted; empty: the project's default group.
     security_groups: Vec<String>,
+    /// The groups a released port is given back: `security_groups`, else the project's
+    /// default group (found at start; empty if it could not be, and then released ports keep
+    /// their groups).
+    reset_groups: Vec<String>,
     tag: String,
     device_owner: String,
     limits: Limits,
@@ -224,14 +228,27 @@ impl NeutronBackend {
         let mut security_groups = args.security_groups.clone();
         security_groups.sort();
         security_groups.dedup();
+        let reset_groups = if security_groups.is_empty() {
+            let filter = Filter::new().name("default").project_id(&project).fields(&["id"]);
+            match neutron.list_security_groups(&filter).await {
+                Ok(g) => g.into_iter().map(|g| g.id).collect(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the project's default security group was not found: released ports keep their groups");
+                    Vec::new()
+                }
+            }
+        } else {
+            security_groups.clone()
+        };
         let (ready_tx, ready) = mpsc::unbounded_channel();
         let (refill_tx, refill) = mpsc::unbounded_channel();
-        tracing::info!(project, ?security_groups, limits = ?args.limits(), "Neutron backend");
+        tracing::info!(project, ?security_groups, ?reset_groups, limits = ?args.limits(), "Neutron backend");
         let backend = NeutronBackend {
             neutron,
             networks,
             project,
             security_groups,
+            reset_groups,
             tag: args.cluster_tag(),
             device_owner: args.device_owner.clone(),
             limits: args.limits(),
@@ -899,7 +916,9 @@ impl VifBackend for NeutronBackend {
             let update = PortUpdate {
                 device_id: Some(String::new()),
                 name: Some(String::new()),
-                security_groups: (!self.security_groups.is_empty()).then(|| self.security_groups.clone()),
+                // Back to the pool's groups (kuryr-policy's Neutron backend may have changed
+                // them): the configured ones, else the project's default group.
+                security_groups: (!self.reset_groups.is_empty()).then(|| self.reset_groups.clone()),
                 ..PortUpdate::default()
             };
             match self.neutron.update_port(&port.id, &update, None).await {
@@ -1052,6 +1071,7 @@ mod event_tests {
             }),
             project: "p".into(),
             security_groups: Vec::new(),
+            reset_groups: Vec::new(),
             tag: "t".into(),
             device_owner: OWNER.into(),
             limits: Limits { min: 0, batch: 0, max: 0 },

@@ -327,8 +327,8 @@ impl CniService {
         // never both take one pod's VIF: a pod attached under another container whose sandbox
         // still exists is refused; one whose sandbox is gone is stale and cleaned up.
         let stale = match self.attachments.claim(&att, netns_alive) {
-            Ok(Ok(stale)) => stale,
-            Ok(Err(live)) => {
+            Ok(stale) => stale,
+            Err(live) => {
                 return Err(CniError::new(
                     code::INVALID_ENVIRONMENT,
                     format!(
@@ -338,7 +338,6 @@ impl CniService {
                     ),
                 ));
             }
-            Err(e) => return Err(CniError::new(code::IO, format!("cannot record the attachment: {e}"))),
         };
         let mut guard = AddGuard {
             svc: Some(self.clone()),
@@ -406,7 +405,7 @@ impl CniService {
             self.bridges_ready.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone());
             steps.mark("bridge");
         }
-        let plugged = match plug::plug(&spec, self.ovs_db.as_deref()).await {
+        let plugged = match plug::plug_timed(&spec, self.ovs_db.as_deref()).await {
             Ok((p, plug_steps)) => {
                 steps.extend(&plug_steps);
                 steps.skip();

@@ -130,7 +130,11 @@ pub fn submit(job: impl FnOnce() + Send + 'static) -> Result<(), NetnsError> {
 }
 
 fn dispatch(mut job: Job) -> Result<(), NetnsError> {
-    loop {
+    let born_in = path_ns_id(THREAD_NETNS);
+    // Kept workers live in the binder's namespace; a caller elsewhere (only tests run async code
+    // on a thread that entered another) gets a thread of its own, born in the caller's.
+    let pooled = born_in.is_some() && born_in == path_ns_id("/proc/self/ns/net");
+    while pooled {
         let idle = POOL.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
         let Some(worker) = idle else { break };
         match worker.send(job) {
@@ -139,11 +143,12 @@ fn dispatch(mut job: Job) -> Result<(), NetnsError> {
             Err(mpsc::SendError(j)) => job = j,
         }
     }
-    let keep = POOL.kept.fetch_add(1, Ordering::AcqRel) < MAX_WORKERS;
-    if !keep {
+    let keep = pooled && POOL.kept.fetch_add(1, Ordering::AcqRel) < MAX_WORKERS;
+    if pooled && !keep {
         POOL.kept.fetch_sub(1, Ordering::AcqRel);
     }
     let spawned = std::thread::Builder::new().name("kuryr-netns".to_string()).spawn(move || {
+        BORN_IN.with(|b| b.set(born_in));
         if keep {
             // Counted out however the thread ends, a panicking job included.
             let _kept = Kept;
@@ -197,13 +202,22 @@ fn worker(first: Job) {
     }
 }
 
-/// Whether the calling thread is in the binder's own network namespace (its main thread's, which
-/// never enters another).
-pub fn at_home() -> bool {
+fn path_ns_id(p: &str) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    let id = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    let here = id(THREAD_NETNS);
-    here.is_some() && here == id("/proc/self/ns/net")
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+thread_local! {
+    /// The namespace a namespace thread was started in (its home).
+    static BORN_IN: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the calling thread is at home: in the namespace it was started in, for a namespace
+/// thread; in the binder's own (its main thread's, which never enters another) for any other.
+pub fn at_home() -> bool {
+    let home = BORN_IN.with(std::cell::Cell::get).or_else(|| path_ns_id("/proc/self/ns/net"));
+    let here = path_ns_id(THREAD_NETNS);
+    here.is_some() && here == home
 }
 
 /// (device, inode) of a namespace file: how the kernel identifies a namespace.
@@ -411,6 +425,20 @@ mod tests {
             return;
         };
         check_pod_file(&file, Path::new("new")).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_worker_left_in_another_namespace_comes_home() {
+        // A job that moves its thread into a new namespace (needs CAP_SYS_ADMIN, as the binder
+        // has) and does not come back: the worker moves back before its next job.
+        let moved = on_worker(|| nix::sched::unshare(CloneFlags::CLONE_NEWNET).map(|()| at_home())).await.unwrap();
+        assert_eq!(moved, Ok(false), "unshare(CLONE_NEWNET) needs CAP_SYS_ADMIN");
+        for _ in 0..2 * MAX_WORKERS {
+            let (home, name) =
+                on_worker(|| (at_home(), std::thread::current().name().map(str::to_string))).await.unwrap();
+            assert!(home);
+            assert_eq!(name.as_deref(), Some("kuryr-netns"));
+        }
     }
 
     #[tokio::test]

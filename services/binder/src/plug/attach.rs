@@ -16,7 +16,7 @@ use super::{BindingDriver, PlugError, PlugSpec, Plugged, format_mac, ovs};
 use crate::metrics::Steps;
 
 /// Plugs one pod interface (see the module documentation of [`crate::plug`]); returns what it
-/// made and the time of each of its steps.
+/// made.
 ///
 /// Steps: create the veth pair with the pod end born inside the pod's namespace, already named
 /// `ifname` and carrying the MAC and MTU, so no other namespace ever sees it, and the host end
@@ -33,7 +33,13 @@ use crate::metrics::Steps;
 /// (tests). Release builds abort on panic (`panic = "abort"`): there the binder's next start
 /// rolls the ADD back from its attachment record, written before this runs
 /// (`crate::cni::CniService::recover`).
-pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<(Plugged, Steps), PlugError> {
+pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<Plugged, PlugError> {
+    Ok(plug_timed(spec, ovs_db).await?.0)
+}
+
+/// [`plug`], also returning the time of each step (the worker's own, and `dispatch`: handing
+/// the job to the worker and the answer back).
+pub async fn plug_timed(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<(Plugged, Steps), PlugError> {
     let mac = spec.validate()?;
     let (spec, ovs_db) = (spec.clone(), ovs_db.map(str::to_string));
     let started = Instant::now();

@@ -131,12 +131,16 @@ impl Attachments {
     /// The claim is held in memory only: nothing is made for `a` before the caller writes its
     /// record with [`Attachments::put`], so a binder that dies before that leaves nothing behind
     /// to roll back (and an ADD saves a file write).
-    pub fn claim(&self, a: &Attachment, live: impl Fn(&Attachment) -> bool) -> Result<Vec<Attachment>, Attachment> {
+    pub fn claim(
+        &self,
+        a: &Attachment,
+        live: impl Fn(&Attachment) -> bool,
+    ) -> Result<Vec<Attachment>, Box<Attachment>> {
         let mut map = self.lock();
         let others: Vec<Attachment> =
             map.values().filter(|o| o.pod_uid == a.pod_uid && o.key() != a.key()).cloned().collect();
         if let Some(l) = others.iter().find(|o| live(o)) {
-            return Err(l.clone());
+            return Err(Box::new(l.clone()));
         }
         map.insert(a.key(), a.clone());
         Ok(others)
@@ -271,7 +275,7 @@ mod tests {
         assert!(Attachments::open(dir.path()).unwrap().get("c1", "eth0").is_none());
         // Another container of the same pod: refused while the first is live ...
         let second = att("c2");
-        assert_eq!(a.claim(&second, |_| true).unwrap_err(), first);
+        assert_eq!(*a.claim(&second, |_| true).unwrap_err(), first);
         assert!(a.get("c2", "eth0").is_none());
         // ... taken, with the first handed back as stale, once it is not.
         assert_eq!(a.claim(&second, |_| false).unwrap(), vec![first.clone()]);

@@ -203,9 +203,6 @@ mod tests {
         m.observe_steps("ADD", &s);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        assert!(
-            text.contains(r#"kuryr_cni_step_duration_seconds_count{op="ADD",step="nl_veth"} 1"#),
-            "{text}"
-        );
+        assert!(text.contains(r#"kuryr_cni_step_duration_seconds_count{op="ADD",step="nl_veth"} 1"#), "{text}");
     }
 }

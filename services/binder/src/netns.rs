@@ -134,13 +134,15 @@ fn dispatch(mut job: Job) -> Result<(), NetnsError> {
     // Kept workers live in the binder's namespace; a caller elsewhere (only tests run async code
     // on a thread that entered another) gets a thread of its own, born in the caller's.
     let pooled = born_in.is_some() && born_in == path_ns_id("/proc/self/ns/net");
-    while pooled {
-        let idle = POOL.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let Some(worker) = idle else { break };
-        match worker.send(job) {
-            Ok(()) => return Ok(()),
-            // That worker is gone (it retired): try the next one.
-            Err(mpsc::SendError(j)) => job = j,
+    if pooled {
+        loop {
+            let idle = POOL.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let Some(worker) = idle else { break };
+            match worker.send(job) {
+                Ok(()) => return Ok(()),
+                // That worker is gone (it retired): try the next one.
+                Err(mpsc::SendError(j)) => job = j,
+            }
         }
     }
     let keep = pooled && POOL.kept.fetch_add(1, Ordering::AcqRel) < MAX_WORKERS;

@@ -122,8 +122,11 @@ fn shim_hops(stderr: &str) -> Option<[f64; 5]> {
     Some(out)
 }
 
+/// The binder's account of each call: container → (took_ms, [(step, ms)]).
+type BinderCalls = BTreeMap<String, (f64, Vec<(String, f64)>)>;
+
 /// The binder's per-operation log lines (`ADD done` / `DEL done`): container → (took_ms, steps).
-fn binder_lines(logs: &str, what: &str) -> BTreeMap<String, (f64, Vec<(String, f64)>)> {
+fn binder_lines(logs: &str, what: &str) -> BinderCalls {
     let field = |l: &str, name: &str| -> Option<String> {
         let v = l.split(&format!("{name}=")).nth(1)?;
         let v = v.trim_start_matches('"');
@@ -131,7 +134,8 @@ fn binder_lines(logs: &str, what: &str) -> BTreeMap<String, (f64, Vec<(String, f
     };
     let mut out = BTreeMap::new();
     for l in logs.lines().filter(|l| l.contains(what)) {
-        let (Some(container), Some(took), Some(steps)) = (field(l, "container"), field(l, "took_ms"), field(l, "steps"))
+        let (Some(container), Some(took), Some(steps)) =
+            (field(l, "container"), field(l, "took_ms"), field(l, "steps"))
         else {
             continue;
         };
@@ -181,13 +185,7 @@ impl Budget {
                 .and_then(|m| m.get(step))
                 .map(|(count, sum)| format!("{:>12.3}", sum * 1e3 / count))
                 .unwrap_or_else(|| format!("{:>12}", ""));
-            println!(
-                "  {name:<44} {:>5} {:>9.3} {:>9.3} {:>9.3} {metric}   {by}",
-                v.len(),
-                at(0.5),
-                at(0.99),
-                mean
-            );
+            println!("  {name:<44} {:>5} {:>9.3} {:>9.3} {:>9.3} {metric}   {by}", v.len(), at(0.5), at(0.99), mean);
         }
     }
 }
@@ -212,12 +210,7 @@ fn scraped_steps(before: &Scrape, after: &Scrape, op: &str) -> BTreeMap<String, 
 
 /// The budget of `op` (ADD or DEL): the exec, the shim's hops, the gRPC transport and each of the
 /// binder's steps, paired call by call.
-fn budget(
-    op: &str,
-    calls: &[(String, Exec)],
-    binder: &BTreeMap<String, (f64, Vec<(String, f64)>)>,
-    scraped: &BTreeMap<String, (f64, f64)>,
-) {
+fn budget(op: &str, calls: &[(String, Exec)], binder: &BinderCalls, scraped: &BTreeMap<String, (f64, f64)>) {
     let mut b = Budget::new();
     let (mut exec, mut runtime, mut connect, mut call, mut rest) = (vec![], vec![], vec![], vec![], vec![]);
     let (mut transport, mut binder_total) = (vec![], vec![]);

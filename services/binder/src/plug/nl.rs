@@ -147,10 +147,7 @@ impl Nl {
     /// Opens a netlink socket in the namespace open as `file` (from `path`): the thread enters it
     /// for the one call that creates the socket and comes back. Returns the connection to drive
     /// (see [`scoped`]) and the handle. Must be called inside a tokio runtime.
-    pub(crate) fn open_in(
-        file: &File,
-        path: &Path,
-    ) -> Result<(impl Future<Output = ()> + use<>, Self), PlugError> {
+    pub(crate) fn open_in(file: &File, path: &Path) -> Result<(impl Future<Output = ()> + use<>, Self), PlugError> {
         let (conn, handle, _) = crate::netns::visit(file, path, rtnetlink::new_connection)?
             .map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
         Ok((conn, Nl { handle, label: path.display().to_string() }))

@@ -31,18 +31,37 @@ enum CallError {
     Timeout(Duration),
 }
 
+/// Where one call's time went, as the shim measured it: building its runtime, connecting to the
+/// binder (socket and HTTP/2 channel), and the call itself (sending the request to the answer,
+/// the binder's work included).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Hops {
+    pub runtime: Duration,
+    pub connect: Duration,
+    pub call: Duration,
+}
+
 /// Runs `inv.command` on the binder at `conf.binder_socket` within `conf.timeout(..)`; for ADD,
-/// returns the result rendered in the configuration's `cniVersion`.
-pub fn call(conf: &NetConf, inv: &Invocation, config: &[u8], log: &Log) -> Result<Option<String>, CniError> {
+/// returns the result rendered in the configuration's `cniVersion`. `hops` gets the time of each
+/// part.
+pub fn call(
+    conf: &NetConf,
+    inv: &Invocation,
+    config: &[u8],
+    log: &Log,
+    hops: &mut Hops,
+) -> Result<Option<String>, CniError> {
+    let t = Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
         .build()
         .map_err(|e| CniError::io(format!("cannot start the I/O runtime: {e}")))?;
+    hops.runtime = t.elapsed();
     let deadline = conf.timeout(inv.command);
     let socket = conf.binder_socket.as_path();
     let answer = rt.block_on(async {
-        match tokio::time::timeout(deadline, rpc(socket, inv, config, deadline, log)).await {
+        match tokio::time::timeout(deadline, rpc(socket, inv, config, deadline, log, hops)).await {
             Ok(r) => r,
             Err(_) => Err(CallError::Timeout(deadline)),
         }
@@ -60,9 +79,11 @@ async fn rpc(
     config: &[u8],
     deadline: Duration,
     log: &Log,
+    hops: &mut Hops,
 ) -> Result<Option<kuryr_proto::binder::v1::CniResult>, CallError> {
     let started = Instant::now();
     let mut client = CniClient::new(connect(socket).await?);
+    hops.connect = started.elapsed();
     // Tell the binder how long we wait, so it can give up (and clean up) rather than finish for
     // nobody.
     let remaining = deadline.saturating_sub(started.elapsed());
@@ -96,6 +117,7 @@ async fn rpc(
         // Answered locally; never sent.
         Command::Version => None,
     };
+    hops.call = started.elapsed().saturating_sub(hops.connect);
     Ok(res)
 }
 

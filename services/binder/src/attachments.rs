@@ -123,24 +123,27 @@ impl Attachments {
         Ok(())
     }
 
-    /// Records `a` unless another attachment of the same pod (another container or interface)
-    /// is `live`; in one step under the lock, so two ADDs can never both claim one pod. Returns
-    /// the pod's other records, none of them live (stale: for the caller to remove), or the live
-    /// one that stood in the way (nothing recorded then).
+    /// Takes the pod for `a` unless another attachment of the same pod (another container or
+    /// interface) is `live`; in one step under the lock, so two ADDs can never both claim one pod.
+    /// Returns the pod's other records, none of them live (stale: for the caller to remove), or
+    /// the live one that stood in the way (nothing recorded then).
+    ///
+    /// The claim is held in memory only: nothing is made for `a` before the caller writes its
+    /// record with [`Attachments::put`], so a binder that dies before that leaves nothing behind
+    /// to roll back (and an ADD saves a file write).
     pub fn claim(
         &self,
         a: &Attachment,
         live: impl Fn(&Attachment) -> bool,
-    ) -> io::Result<Result<Vec<Attachment>, Attachment>> {
+    ) -> Result<Vec<Attachment>, Box<Attachment>> {
         let mut map = self.lock();
         let others: Vec<Attachment> =
             map.values().filter(|o| o.pod_uid == a.pod_uid && o.key() != a.key()).cloned().collect();
         if let Some(l) = others.iter().find(|o| live(o)) {
-            return Ok(Err(l.clone()));
+            return Err(Box::new(l.clone()));
         }
-        self.write(a)?;
         map.insert(a.key(), a.clone());
-        Ok(Ok(others))
+        Ok(others)
     }
 
     fn write(&self, a: &Attachment) -> io::Result<()> {
@@ -266,15 +269,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = Attachments::open(dir.path()).unwrap();
         let first = att("c1");
-        assert_eq!(a.claim(&first, |_| true).unwrap().unwrap(), vec![]);
+        assert_eq!(a.claim(&first, |_| true).unwrap(), vec![]);
+        // Held in memory: the record is written by put, before anything is plugged.
+        assert!(a.get("c1", "eth0").is_some());
+        assert!(Attachments::open(dir.path()).unwrap().get("c1", "eth0").is_none());
         // Another container of the same pod: refused while the first is live ...
         let second = att("c2");
-        assert_eq!(a.claim(&second, |_| true).unwrap().unwrap_err(), first);
+        assert_eq!(*a.claim(&second, |_| true).unwrap_err(), first);
         assert!(a.get("c2", "eth0").is_none());
         // ... taken, with the first handed back as stale, once it is not.
-        assert_eq!(a.claim(&second, |_| false).unwrap().unwrap(), vec![first.clone()]);
+        assert_eq!(a.claim(&second, |_| false).unwrap(), vec![first.clone()]);
         // The same key again is not a conflict with itself.
-        assert!(a.claim(&second, |o| o.container_id == "c2").unwrap().is_ok());
+        assert!(a.claim(&second, |o| o.container_id == "c2").is_ok());
     }
 
     #[tokio::test]

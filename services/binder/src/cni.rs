@@ -16,7 +16,7 @@ use ipnet::IpNet;
 use kuryr_cni_types::{CniError, code};
 
 use crate::attachments::{Attachment, Attachments, KeyGuard, KeyLocks, State};
-use crate::metrics::CniMetrics;
+use crate::metrics::{CniMetrics, Steps};
 use crate::netns::NetnsError;
 use crate::plug::{self, BindingDriver, PlugError, PlugSpec};
 use crate::vifs::{self, VifCache, Wait};
@@ -180,10 +180,23 @@ impl Drop for AddGuard {
 impl CniService {
     /// Unplugs an attachment and forgets it; every step tolerates what is already gone.
     async fn teardown(&self, att: &Attachment, netns: Option<PathBuf>, driver: BindingDriver, report: bool) {
+        self.teardown_timed(att, netns, driver, report, &mut Steps::start()).await;
+    }
+
+    /// [`CniService::teardown`], timing its steps into `steps`.
+    async fn teardown_timed(
+        &self,
+        att: &Attachment,
+        netns: Option<PathBuf>,
+        driver: BindingDriver,
+        report: bool,
+        steps: &mut Steps,
+    ) {
         let netns = netns.filter(|p| p.exists());
         if let Err(e) = plug::unplug(netns, &att.ifname, &att.host_ifname, &driver, self.ovs_db.as_deref()).await {
             tracing::warn!(container = att.container_id, error = %e, "unplug failed");
         }
+        steps.mark("unplug");
         if report && !att.pod_uid.is_empty() {
             let req = ReportPluggedRequest {
                 pod_uid: att.pod_uid.clone(),
@@ -201,18 +214,22 @@ impl CniService {
                 // speeds it up, so it is not worth failing (or holding up) DEL over.
                 tracing::debug!(pod_uid = att.pod_uid, code = ?e.code(), "unplugged report not delivered");
             }
+            steps.mark("report");
         }
         if let Err(e) = self.hostports.remove(&att.container_id, &att.ifname).await {
             // The record goes anyway: the next change rebuilds the host ports from the records
             // still wanted, without this one.
             tracing::warn!(container = att.container_id, error = %e, "removing host ports failed");
         }
+        steps.mark("hostports");
         if let Err(e) = self.attachments.remove(&att.container_id, &att.ifname) {
             tracing::error!(container = att.container_id, error = %e, "cannot remove the attachment record");
         }
+        steps.mark("record");
     }
 
-    async fn report_plugged(&self, att: &Attachment, deadline: Instant) -> CniResult<()> {
+    /// Reports the attachment plugged; returns the VIF as the allocator has it after the report.
+    async fn report_plugged(&self, att: &Attachment, deadline: Instant) -> CniResult<Option<Vif>> {
         let req = ReportPluggedRequest {
             pod_uid: att.pod_uid.clone(),
             vif_id: att.vif_id.clone(),
@@ -229,7 +246,7 @@ impl CniService {
             let mut client = self.allocator.client();
             let sent = tokio::time::timeout(limit, client.report_plugged(call)).await;
             match sent.unwrap_or_else(|_| Err(Status::deadline_exceeded("the allocator did not answer in time"))) {
-                Ok(_) => return Ok(()),
+                Ok(resp) => return Ok(resp.into_inner().vif),
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     return Err(CniError::new(
                         code::UNKNOWN_CONTAINER,
@@ -264,6 +281,7 @@ impl CniService {
 
     pub async fn add(&self, r: &pb::CniRequest) -> CniResult<pb::CniResult> {
         let start = Instant::now();
+        let mut steps = Steps::start();
         let container_id = required("CNI_CONTAINERID", &r.container_id)?;
         let netns = required("CNI_NETNS", &r.netns)?;
         let ifname = required("CNI_IFNAME", &r.ifname)?;
@@ -279,8 +297,10 @@ impl CniService {
         let pod = format!("{}/{}", args.pod_namespace().unwrap_or("?"), args.pod_name().unwrap_or("?"));
         // A deadline past what the clock can hold is no deadline.
         let deadline = start.checked_add(self.vif_wait).unwrap_or(start + Duration::from_secs(86_400 * 365));
+        steps.mark("checks");
 
         let key = self.locks.lock(container_id, ifname).await;
+        steps.mark("lock");
         if let Some(existing) = self.attachments.get(container_id, ifname) {
             match existing.state {
                 // The runtime retrying an ADD that succeeded: the same answer, the record untouched.
@@ -313,8 +333,8 @@ impl CniService {
         // never both take one pod's VIF: a pod attached under another container whose sandbox
         // still exists is refused; one whose sandbox is gone is stale and cleaned up.
         let stale = match self.attachments.claim(&att, netns_alive) {
-            Ok(Ok(stale)) => stale,
-            Ok(Err(live)) => {
+            Ok(stale) => stale,
+            Err(live) => {
                 return Err(CniError::new(
                     code::INVALID_ENVIRONMENT,
                     format!(
@@ -324,7 +344,6 @@ impl CniService {
                     ),
                 ));
             }
-            Err(e) => return Err(CniError::new(code::IO, format!("cannot record the attachment: {e}"))),
         };
         let mut guard = AddGuard {
             svc: Some(self.clone()),
@@ -335,12 +354,14 @@ impl CniService {
             reported: false,
             key: Some(key),
         };
+        steps.mark("claim");
         for old in stale {
             tracing::info!(container = old.container_id, pod, "removing the attachment of a sandbox that is gone");
             let _old_key = self.locks.lock(&old.container_id, &old.ifname).await;
             self.teardown(&old, None, driver_of_record(&old), true).await;
         }
 
+        steps.skip();
         let vif = match self.vifs.wait_for(&pod_uid, self.vif_wait, vifs::pluggable).await {
             Wait::Vif(v) => v,
             Wait::Gone => {
@@ -354,6 +375,7 @@ impl CniService {
             }
         };
         let vif_known = start.elapsed();
+        steps.mark("vif_lookup");
         let driver = driver_of(&vif, &pod_uid)?;
         let spec = PlugSpec::from_vif(container_id, &netns, ifname, &vif, driver.clone())
             .map_err(|e| CniError::new(code::IO, format!("the VIF of pod {pod} is unusable: {e}")))?;
@@ -375,6 +397,7 @@ impl CniService {
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
         guard.att = att.clone();
         guard.driver = driver.clone();
+        steps.mark("record");
 
         let t_plug = Instant::now();
         let bridge_key = match &driver {
@@ -386,9 +409,14 @@ impl CniService {
         {
             plug::ensure_bridge(&key.0, &key.1).await.map_err(|e| plug_failure(e, "preparing the node bridge"))?;
             self.bridges_ready.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone());
+            steps.mark("bridge");
         }
-        let plugged = match plug::plug(&spec, self.ovs_db.as_deref()).await {
-            Ok(p) => p,
+        let plugged = match plug::plug_timed(&spec, self.ovs_db.as_deref()).await {
+            Ok((p, plug_steps)) => {
+                steps.extend(&plug_steps);
+                steps.skip();
+                p
+            }
             Err(e) => {
                 // The bridge may be what is wrong (deleted behind our back): check it next time.
                 if let Some(key) = &bridge_key {
@@ -407,11 +435,20 @@ impl CniService {
             }
             tracing::warn!(pod, error = %e, "cannot add the pod's bridge to the table's pod interfaces");
         }
+        steps.mark("hostports");
         guard.reported = true;
-        self.report_plugged(&att, deadline).await?;
+        let reported = self.report_plugged(&att, deadline).await?;
+        steps.mark("report");
         let t_ready = Instant::now();
         let remaining = deadline.saturating_duration_since(t_ready);
-        let vif = match self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await {
+        // The allocator's answer carries the VIF after the report: when it is ready already (the
+        // embedded IPAM's at once), there is nothing to wait for on the stream.
+        let ready_now = reported.filter(|v| v.vif_id == vif.vif_id && vifs::ready(v));
+        let wait = match ready_now {
+            Some(v) => Wait::Vif(Box::new(v)),
+            None => self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await,
+        };
+        let vif = match wait {
             Wait::Vif(v) => v,
             Wait::Gone => {
                 return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists")));
@@ -427,13 +464,16 @@ impl CniService {
         att.state = State::Ready;
         att.host_mac.clone_from(&plugged.host_mac);
         att.sandbox_mac.clone_from(&plugged.sandbox_mac);
+        let ready_wait = t_ready.elapsed();
+        steps.mark("ready_wait");
         self.attachments
             .put(&att)
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
         guard.disarm();
+        steps.mark("record_ready");
         self.metrics.observe_vif_wait(vif_known);
-        let ready_wait = t_ready.elapsed();
         self.metrics.observe_ready_wait(ready_wait);
+        self.metrics.observe_steps("ADD", &steps);
         tracing::info!(
             pod,
             container = container_id,
@@ -441,6 +481,7 @@ impl CniService {
             vif_wait_ms = vif_known.as_secs_f64() * 1e3,
             plug_ms = plug_took.as_secs_f64() * 1e3,
             ready_wait_ms = ready_wait.as_secs_f64() * 1e3,
+            steps = steps.render(),
             "ADD done"
         );
         Ok(result_for(&vif, ifname, &netns, &plugged))
@@ -508,6 +549,8 @@ impl CniService {
     }
 
     pub async fn del(&self, r: &pb::CniRequest) -> CniResult<()> {
+        let start = Instant::now();
+        let mut steps = Steps::start();
         let container_id = required("CNI_CONTAINERID", &r.container_id)?;
         let ifname = required("CNI_IFNAME", &r.ifname)?;
         parse_conf(&r.config)?;
@@ -519,11 +562,20 @@ impl CniService {
         {
             return Err(CniError::new(code::INVALID_ENVIRONMENT, format!("CNI_NETNS: {e}")));
         }
+        steps.mark("checks");
         let _key = self.locks.lock(container_id, ifname).await;
+        steps.mark("lock");
         match self.attachments.get(container_id, ifname) {
             Some(att) => {
                 let driver = driver_of_record(&att);
-                self.teardown(&att, netns, driver, true).await;
+                self.teardown_timed(&att, netns, driver, true, &mut steps).await;
+                self.metrics.observe_steps("DEL", &steps);
+                tracing::info!(
+                    container = container_id,
+                    took_ms = start.elapsed().as_secs_f64() * 1e3,
+                    steps = steps.render(),
+                    "DEL done"
+                );
             }
             None => {
                 // Never seen (or already deleted): still remove whatever a lost record may have left.

@@ -3,13 +3,25 @@
 //! `setns(2)` changes the namespace of the *calling thread* only, and every socket the thread
 //! opens afterwards (netlink included) belongs to that namespace. A tokio worker or a
 //! `spawn_blocking` thread is shared with unrelated tasks, so entering a namespace there would
-//! leak it into whatever runs next on that thread. Hence [`run_in_netns`] always spawns a fresh
-//! OS thread, enters the namespace there, runs the closure and lets the thread die: nothing ever
-//! has to switch back, and the async caller only awaits a oneshot channel.
+//! leak it into whatever runs next on that thread: no tokio thread ever enters one.
+//!
+//! Namespace work runs instead on the binder's *namespace workers* ([`on_worker`]): dedicated OS
+//! threads that run nothing else, kept between jobs so that a CNI call does not pay for a thread
+//! (and the runtime and host netlink socket it keeps, see `crate::plug`) each time. A job may
+//! enter a namespace ([`visit`], [`run_in_netns`]); whatever it did, the worker checks after
+//! each job that it is back in its home namespace (the one the binder runs in, compared by
+//! device and inode), moves back if it is not, and retires — the thread ends, never to run
+//! another job — if it cannot. Workers are started from tokio threads, which are always in the
+//! binder's namespace, so a new worker is born at home. At most [`MAX_WORKERS`] are kept; when
+//! all of them are busy a job gets a thread of its own that ends with it, as every job did
+//! before the pool, so a slow job never queues another behind it.
 
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Mutex, PoisonError};
 
 use nix::errno::Errno;
 use nix::sched::{CloneFlags, setns};
@@ -65,33 +77,171 @@ impl NetnsError {
     }
 }
 
-/// Runs `f` on a dedicated OS thread inside the network namespace at `netns`, or in the
-/// namespace the binder itself runs in (the host's) when `netns` is `None`, and returns its
-/// result without blocking the caller's executor.
+/// Runs `f` on a namespace worker inside the network namespace at `netns`, or in the namespace
+/// the binder itself runs in (the host's) when `netns` is `None`, and returns its result without
+/// blocking the caller's executor.
 ///
-/// `f` may build its own current-thread tokio runtime (for rtnetlink): sockets it opens live in
-/// the target namespace. Errors entering the namespace are converted with `E::from`, so callers
-/// keep their own error type. The thread is detached: if the caller's future is dropped, `f`
-/// still runs to completion and its result is discarded, so `f` must bound its own waits.
+/// Sockets `f` opens live in the target namespace. Errors entering the namespace are converted
+/// with `E::from`, so callers keep their own error type. If the caller's future is dropped, `f`
+/// still runs to completion and its result is discarded, so `f` must bound its own waits. The
+/// worker returns home afterwards (see the module documentation).
 pub async fn run_in_netns<F, T, E>(netns: Option<PathBuf>, f: F) -> Result<T, E>
 where
     F: FnOnce() -> Result<T, E> + Send + 'static,
     T: Send + 'static,
     E: From<NetnsError> + Send + 'static,
 {
+    on_worker(move || match netns.as_deref().map(enter) {
+        Some(Err(e)) => Err(E::from(e)),
+        Some(Ok(())) | None => f(),
+    })
+    .await
+    .map_err(E::from)?
+}
+
+/// How many namespace workers are kept between jobs.
+pub const MAX_WORKERS: usize = 4;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The kept workers: the job senders of the idle ones, and how many exist.
+struct Pool {
+    idle: Mutex<Vec<mpsc::Sender<Job>>>,
+    kept: AtomicUsize,
+}
+
+static POOL: Pool = Pool { idle: Mutex::new(Vec::new()), kept: AtomicUsize::new(0) };
+
+/// Runs `f` on a namespace worker: a dedicated OS thread in the binder's own namespace, kept
+/// between jobs (see the module documentation). `f` may enter a namespace; the worker goes back
+/// home afterwards or retires.
+pub async fn on_worker<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, NetnsError> {
     let (tx, rx) = oneshot::channel();
-    std::thread::Builder::new()
-        .name("kuryr-netns".to_string())
-        .spawn(move || {
-            let result = match netns.as_deref().map(enter) {
-                Some(Err(e)) => Err(E::from(e)),
-                Some(Ok(())) | None => f(),
-            };
-            // A closed channel means the caller went away; there is nobody left to tell.
-            let _ = tx.send(result);
-        })
-        .map_err(|e| E::from(NetnsError::Spawn(e)))?;
-    rx.await.map_err(|_| E::from(NetnsError::ThreadDied))?
+    submit(move || {
+        // A closed channel means the caller went away; there is nobody left to tell.
+        let _ = tx.send(f());
+    })?;
+    rx.await.map_err(|_| NetnsError::ThreadDied)
+}
+
+/// Hands `job` to a namespace worker and returns at once; the job reports back itself.
+pub fn submit(job: impl FnOnce() + Send + 'static) -> Result<(), NetnsError> {
+    dispatch(Box::new(job))
+}
+
+fn dispatch(mut job: Job) -> Result<(), NetnsError> {
+    let born_in = path_ns_id(THREAD_NETNS);
+    // Kept workers live in the binder's namespace; a caller elsewhere (only tests run async code
+    // on a thread that entered another) gets a thread of its own, born in the caller's.
+    let pooled = born_in.is_some() && born_in == path_ns_id("/proc/self/ns/net");
+    if pooled {
+        loop {
+            let idle = POOL.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let Some(worker) = idle else { break };
+            match worker.send(job) {
+                Ok(()) => return Ok(()),
+                // That worker is gone (it retired): try the next one.
+                Err(mpsc::SendError(j)) => job = j,
+            }
+        }
+    }
+    let keep = pooled && POOL.kept.fetch_add(1, Ordering::AcqRel) < MAX_WORKERS;
+    if pooled && !keep {
+        POOL.kept.fetch_sub(1, Ordering::AcqRel);
+    }
+    let spawned = std::thread::Builder::new().name("kuryr-netns".to_string()).spawn(move || {
+        BORN_IN.with(|b| b.set(born_in));
+        if keep {
+            // Counted out however the thread ends, a panicking job included.
+            let _kept = Kept;
+            worker(job);
+        } else {
+            job();
+        }
+    });
+    spawned.map(drop).map_err(|e| {
+        if keep {
+            POOL.kept.fetch_sub(1, Ordering::AcqRel);
+        }
+        NetnsError::Spawn(e)
+    })
+}
+
+/// Counts a kept worker out of the pool when its thread ends.
+struct Kept;
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        POOL.kept.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The loop of a kept worker: runs `first`, then whatever it is given while idle, and checks
+/// after each job that it is at home (moving back if need be). Returns when it cannot be sure of
+/// its namespace: the thread then ends.
+fn worker(first: Job) {
+    let home = match File::open(THREAD_NETNS) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::error!(error = %e, "a namespace worker cannot open its own namespace; running one job only");
+            first();
+            return;
+        }
+    };
+    let Some(home_id) = ns_id(&home) else { return first() };
+    let (tx, rx) = mpsc::channel::<Job>();
+    let mut job = first;
+    loop {
+        job();
+        if !back_home(&home, home_id) {
+            return;
+        }
+        POOL.idle.lock().unwrap_or_else(PoisonError::into_inner).push(tx.clone());
+        match rx.recv() {
+            Ok(j) => job = j,
+            Err(_) => return,
+        }
+    }
+}
+
+fn path_ns_id(p: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+thread_local! {
+    /// The namespace a namespace thread was started in (its home).
+    static BORN_IN: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the calling thread is at home: in the namespace it was started in, for a namespace
+/// thread; in the binder's own (its main thread's, which never enters another) for any other.
+pub fn at_home() -> bool {
+    let home = BORN_IN.with(std::cell::Cell::get).or_else(|| path_ns_id("/proc/self/ns/net"));
+    let here = path_ns_id(THREAD_NETNS);
+    here.is_some() && here == home
+}
+
+/// (device, inode) of a namespace file: how the kernel identifies a namespace.
+fn ns_id(file: &File) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata().ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Whether the calling thread is in the namespace `home_id`, moving it back to `home` if it is
+/// not; false (and logged) when that cannot be done or checked.
+fn back_home(home: &File, home_id: (u64, u64)) -> bool {
+    let here = File::open(THREAD_NETNS).ok().as_ref().and_then(ns_id);
+    if here == Some(home_id) {
+        return true;
+    }
+    tracing::warn!("a namespace worker was left outside its namespace; moving it back");
+    let back = setns(home, CloneFlags::CLONE_NEWNET).is_ok()
+        && File::open(THREAD_NETNS).ok().as_ref().and_then(ns_id) == Some(home_id);
+    if !back {
+        tracing::error!("a namespace worker cannot return to its namespace; retiring it");
+    }
+    back
 }
 
 /// Moves the calling thread into the network namespace at `path`. Only for threads that are
@@ -277,6 +427,20 @@ mod tests {
             return;
         };
         check_pod_file(&file, Path::new("new")).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_worker_left_in_another_namespace_comes_home() {
+        // A job that moves its thread into a new namespace (needs CAP_SYS_ADMIN, as the binder
+        // has) and does not come back: the worker moves back before its next job.
+        let moved = on_worker(|| nix::sched::unshare(CloneFlags::CLONE_NEWNET).map(|()| at_home())).await.unwrap();
+        assert_eq!(moved, Ok(false), "unshare(CLONE_NEWNET) needs CAP_SYS_ADMIN");
+        for _ in 0..2 * MAX_WORKERS {
+            let (home, name) =
+                on_worker(|| (at_home(), std::thread::current().name().map(str::to_string))).await.unwrap();
+            assert!(home);
+            assert_eq!(name.as_deref(), Some("kuryr-netns"));
+        }
     }
 
     #[tokio::test]

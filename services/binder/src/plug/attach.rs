@@ -1,7 +1,9 @@
 //! Plugging and unplugging a veth pair, with a rollback guard for failures part-way.
 
+use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use nix::errno::Errno;
@@ -11,48 +13,61 @@ use tokio::sync::oneshot;
 
 use super::nl::{self, Nl, in_netns};
 use super::{BindingDriver, PlugError, PlugSpec, Plugged, format_mac, ovs};
+use crate::metrics::Steps;
 
-/// Plugs one pod interface (see the module documentation of [`crate::plug`]).
+/// Plugs one pod interface (see the module documentation of [`crate::plug`]); returns what it
+/// made.
 ///
-/// Steps: refuse if `ifname` already exists in the pod (→ [`PlugError::IfnameExists`]); remove
-/// a stale host end of the same name (an interrupted earlier ADD of this attachment); create the
-/// veth pair with the pod end born inside the pod's namespace, already named `ifname` and
-/// carrying the MAC and MTU, so no other namespace ever sees it, and the host end born up and
-/// (for a Linux bridge) already enslaved; in the pod bring `lo` and `ifname` up, add the
-/// addresses (IPv6 without DAD), the routes and the default routes; for OVS finally add the host
-/// end as a port.
+/// Steps: create the veth pair with the pod end born inside the pod's namespace, already named
+/// `ifname` and carrying the MAC and MTU, so no other namespace ever sees it, and the host end
+/// born up and (for a Linux bridge) already enslaved; only if the kernel refuses a name, find out
+/// which — `ifname` taken in the pod (→ [`PlugError::IfnameExists`]), or a stale host end of the
+/// same name (an interrupted earlier ADD of this attachment), removed before trying again; in
+/// the pod turn IPv6 DAD off for `ifname`, bring `lo` and `ifname` up, add the addresses (IPv6
+/// without DAD), the routes and the default routes; for OVS finally add the host end as a port.
 ///
-/// The work runs on one dedicated thread with one netlink socket in each namespace. Whatever it
-/// created is undone if any step fails, or if the caller stopped waiting before the result could
-/// be handed over; also if the thread panics in a build that unwinds (tests). Release builds
-/// abort on panic (`panic = "abort"`): there the binder's next start rolls the ADD back from its
-/// attachment record, written before this runs (`crate::cni::CniService::recover`).
+/// The work runs on one namespace worker (`crate::netns`) with one netlink socket in each
+/// namespace: the worker's own in the host's, kept between jobs, and one opened in the pod's for
+/// this job. Whatever it created is undone if any step fails, or if the caller stopped waiting
+/// before the result could be handed over; also if the job panics in a build that unwinds
+/// (tests). Release builds abort on panic (`panic = "abort"`): there the binder's next start
+/// rolls the ADD back from its attachment record, written before this runs
+/// (`crate::cni::CniService::recover`).
 pub async fn plug(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<Plugged, PlugError> {
+    Ok(plug_timed(spec, ovs_db).await?.0)
+}
+
+/// [`plug`], also returning the time of each step (the worker's own, and `dispatch`: handing
+/// the job to the worker and the answer back).
+pub async fn plug_timed(spec: &PlugSpec, ovs_db: Option<&str>) -> Result<(Plugged, Steps), PlugError> {
     let mac = spec.validate()?;
     let (spec, ovs_db) = (spec.clone(), ovs_db.map(str::to_string));
+    let started = Instant::now();
     let (tx, rx) = oneshot::channel();
-    std::thread::Builder::new()
-        .name("kuryr-plug".to_string())
-        .spawn(move || {
-            let mut undo = Rollback::default();
-            match nl::block_on(plug_steps(&spec, mac, ovs_db.as_deref(), &mut undo)) {
-                Ok(plugged) => match tx.send(Ok(plugged)) {
-                    Ok(()) => undo.disarm(),
-                    Err(_) => tracing::warn!(
-                        container_id = %spec.container_id,
-                        ifname = %spec.ifname,
-                        "caller gone before the plug result was delivered; rolling back"
-                    ),
-                },
-                Err(e) => {
-                    // Undo first, so that the caller sees the error only once nothing is left.
-                    drop(undo);
-                    let _ = tx.send(Err(e));
-                }
+    crate::netns::submit(move || {
+        let mut steps = Steps::start();
+        let mut undo = Rollback::default();
+        match nl::block_on(plug_steps(&spec, mac, ovs_db.as_deref(), &mut undo, &mut steps)) {
+            Ok(plugged) => match tx.send(Ok((plugged, steps))) {
+                Ok(()) => undo.disarm(),
+                Err(_) => tracing::warn!(
+                    container_id = %spec.container_id,
+                    ifname = %spec.ifname,
+                    "caller gone before the plug result was delivered; rolling back"
+                ),
+            },
+            Err(e) => {
+                // Undo first, so that the caller sees the error only once nothing is left.
+                drop(undo);
+                let _ = tx.send(Err(e));
             }
-        })
-        .map_err(|source| PlugError::Io { op: "start the plugging thread", source })?;
-    rx.await.map_err(|_| PlugError::ThreadDied)?
+        }
+    })?;
+    let (plugged, mut steps) = rx.await.map_err(|_| PlugError::ThreadDied)??;
+    // What the worker did not measure: handing the job over and the answer back.
+    let on_worker: Duration = steps.iter().map(|(_, d)| d).sum();
+    steps.add("dispatch", started.elapsed().saturating_sub(on_worker));
+    Ok((plugged, steps))
 }
 
 async fn plug_steps(
@@ -60,45 +75,71 @@ async fn plug_steps(
     mac: [u8; 6],
     ovs_db: Option<&str>,
     undo: &mut Rollback,
+    steps: &mut Steps,
 ) -> Result<Plugged, PlugError> {
-    let (ifname, host_ifname) = (spec.ifname.as_str(), spec.host_ifname.as_str());
-    // Held open until the pod end is configured: the kernel moves the peer through this
-    // descriptor, and the thread visits the namespace through it.
+    // Held open until the pod's socket is open and the veth created: the kernel moves the peer
+    // through this descriptor, and the worker visits the namespace through it.
     let netns_file = crate::netns::open(&spec.netns)?;
     // Checked on the descriptor that is used below, so the path cannot be swapped in between.
     crate::netns::check_pod_file(&netns_file, &spec.netns)?;
-    // A netlink socket stays in the namespace it was opened in: the thread visits the pod's only
+    steps.mark("netns_check");
+    // A netlink socket stays in the namespace it was opened in: the worker visits the pod's only
     // to open one there (and below to switch DAD off), and otherwise stays in the host's, so
     // that ovs-vsctl and the rollback run there.
-    let label = spec.netns.display().to_string();
-    let pod = crate::netns::visit(&netns_file, &spec.netns, || Nl::connect(label))??;
-    let host = Nl::connect("host".to_string())?;
+    let (conn, pod) = Nl::open_in(&netns_file, &spec.netns)?;
+    let host = nl::host()?;
+    steps.mark("netns_entry");
+    nl::scoped(conn, plug_with(spec, mac, ovs_db, undo, steps, &netns_file, &pod, &host)).await
+}
 
-    if pod.link(ifname).await?.is_some() {
-        return Err(PlugError::IfnameExists { netns: spec.netns.clone(), ifname: ifname.to_string() });
-    }
-    if host.delete(host_ifname).await? {
-        tracing::warn!(host_ifname, container_id = %spec.container_id, "removed a stale host interface");
-    }
+#[allow(clippy::too_many_arguments)]
+async fn plug_with(
+    spec: &PlugSpec,
+    mac: [u8; 6],
+    ovs_db: Option<&str>,
+    undo: &mut Rollback,
+    steps: &mut Steps,
+    netns_file: &File,
+    pod: &Nl,
+    host: &Nl,
+) -> Result<Plugged, PlugError> {
+    let (ifname, host_ifname) = (spec.ifname.as_str(), spec.host_ifname.as_str());
     let controller = match &spec.driver {
-        BindingDriver::Bridge { bridge } => Some(bridge_index(&host, bridge).await?),
+        BindingDriver::Bridge { bridge } => Some(bridge_index(host, bridge).await?),
         BindingDriver::Ovs { .. } => None,
     };
+    steps.mark("nl_bridge");
 
-    let mut peer = LinkUnspec::new_with_name(ifname).address(mac.to_vec()).setns_by_fd(netns_file.as_raw_fd());
-    let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname).up();
-    if spec.mtu > 0 {
-        peer = peer.mtu(spec.mtu);
-        veth = veth.mtu(spec.mtu);
+    let veth = || {
+        let mut peer = LinkUnspec::new_with_name(ifname).address(mac.to_vec()).setns_by_fd(netns_file.as_raw_fd());
+        let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname).up();
+        if spec.mtu > 0 {
+            peer = peer.mtu(spec.mtu);
+            veth = veth.mtu(spec.mtu);
+        }
+        if let Some(index) = controller {
+            veth = veth.controller(index);
+        }
+        veth.set_info_data(InfoData::Veth(InfoVeth::Peer(peer.build()))).build()
+    };
+    let create =
+        || host.fail(format!("create veth pair {host_ifname} <-> {ifname} (peer in {})", spec.netns.display()));
+    match host.add_link(veth()).await {
+        Ok(()) => {}
+        // A name is taken, in the pod or on the host: only now look at which.
+        Err(e) if nl::errno(&e) == Some(Errno::EEXIST) => {
+            if pod.link(ifname).await?.is_some() {
+                return Err(PlugError::IfnameExists { netns: spec.netns.clone(), ifname: ifname.to_string() });
+            }
+            if host.delete(host_ifname).await? {
+                tracing::warn!(host_ifname, container_id = %spec.container_id, "removed a stale host interface");
+            }
+            host.add_link(veth()).await.map_err(create())?;
+        }
+        Err(e) => return Err(create()(e)),
     }
-    if let Some(index) = controller {
-        veth = veth.controller(index);
-    }
-    let veth = veth.set_info_data(InfoData::Veth(InfoVeth::Peer(peer.build()))).build();
-    host.add_link(veth).await.map_err(
-        host.fail(format!("create veth pair {host_ifname} <-> {ifname} (peer in {})", spec.netns.display())),
-    )?;
     undo.host_link = Some(host_ifname.to_string());
+    steps.mark("nl_veth");
 
     // The host end names its peer's index; a lookup in the pod only when it does not (the two
     // indexes are equal, which the kernel does not report).
@@ -107,14 +148,16 @@ async fn plug_steps(
         Some(i) => i,
         None => pod.require(ifname).await?.header.index,
     };
-    crate::netns::visit(&netns_file, &spec.netns, || disable_dad(ifname))??;
-    drop(netns_file);
-    configure_sandbox(&pod, spec, index).await?;
+    steps.mark("nl_readback");
+    crate::netns::visit(netns_file, &spec.netns, || disable_dad(ifname))??;
+    steps.mark("dad");
+    configure_sandbox(pod, spec, index, steps).await?;
 
     if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid } = &spec.driver {
         // Armed before running: a timed-out ovs-vsctl may still have added the port.
         undo.ovs_port = Some((ovs_db.map(str::to_string), host_ifname.to_string()));
         ovs::vsctl(ovs_db, &ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid)).await?;
+        steps.mark("ovs");
     }
 
     Ok(Plugged {
@@ -131,7 +174,7 @@ async fn plug_steps(
 /// Configures the pod end (index `index`) through the pod's netlink socket. `lo`, the link and
 /// the addresses go out back to back (the kernel takes them in any order); the routes follow one
 /// at a time, as each may need the link up, an address, or a route before it.
-async fn configure_sandbox(pod: &Nl, spec: &PlugSpec, index: u32) -> Result<(), PlugError> {
+async fn configure_sandbox(pod: &Nl, spec: &PlugSpec, index: u32, steps: &mut Steps) -> Result<(), PlugError> {
     let ifname = spec.ifname.as_str();
     let mut first: Vec<futures::future::BoxFuture<'_, Result<(), PlugError>>> =
         vec![Box::pin(pod.set_up(LOOPBACK_INDEX, "lo")), Box::pin(pod.set_up(index, ifname))];
@@ -139,9 +182,11 @@ async fn configure_sandbox(pod: &Nl, spec: &PlugSpec, index: u32) -> Result<(), 
         first.push(Box::pin(pod.add_address(index, ifname, ip.address)));
     }
     futures::future::try_join_all(first).await?;
+    steps.mark("nl_up_addr");
     for route in &spec.all_routes() {
         pod.add_route(index, ifname, route).await?;
     }
+    steps.mark("nl_routes");
     Ok(())
 }
 
@@ -248,27 +293,31 @@ pub async fn unplug(
         },
         None => None,
     };
-    if !host_ifname.is_empty() {
-        let name = host_ifname.to_string();
-        in_netns(None, move |nl| async move { nl.delete(&name).await }).await?;
-    }
-    if let Some(netns) = netns
-        && !ifname.is_empty()
-    {
-        let name = ifname.to_string();
-        let leftover = in_netns(Some(netns), move |nl| async move {
-            match nl.link(&name).await? {
-                Some(link) if nl::link_kind(&link) == Some(&InfoKind::Veth) => nl.delete(&name).await,
-                _ => Ok(false),
-            }
-        })
-        .await;
-        match leftover {
-            Ok(_) => {}
-            Err(e) if e.is_netns_gone() => {}
-            Err(e) => return Err(e),
+    // One job: the host end through the worker's own socket; the pod only visited when that
+    // found nothing to delete (deleting the host end deletes the pod end with it).
+    let (host_name, pod_name) = (host_ifname.to_string(), ifname.to_string());
+    in_netns(None, move |host| async move {
+        let removed = !host_name.is_empty() && host.delete(&host_name).await?;
+        let (Some(netns), false, false) = (netns, removed, pod_name.is_empty()) else { return Ok(()) };
+        let leftover = async {
+            let file = crate::netns::open(&netns)?;
+            let (conn, pod) = Nl::open_in(&file, &netns)?;
+            drop(file);
+            nl::scoped(conn, async {
+                match pod.link(&pod_name).await? {
+                    Some(link) if nl::link_kind(&link) == Some(&InfoKind::Veth) => pod.delete(&pod_name).await,
+                    _ => Ok(false),
+                }
+            })
+            .await
+        };
+        match leftover.await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_netns_gone() => Ok(()),
+            Err(e) => Err(e),
         }
-    }
+    })
+    .await?;
     if let BindingDriver::Ovs { .. } = driver
         && !host_ifname.is_empty()
     {

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::netns::NetnsError;
 
-pub use self::attach::{ensure_bridge, link_exists, list_host_links, plug, unplug};
+pub use self::attach::{ensure_bridge, link_exists, list_host_links, plug, plug_timed, unplug};
 pub use self::check::{Expected, Observed, diff, diff_expected, inspect};
 
 /// Prefix of every host-side interface name made by [`host_ifname`], for garbage collection.

@@ -1,12 +1,21 @@
 //! Thin rtnetlink helpers used by the plugging code. Each [`Nl`] owns a netlink socket opened by
-//! the current thread, so it works in whatever namespace that thread is in; [`in_netns`] runs a
-//! closure with such a socket inside a given namespace, on a dedicated thread.
+//! the current thread, so it works in whatever namespace that thread was in when it opened it;
+//! [`in_netns`] runs a closure with such a socket for a given namespace, on a namespace worker
+//! (`crate::netns`).
+//!
+//! A namespace worker keeps, between jobs, a current-thread runtime ([`block_on`]) and a
+//! netlink socket in the binder's own namespace ([`host`]). A socket in a pod's namespace is
+//! opened by a short visit there ([`Nl::open_in`]: enter, open, come back) and lives only as long
+//! as the job ([`scoped`]), so no socket outlives its use and holds a pod's namespace alive.
 
+use std::cell::{OnceCell, RefCell};
+use std::fs::File;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use futures::TryStreamExt;
+use futures::future::Either;
 use ipnet::IpNet;
 use nix::errno::Errno;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
@@ -17,28 +26,96 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 
 use super::{PlugError, Route};
-use crate::netns::run_in_netns;
 
 /// Runs `f` with a netlink socket inside `netns` (the binder's own namespace for `None`), on a
-/// dedicated thread with its own current-thread runtime.
+/// namespace worker. The socket for `netns` is opened by a visit and closed when `f` is done;
+/// the thread itself stays at home while `f` runs.
 pub(crate) async fn in_netns<T, F, Fut>(netns: Option<PathBuf>, f: F) -> Result<T, PlugError>
 where
     F: FnOnce(Nl) -> Fut + Send + 'static,
     Fut: Future<Output = Result<T, PlugError>>,
     T: Send + 'static,
 {
-    let label = netns.as_ref().map_or_else(|| "host".to_string(), |p| p.display().to_string());
-    run_in_netns(netns, move || block_on(async move { f(Nl::connect(label)?).await })).await
+    crate::netns::on_worker(move || {
+        block_on(async move {
+            match netns {
+                None => f(host()?).await,
+                Some(path) => {
+                    let file = crate::netns::open(&path)?;
+                    let (conn, nl) = Nl::open_in(&file, &path)?;
+                    drop(file);
+                    scoped(conn, f(nl)).await
+                }
+            }
+        })
+    })
+    .await?
 }
 
-/// Runs a future to completion on a new current-thread runtime. Only for dedicated threads that
-/// are not already inside a runtime.
+thread_local! {
+    /// This thread's runtime for netlink work, built at first use and kept with the thread.
+    static RUNTIME: OnceCell<tokio::runtime::Runtime> = const { OnceCell::new() };
+    /// This thread's socket in the binder's own namespace, and the task driving it.
+    static HOST: RefCell<Option<(Nl, tokio::task::JoinHandle<()>)>> = const { RefCell::new(None) };
+}
+
+/// Runs a future to completion on this thread's current-thread runtime (built at first use and
+/// kept: a namespace worker reuses it for every job). Only for dedicated threads that are not
+/// already inside a runtime.
 pub(crate) fn block_on<T>(fut: impl Future<Output = Result<T, PlugError>>) -> Result<T, PlugError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|source| PlugError::Io { op: "build a runtime for netlink work", source })?;
-    rt.block_on(fut)
+    RUNTIME.with(|cell| {
+        let rt = match cell.get() {
+            Some(rt) => rt,
+            None => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|source| PlugError::Io { op: "build a runtime for netlink work", source })?;
+                cell.get_or_init(|| rt)
+            }
+        };
+        rt.block_on(fut)
+    })
+}
+
+/// This thread's netlink socket in the binder's own namespace: opened at first use (inside
+/// [`block_on`]) and kept, reopened if its connection ended. Refused when the thread is not in
+/// the binder's namespace, so that it can never be opened anywhere else.
+pub(crate) fn host() -> Result<Nl, PlugError> {
+    HOST.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if let Some((nl, task)) = cell.as_ref()
+            && !task.is_finished()
+        {
+            return Ok(nl.clone());
+        }
+        if !crate::netns::at_home() {
+            return Err(PlugError::Io {
+                op: "open a netlink socket in the binder's namespace",
+                source: std::io::Error::other("the thread is not in the binder's network namespace"),
+            });
+        }
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
+        let nl = Nl { handle, label: "host".to_string() };
+        *cell = Some((nl.clone(), tokio::spawn(conn)));
+        Ok(nl)
+    })
+}
+
+/// Drives `work` with the connection `conn` of its socket, and closes the socket when `work` is
+/// done: the connection is dropped here, not left to a task.
+pub(crate) async fn scoped<T>(
+    conn: impl Future<Output = ()>,
+    work: impl Future<Output = Result<T, PlugError>>,
+) -> Result<T, PlugError> {
+    match futures::future::select(std::pin::pin!(work), std::pin::pin!(conn)).await {
+        Either::Left((r, _)) => r,
+        Either::Right(((), _)) => Err(PlugError::Io {
+            op: "keep a netlink socket open",
+            source: std::io::Error::other("the netlink connection ended"),
+        }),
+    }
 }
 
 /// The errno of a netlink error reply, if that is what the error is.
@@ -65,6 +142,15 @@ impl Nl {
             rtnetlink::new_connection().map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
         tokio::spawn(conn);
         Ok(Nl { handle, label })
+    }
+
+    /// Opens a netlink socket in the namespace open as `file` (from `path`): the thread enters it
+    /// for the one call that creates the socket and comes back. Returns the connection to drive
+    /// (see [`scoped`]) and the handle. Must be called inside a tokio runtime.
+    pub(crate) fn open_in(file: &File, path: &Path) -> Result<(impl Future<Output = ()> + use<>, Self), PlugError> {
+        let (conn, handle, _) = crate::netns::visit(file, path, rtnetlink::new_connection)?
+            .map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
+        Ok((conn, Nl { handle, label: path.display().to_string() }))
     }
 
     /// Maps a netlink error to [`PlugError::Netlink`] naming `op` and this namespace.
@@ -102,10 +188,12 @@ impl Nl {
         self.handle.link().add(msg).execute().await
     }
 
-    /// Deletes the link called `name`; `Ok(false)` when there was none.
+    /// Deletes the link called `name`, by name (one request, no lookup); `Ok(false)` when there
+    /// was none.
     pub(crate) async fn delete(&self, name: &str) -> Result<bool, PlugError> {
-        let Some(link) = self.link(name).await? else { return Ok(false) };
-        match self.handle.link().del(link.header.index).execute().await {
+        let mut req = self.handle.link().del(0);
+        req.message_mut().attributes.push(LinkAttribute::IfName(name.to_string()));
+        match req.execute().await {
             Ok(()) => Ok(true),
             Err(e) if errno(&e) == Some(Errno::ENODEV) => Ok(false),
             Err(e) => Err(self.fail(format!("delete link {name}"))(e)),

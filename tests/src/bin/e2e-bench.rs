@@ -8,15 +8,22 @@
 //!    (CNI ADD done, sandbox up). Where the time goes comes from timestamps already there: the
 //!    kubelet's records, the allocator's "VIF handed out" and the binder's "ADD done" log lines
 //!    (with the binder's own per-ADD fields), and the allocator's metrics.
+//! 0. **The reference arm** of part 1: the same pods at the same rate on the same harness (a
+//!    fresh API server, two containerd instances driven by the test kubelet) with the reference
+//!    `bridge` + `host-local` plugins and no kuryr service; part 1's created → RunPodSandbox
+//!    returned is printed as a ratio kuryr/reference.
 //! 2. **Allocations per second.** A burst of pods created at once, bound to node names that no
 //!    kubelet runs (so no CRI work competes); a watch on PodVifs marks each one allocated when
-//!    its status carries addresses.
+//!    its status carries addresses. The API server's `apiserver_request_total`, read before the
+//!    first create and after the last allocation, gives the API requests per pod by verb and
+//!    resource (every client's, the bench's own creates excluded).
 //! 3. **Watcher memory.** A fresh API server holding many pods (bound to fake nodes, no
 //!    sandboxes) in two namespaces, and `kuryr-watcher` alone (no allocator) with one subscriber:
 //!    its RSS idle and once its index holds every pod.
 //!
 //! Environment: `BENCH_E2E_PODS` (default 500), `BENCH_E2E_RATE` (pods/s, default 20),
-//! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part.
+//! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part;
+//! `BENCH_E2E_REFERENCE=0` skips the reference arm.
 //! `BENCH_E2E_LOG` is the services' `--log` filter (default `info`; the breakdown needs `info`).
 #![allow(clippy::print_stdout)]
 

@@ -72,8 +72,9 @@ bench-cni: tools
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/cni-bench $(BENCH_PODS)
 
 ## bench-e2e: the whole embedded system, optimised: pod created → RunPodSandbox returned at a steady
-## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE), allocations/s (BENCH_E2E_BURST), watcher RSS
-## with many pods (BENCH_E2E_RSS_PODS)
+## rate over two nodes (BENCH_E2E_PODS, BENCH_E2E_RATE) next to the reference bridge+host-local arm
+## (BENCH_E2E_REFERENCE=0 skips it), allocations/s and API requests per pod (BENCH_E2E_BURST), watcher
+## RSS with many pods (BENCH_E2E_RSS_PODS)
 bench-e2e: tools
 	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin e2e-bench
 	$(MAKE) --no-print-directory shim

@@ -32,6 +32,8 @@ pub struct Ensured {
     /// Its resourceVersion then: [`Cluster::record_vif`] writes only over that version, so that
     /// of two allocators racing for one pod exactly one records its VIF.
     pub version: String,
+    /// Its metadata.uid: [`Cluster::delete_pod_vif`] deletes exactly this object.
+    pub uid: String,
 }
 
 /// Why a cluster operation failed.
@@ -170,8 +172,14 @@ pub trait Cluster: Send + Sync + 'static {
         state: VifState,
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
-    /// Deletes the pod's PodVif if it is this pod's; no PodVif is fine.
-    fn delete_pod_vif(&self, pod: &PodKey) -> impl Future<Output = Result<(), ClusterError>> + Send;
+    /// Deletes the pod's PodVif if it is this pod's; no PodVif is fine. With `known`, the
+    /// PodVif's uid as created or read earlier, no read is needed: only that object can be
+    /// deleted (a uid precondition), and one of another uid under the name is another pod's.
+    fn delete_pod_vif(
+        &self,
+        pod: &PodKey,
+        known: Option<&str>,
+    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Allocates the pod's addresses on `node` (idempotent per pod uid).
     fn allocate(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<VifRecord, ClusterError>> + Send;

@@ -14,6 +14,9 @@
 //!
 //! **Cleanup** (being deleted, gone, or finished), tolerating any step never having run:
 //! VIF_DELETED to the node, release the addresses, delete the PodVif, then remove the finalizer.
+//! Neither the PodVif nor the pod is read first when this process knows them (the PodVif's uid
+//! from its creation, the pod's finalizers from the watcher): the writes carry preconditions
+//! instead, and only a failed precondition costs a read.
 //!
 //! Failures are retried by the queue with capped exponential backoff, and each is logged once,
 //! counted in `kuryr_allocator_failures_total{op,reason}` and told to the pod's users as a
@@ -281,6 +284,9 @@ impl<C: Cluster> Controller<C> {
             }
             other => other.map_err(fail("creating the PodVif"))?,
         };
+        if entry.pod_vif.as_deref() != Some(ensured.uid.as_str()) {
+            view_lock(&self.view).set_pod_vif(&key.uid, Some(ensured.uid.clone()));
+        }
         let mine = allocated.map_err(fail("allocating addresses"))?;
         // The VIF on record stays while the backend still holds it: another allocator (unsharded
         // replicas, a shard handover) may have recorded its own for the pod since or while this
@@ -378,12 +384,11 @@ impl<C: Cluster> Controller<C> {
             }
             let released =
                 self.cluster.release(key, &entry.info.node).await.map_err(fail("releasing the addresses"))?;
-            self.cluster.delete_pod_vif(key).await.map_err(fail("deleting the PodVif"))?;
-            if !gone
-                && let Some(meta) = self.cluster.pod(key).await.map_err(fail("reading the pod"))?
-                && meta.finalizers.iter().any(|f| f == FINALIZER)
-            {
-                self.cluster.remove_finalizer(key, &meta.finalizers).await.map_err(fail("removing the finalizer"))?;
+            let known = entry.pod_vif.as_deref();
+            self.cluster.delete_pod_vif(key, known).await.map_err(fail("deleting the PodVif"))?;
+            view_lock(&self.view).set_pod_vif(&key.uid, None);
+            if !gone {
+                self.remove_finalizer(entry).await.map_err(fail("removing the finalizer"))?;
             }
             if released {
                 self.metrics.releases.inc();
@@ -394,6 +399,28 @@ impl<C: Cluster> Controller<C> {
         }
         if gone {
             view_lock(&self.view).forget(&key.uid);
+        }
+        Ok(())
+    }
+
+    /// Takes our finalizer off the pod. When the view saw it there, the patch is made from the
+    /// view's list of finalizers, without a read: its preconditions (this uid, our finalizer at
+    /// that position) make it fail harmlessly if the pod changed since, and only then is the pod
+    /// read. Without the finalizer in the view (it may be there all the same: the view lags our
+    /// own writes) the pod is read first.
+    async fn remove_finalizer(&self, entry: &PodEntry) -> Result<(), ClusterError> {
+        let key = &entry.info.key;
+        if entry.info.has_finalizer {
+            match self.cluster.remove_finalizer(key, &entry.info.finalizers).await {
+                Ok(()) => return Ok(()),
+                Err(e) => tracing::debug!(pod = %format!("{}/{}", key.namespace, key.name), error = %chain(&e),
+                    "removing the finalizer needs a read first"),
+            }
+        }
+        if let Some(meta) = self.cluster.pod(key).await?
+            && meta.finalizers.iter().any(|f| f == FINALIZER)
+        {
+            self.cluster.remove_finalizer(key, &meta.finalizers).await?;
         }
         Ok(())
     }

@@ -132,7 +132,9 @@ impl Cluster for Fake {
         let name = (pod.namespace.clone(), pod.name.clone());
         let version = s.versions.get(&name).copied().unwrap_or_default().to_string();
         match s.podvifs.get(&name) {
-            Some((uid, _, recorded)) if *uid == pod.uid => Ok(Ensured { recorded: recorded.clone(), version }),
+            Some((uid, _, recorded)) if *uid == pod.uid => {
+                Ok(Ensured { recorded: recorded.clone(), version, uid: format!("podvif-{}", pod.uid) })
+            }
             Some((uid, node, _)) => Err(ClusterError::StalePodVif {
                 namespace: pod.namespace.clone(),
                 name: pod.name.clone(),
@@ -141,7 +143,7 @@ impl Cluster for Fake {
             }),
             None => {
                 s.podvifs.insert(name, (pod.uid.clone(), node.to_string(), None));
-                Ok(Ensured { recorded: None, version })
+                Ok(Ensured { recorded: None, version, uid: format!("podvif-{}", pod.uid) })
             }
         }
     }
@@ -182,8 +184,8 @@ impl Cluster for Fake {
         *s.versions.entry((pod.namespace.clone(), pod.name.clone())).or_default() += 1;
         Ok(())
     }
-    async fn delete_pod_vif(&self, pod: &PodKey) -> Result<(), ClusterError> {
-        self.call("delete_pod_vif", pod)?;
+    async fn delete_pod_vif(&self, pod: &PodKey, known: Option<&str>) -> Result<(), ClusterError> {
+        self.call(if known.is_some() { "delete_pod_vif" } else { "delete_pod_vif (read)" }, pod)?;
         let mut s = self.s();
         let name = (pod.namespace.clone(), pod.name.clone());
         if s.podvifs.get(&name).is_some_and(|p| p.0 == pod.uid) {
@@ -390,7 +392,7 @@ async fn deletion_streams_then_releases_then_deletes_then_unblocks_the_pod() {
     fake.s().pods.get_mut("uid-a").unwrap().1.deleting = true;
     see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "pod a", "remove_finalizer a"]);
+    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "remove_finalizer a"]);
     assert_eq!(deltas(&index), ["+a Allocated", "-a"]);
     assert!(fake.meta("uid-a").is_none(), "the pod, unblocked, is gone");
     assert!(fake.s().podvifs.is_empty() && fake.s().allocations.is_empty());
@@ -416,7 +418,8 @@ async fn cleanup_tolerates_what_never_happened() {
     }
     see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "pod a", "remove_finalizer a"]);
+    // Nothing known of its PodVif here: read before the delete; the finalizer was in the view.
+    assert_eq!(fake.calls(), ["release a", "delete_pod_vif (read) a", "remove_finalizer a"]);
     // A finished pod gets its VIF released and its finalizer removed, and stays.
     fake.add_pod(&key("b"));
     see(&ctl, &fake, "b", "n1", "Running", EventType::Applied);
@@ -425,7 +428,7 @@ async fn cleanup_tolerates_what_never_happened() {
     see(&ctl, &fake, "b", "n1", "Succeeded", EventType::Applied);
     fake.calls();
     ctl.reconcile("uid-b").await.unwrap();
-    assert_eq!(fake.calls(), ["release b", "delete_pod_vif b", "pod b", "remove_finalizer b"]);
+    assert_eq!(fake.calls(), ["release b", "delete_pod_vif b", "remove_finalizer b"]);
     assert!(fake.meta("uid-b").unwrap().finalizers.is_empty());
     assert!(ctl.get_vif("uid-b").is_none());
 }
@@ -640,4 +643,20 @@ async fn workers_retry_failures_and_say_so() {
     assert_eq!(events, vec![("uid-a".to_string(), REASON_ALLOCATION_FAILED); 2]);
     let failed = metrics.failures.get_or_create(&crate::metrics::FailureLabels { op: "apply", reason: "api" }).get();
     assert_eq!(failed, 2);
+}
+
+#[tokio::test]
+async fn a_finalizer_removal_from_a_stale_view_falls_back_to_a_read() {
+    let Setup { fake, ctl, .. } = setup();
+    fake.add_pod(&key("a"));
+    see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
+    ctl.reconcile("uid-a").await.unwrap();
+    fake.s().pods.get_mut("uid-a").unwrap().1.deleting = true;
+    see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
+    fake.calls();
+    // The patch made from the view fails (the pod changed since): read, then patch again.
+    fake.s().fail.insert("remove_finalizer", 1);
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "remove_finalizer a", "pod a", "remove_finalizer a"]);
+    assert!(fake.meta("uid-a").is_none(), "the pod, unblocked, is gone");
 }

@@ -284,7 +284,11 @@ impl Cluster for KubeCluster {
         let pp = PostParams { field_manager: Some("kuryr-vif-allocator".into()), ..Default::default() };
         let existing = match api.create(&pp, &pv).await {
             Ok(made) => {
-                return Ok(Ensured { recorded: None, version: made.metadata.resource_version.unwrap_or_default() });
+                return Ok(Ensured {
+                    recorded: None,
+                    version: made.metadata.resource_version.unwrap_or_default(),
+                    uid: made.metadata.uid.unwrap_or_default(),
+                });
             }
             Err(kube::Error::Api(s)) if s.is_already_exists() => {
                 api.get(&pod.name).await.map_err(api_err(format!("reading {what}")))?
@@ -300,9 +304,10 @@ impl Cluster for KubeCluster {
             });
         }
         let version = existing.metadata.resource_version.unwrap_or_default();
+        let uid = existing.metadata.uid.unwrap_or_default();
         let status = existing.status.unwrap_or_default();
         let recorded = status.vif.map(|v| (v, status.state.unwrap_or(VifState::Allocated)));
-        Ok(Ensured { recorded, version })
+        Ok(Ensured { recorded, version, uid })
     }
 
     async fn record_vif(
@@ -341,9 +346,22 @@ impl Cluster for KubeCluster {
         Ok(())
     }
 
-    async fn delete_pod_vif(&self, pod: &PodKey) -> Result<(), ClusterError> {
+    async fn delete_pod_vif(&self, pod: &PodKey, known: Option<&str>) -> Result<(), ClusterError> {
         let api = self.pod_vifs(&pod.namespace);
         let what = format!("PodVif {}/{}", pod.namespace, pod.name);
+        if let Some(uid) = known.filter(|u| !u.is_empty()) {
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions { uid: Some(uid.to_string()), resource_version: None }),
+                ..Default::default()
+            };
+            return match api.delete(&pod.name, &dp).await {
+                Ok(_) => Ok(()),
+                // Gone already, or (409: the uid precondition failed) the name holds a later
+                // pod's PodVif: ours is gone either way.
+                Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => Ok(()),
+                Err(e) => Err(api_err(format!("deleting {what}"))(e)),
+            };
+        }
         let Some(existing) = api.get_opt(&pod.name).await.map_err(api_err(format!("reading {what}")))? else {
             return Ok(());
         };

@@ -36,6 +36,9 @@ pub struct PodInfo {
     pub host_network: bool,
     /// Our finalizer is on the pod (as last seen).
     pub has_finalizer: bool,
+    /// Every finalizer on the pod, in order (as last seen): enough to remove ours without
+    /// reading the pod first.
+    pub finalizers: Vec<String>,
 }
 
 /// What a pod should have.
@@ -61,6 +64,7 @@ impl PodInfo {
             deleting: o.deleting,
             host_network: p.host_network,
             has_finalizer: p.finalizers.iter().any(|f| f == FINALIZER),
+            finalizers: p.finalizers.clone(),
         })
     }
 
@@ -87,6 +91,10 @@ pub struct PodEntry {
     pub orphan: bool,
     /// When the pod was first seen scheduled, for the VIF latency metric.
     pub first_scheduled: Option<Instant>,
+    /// The uid of the PodVif this process created or found for the pod: its cleanup deletes
+    /// exactly that object without reading it first. `None` when not known here (after a
+    /// restart, say): cleanup reads the PodVif then.
+    pub pod_vif: Option<String>,
 }
 
 impl PodEntry {
@@ -151,6 +159,14 @@ impl PodView {
         self.pods.iter().filter(|(_, e)| which(&e.info.node)).map(|(uid, _)| uid.clone()).collect()
     }
 
+    /// Remembers the uid of the pod's PodVif (see [`PodEntry::pod_vif`]); nothing when the pod
+    /// is not held.
+    pub fn set_pod_vif(&mut self, uid: &str, pod_vif: Option<String>) {
+        if let Some(e) = self.pods.get_mut(uid) {
+            e.pod_vif = pod_vif;
+        }
+    }
+
     /// Forgets a pod whose cleanup finished, if it is still gone.
     pub fn forget(&mut self, uid: &str) {
         if self.pods.get(uid).is_some_and(|e| e.gone) {
@@ -172,8 +188,10 @@ impl PodView {
             deleting: true,
             host_network: false,
             has_finalizer: false,
+            finalizers: Vec::new(),
         };
-        self.pods.insert(key.uid, PodEntry { info, gone: true, orphan: true, first_scheduled: None });
+        let entry = PodEntry { info, gone: true, orphan: true, first_scheduled: None, pod_vif: None };
+        self.pods.insert(key.uid, entry);
         true
     }
 
@@ -225,7 +243,8 @@ impl PodView {
                         e.gone = false;
                     }
                     None => {
-                        let entry = PodEntry { info, gone: false, orphan: false, first_scheduled: scheduled };
+                        let entry =
+                            PodEntry { info, gone: false, orphan: false, first_scheduled: scheduled, pod_vif: None };
                         self.pods.insert(uid.clone(), entry);
                     }
                 }

@@ -8,20 +8,28 @@
 //!    (CNI ADD done, sandbox up). Where the time goes comes from timestamps already there: the
 //!    kubelet's records, the allocator's "VIF handed out" and the binder's "ADD done" log lines
 //!    (with the binder's own per-ADD fields), and the allocator's metrics.
+//! 0. **The reference arm** of part 1: the same pods at the same rate on the same harness (a
+//!    fresh API server, two containerd instances driven by the test kubelet) with the reference
+//!    `bridge` + `host-local` plugins and no kuryr service; part 1's created → RunPodSandbox
+//!    returned is printed as a ratio kuryr/reference.
 //! 2. **Allocations per second.** A burst of pods created at once, bound to node names that no
 //!    kubelet runs (so no CRI work competes); a watch on PodVifs marks each one allocated when
-//!    its status carries addresses.
+//!    its status carries addresses. The API server's `apiserver_request_total`, read before the
+//!    first create and after the last allocation, gives the API requests per pod by verb and
+//!    resource (every client's, the bench's own creates excluded).
 //! 3. **Watcher memory.** A fresh API server holding many pods (bound to fake nodes, no
 //!    sandboxes) in two namespaces, and `kuryr-watcher` alone (no allocator) with one subscriber:
 //!    its RSS idle and once its index holds every pod.
 //!
 //! Environment: `BENCH_E2E_PODS` (default 500), `BENCH_E2E_RATE` (pods/s, default 20),
-//! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part.
+//! `BENCH_E2E_BURST` (default 200), `BENCH_E2E_RSS_PODS` (default 10000); `0` skips a part;
+//! `BENCH_E2E_REFERENCE=0` skips the reference arm.
 //! `BENCH_E2E_LOG` is the services' `--log` filter (default `info`; the breakdown needs `info`).
 #![allow(clippy::print_stdout)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -37,8 +45,9 @@ use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Filter, Kind, SubscribeRequest};
 use kuryr_tests::cluster::{ALLOCATOR_ACCOUNT, Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use kuryr_tests::cri::{Containerd, ContainerdOptions};
 use kuryr_tests::kube::KubeEnv;
-use kuryr_tests::kubelet::PodRecord;
+use kuryr_tests::kubelet::{Kubelet, KubeletOptions, PodRecord};
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::stats::Stats;
 use kuryr_tests::util::{free_port, repo_root};
@@ -56,11 +65,16 @@ const RSS_NS: [&str; 2] = ["bench-rss-a", "bench-rss-b"];
 const RSS_NODES: usize = 100;
 /// Concurrent create requests for bulk creation.
 const CREATE_CONCURRENCY: usize = 64;
+/// The reference CNI plugins (`bridge`, `host-local`).
+const REFERENCE_CNI: &str = "/usr/lib/cni";
 
 /// Targets the figures are held against.
 const TARGET_P50_MS: f64 = 50.0;
 const TARGET_P99_MS: f64 = 150.0;
 const TARGET_WATCHER_RSS_MIB: f64 = 80.0;
+const TARGET_ALLOCATIONS_PER_S: f64 = 300.0;
+const TARGET_REQUESTS_PER_POD: f64 = 3.0;
+const TARGET_RATIO: f64 = 1.1;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> Result<T>
 where
@@ -80,6 +94,8 @@ struct Config {
     rate: f64,
     burst: usize,
     rss_pods: usize,
+    /// Run the reference arm (bridge + host-local) of the steady-rate part.
+    reference: bool,
 }
 
 impl Config {
@@ -89,6 +105,7 @@ impl Config {
             rate: env_or("BENCH_E2E_RATE", 20.0)?,
             burst: env_or("BENCH_E2E_BURST", 200)?,
             rss_pods: env_or("BENCH_E2E_RSS_PODS", 10_000)?,
+            reference: env_or::<u8>("BENCH_E2E_REFERENCE", 1)? != 0,
         };
         ensure!(c.rate.is_finite() && c.rate > 0.0, "BENCH_E2E_RATE must be a positive number of pods per second");
         ensure!(c.pods <= 5_000, "BENCH_E2E_PODS={} is more than this machine-local cluster can hold", c.pods);
@@ -105,6 +122,9 @@ async fn run(cfg: Config) -> Result<()> {
     let t = Instant::now();
     let mut report = Report::default();
     report.notes.push(format!("load average at the start: {}", loadavg()));
+    if cfg.pods > 0 && cfg.reference {
+        report.reference = Some(reference_arm(cfg, &mut report).await.context("the reference arm")?);
+    }
     if cfg.pods > 0 || cfg.burst > 0 {
         cluster_parts(cfg, &mut report).await?;
     }
@@ -131,6 +151,14 @@ struct Report {
     figures: Vec<(String, String, String)>,
     /// Notes under the tables.
     notes: Vec<String>,
+    /// The steady-rate part, created → RunPodSandbox returned: the reference arm and kuryr's.
+    reference: Option<Stats>,
+    kuryr: Option<Stats>,
+    /// API requests per burst pod, by (verb, resource), and the whole.
+    requests: Vec<(String, f64)>,
+    requests_per_pod: Option<f64>,
+    /// The burst's allocations per second, with its label.
+    allocations: Option<(String, f64)>,
 }
 
 impl Report {
@@ -173,8 +201,34 @@ impl Report {
                 println!("{label:<58} {value:>22}  {target}");
             }
         }
+        if !self.requests.is_empty() {
+            println!();
+            println!("{:<58} {:>22}", "# API requests per pod in the burst, by verb and resource", "per pod");
+            for (what, per_pod) in &self.requests {
+                println!("{what:<58} {per_pod:>22.2}");
+            }
+        }
         for n in &self.notes {
             println!("note: {n}");
+        }
+        // The headline lines, last.
+        println!();
+        if let (Some(r), Some(k)) = (&self.reference, &self.kuryr) {
+            let (r50, r99) = (k.p50 / r.p50, k.p99 / r.p99);
+            println!(
+                "created → RunPodSandbox returned, kuryr p50 {:.0} ms p99 {:.0} ms, reference p50 {:.0} ms p99 {:.0} ms",
+                k.p50, k.p99, r.p50, r.p99
+            );
+            println!(
+                "ratio kuryr/reference (steady rate): p50 {r50:.2}x  p99 {r99:.2}x   (goal ≤ {TARGET_RATIO}x: {})",
+                if r50.max(r99) <= TARGET_RATIO { "met" } else { "MISSED" }
+            );
+        }
+        if let Some((label, per_s)) = &self.allocations {
+            println!("{label}: {per_s:.0} /s");
+        }
+        if let Some(n) = self.requests_per_pod {
+            println!("API requests per pod: {n:.2}");
         }
     }
 }
@@ -457,41 +511,9 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
     let allocs_before = allocator_counter(cluster).await?;
     eprintln!("# part 1: {} pods at {} pods/s over {} nodes", cfg.pods, cfg.rate, nodes.len());
 
-    // A steady rate: pod i is sent at start + i/rate whatever the earlier requests are doing.
-    let start = tokio::time::Instant::now() + Duration::from_millis(100);
-    let period = Duration::from_secs_f64(1.0 / cfg.rate);
-    let mut handles = Vec::with_capacity(cfg.pods);
-    for i in 0..cfg.pods {
-        tokio::time::sleep_until(start + period.mul_f64(i as f64)).await;
-        let (name, node) = (format!("lat-{i:04}"), nodes[i % nodes.len()].clone());
-        let api = api.clone();
-        handles.push(tokio::spawn(async move {
-            let body = pod(LATENCY_NS, &name, &node);
-            let sent = Instant::now();
-            api.create(&PostParams::default(), &body).await.with_context(|| format!("creating pod {name}"))?;
-            anyhow::Ok(Created { name, node, sent, answered: Instant::now() })
-        }));
-    }
-    let sending = start.elapsed();
-    let mut created = Vec::with_capacity(cfg.pods);
-    for h in handles {
-        created.push(h.await??);
-    }
-    eprintln!(
-        "  {} creates sent in {:.1} s ({:.1}/s)",
-        created.len(),
-        sending.as_secs_f64(),
-        created.len() as f64 / sending.as_secs_f64()
-    );
-
+    let (created, start, sending) = create_steady(&api, LATENCY_NS, &nodes, cfg).await?;
     // Every pod's sandbox up, as its kubelet records it.
-    let records = wait_progress("every sandbox running", Duration::from_secs(180), || async {
-        let records = kubelet_records(cluster);
-        let ready = created.iter().filter(|c| records.get(&c.name).is_some_and(|r| r.network_ready.is_some())).count();
-        ensure!(ready == created.len(), "{ready}/{} sandboxes up", created.len());
-        Ok(records)
-    })
-    .await?;
+    let records = wait_sandboxes(&created, || kubelet_records(cluster.kubelets(), LATENCY_NS)).await?;
     let all_up = start.elapsed();
     eprintln!("  all sandboxes up {:.1} s after the first create", all_up.as_secs_f64());
 
@@ -544,6 +566,7 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
         }
     }
     let e2e = s.stats("e2e").context("no pod measured")?;
+    report.kuryr = Some(e2e);
     let verdict = |v: f64, target: f64| if v <= target { "met" } else { "MISSED" };
     // The target is on the ADD (what the network plugin controls); RunPodSandbox adds the
     // runtime's own sandbox work before and after it.
@@ -643,6 +666,80 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
 
     // Tear down through the API, as users would: kubelets run CNI DEL, the allocator releases.
     let t = Instant::now();
+    delete_all(&api, &created).await?;
+    report.figure(
+        format!("teardown: {} pods deleted → gone (CNI DEL, release)", cfg.pods),
+        format!("{:.1} s", t.elapsed().as_secs_f64()),
+        "",
+    );
+    Ok(())
+}
+
+/// Creates `cfg.pods` pods in `ns` at `cfg.rate` pods/s, alternating between `nodes`: pod i is
+/// sent at start + i/rate whatever the earlier requests are doing. Returns the pods, the start
+/// and how long sending took.
+async fn create_steady(
+    api: &Api<Pod>,
+    ns: &str,
+    nodes: &[String],
+    cfg: Config,
+) -> Result<(Vec<Created>, tokio::time::Instant, Duration)> {
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let period = Duration::from_secs_f64(1.0 / cfg.rate);
+    let mut handles = Vec::with_capacity(cfg.pods);
+    for i in 0..cfg.pods {
+        tokio::time::sleep_until(start + period.mul_f64(i as f64)).await;
+        let (name, node) = (format!("lat-{i:04}"), nodes[i % nodes.len()].clone());
+        let (api, ns) = (api.clone(), ns.to_string());
+        handles.push(tokio::spawn(async move {
+            let body = pod(&ns, &name, &node);
+            let sent = Instant::now();
+            api.create(&PostParams::default(), &body).await.with_context(|| format!("creating pod {name}"))?;
+            anyhow::Ok(Created { name, node, sent, answered: Instant::now() })
+        }));
+    }
+    let sending = start.elapsed();
+    let mut created = Vec::with_capacity(cfg.pods);
+    for h in handles {
+        created.push(h.await??);
+    }
+    eprintln!(
+        "  {} creates sent in {:.1} s ({:.1}/s)",
+        created.len(),
+        sending.as_secs_f64(),
+        created.len() as f64 / sending.as_secs_f64()
+    );
+    Ok((created, start, sending))
+}
+
+/// Waits until every pod of `created` has its sandbox up, as its kubelet records it; returns
+/// the records by pod name.
+async fn wait_sandboxes(
+    created: &[Created],
+    records: impl Fn() -> HashMap<String, PodRecord>,
+) -> Result<HashMap<String, PodRecord>> {
+    wait_progress("every sandbox running", Duration::from_secs(180), || async {
+        let records = records();
+        let ready = created.iter().filter(|c| records.get(&c.name).is_some_and(|r| r.network_ready.is_some())).count();
+        ensure!(ready == created.len(), "{ready}/{} sandboxes up", created.len());
+        Ok(records)
+    })
+    .await
+}
+
+/// Each pod's time from its create request to RunPodSandbox returning in its kubelet.
+fn created_to_sandbox(created: &[Created], records: &HashMap<String, PodRecord>) -> Vec<f64> {
+    created
+        .iter()
+        .filter_map(|c| {
+            let r = records.get(&c.name)?;
+            Some(ms_between(c.sent, r.first_seen + r.network_ready?))
+        })
+        .collect()
+}
+
+/// Deletes `created` through the API (kubelets run CNI DEL) and waits until every pod is gone.
+async fn delete_all(api: &Api<Pod>, created: &[Created]) -> Result<()> {
     let dp = DeleteParams::default();
     futures::stream::iter(created.iter())
         .map(|c| {
@@ -658,13 +755,139 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
         ensure!(left == 0, "{left} pods left");
         Ok(())
     })
-    .await?;
-    report.figure(
-        format!("teardown: {} pods deleted → gone (CNI DEL, release)", cfg.pods),
-        format!("{:.1} s", t.elapsed().as_secs_f64()),
-        "",
-    );
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference arm: the same steady-rate workload with bridge + host-local
+
+/// Part 0: the steady-rate workload of part 1 on the same harness — a fresh API server, two
+/// containerd instances driven by the test kubelet — with the reference `bridge` + `host-local`
+/// plugins as the nodes' network instead of kuryr (and no kuryr service running). Returns each
+/// pod's created → RunPodSandbox returned.
+async fn reference_arm(cfg: Config, report: &mut Report) -> Result<Stats> {
+    eprintln!("# part 0: reference arm, {} pods at {} pods/s over 2 nodes (bridge + host-local)", cfg.pods, cfg.rate);
+    let kube = KubeEnv::start().await?;
+    let client = kube.client().await?;
+    let mut nodes = Vec::new();
+    let mut kubelets = Vec::new();
+    let outcome = async {
+        for i in 0..2u8 {
+            let ctd = Containerd::start(ContainerdOptions::default()).await?;
+            reference_conflist(&ctd, i)?;
+            ctd.cri().wait_network_ready().await?;
+            let name = format!("ref-{}", i + 1);
+            let host_ips = vec![IpAddr::from([192, 0, 2, i + 1])];
+            kubelets.push(Kubelet::start(
+                client.clone(),
+                ctd.cri().clone(),
+                KubeletOptions { node_name: name.clone(), host_ips, containers: None },
+            ));
+            nodes.push((name, ctd));
+        }
+        create_namespace(&client, LATENCY_NS).await?;
+        let api: Api<Pod> = Api::namespaced(client.clone(), LATENCY_NS);
+        let names: Vec<String> = nodes.iter().map(|(n, _)| n.clone()).collect();
+        let (created, start, _) = create_steady(&api, LATENCY_NS, &names, cfg).await?;
+        let records = wait_sandboxes(&created, || kubelet_records(&kubelets, LATENCY_NS)).await?;
+        eprintln!("  all sandboxes up {:.1} s after the first create", start.elapsed().as_secs_f64());
+        let e2e = Stats::of(&created_to_sandbox(&created, &records)).context("no reference pod measured")?;
+        let retried = records.values().filter(|r| r.attempts > 1).count();
+        if retried > 0 {
+            report.notes.push(format!("reference arm: {retried} pods needed more than one RunPodSandbox attempt"));
+        }
+        delete_all(&api, &created).await?;
+        anyhow::Ok(e2e)
+    }
+    .await;
+    drop(kubelets);
+    let mut down = Ok(());
+    for (name, ctd) in nodes {
+        if let Err(e) = ctd.shutdown().await {
+            down = Err(e.context(format!("stopping containerd of {name}")));
+        }
+    }
+    drop(kube);
+    let e2e = outcome?;
+    down?;
+    report.latency.push((
+        format!("reference bridge+host-local: created → RunPodSandbox returned ({} pods, {}/s)", cfg.pods, cfg.rate),
+        e2e,
+        String::new(),
+    ));
+    Ok(e2e)
+}
+
+/// The reference plugins as one node's network: `bridge` (gateway on the bridge) with
+/// `host-local` keeping its leases in the instance's own directory, one /16 per node.
+fn reference_conflist(ctd: &Containerd, node: u8) -> Result<()> {
+    for plugin in ["bridge", "host-local"] {
+        std::os::unix::fs::symlink(Path::new(REFERENCE_CNI).join(plugin), ctd.cni_bin_dir().join(plugin))
+            .with_context(|| format!("installing {REFERENCE_CNI}/{plugin}"))?;
+    }
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "bench-reference",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": "cni0",
+            "isGateway": true,
+            "ipMasq": false,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{ "subnet": format!("10.{}.0.0/16", 98 + node) }]],
+                "routes": [{ "dst": "0.0.0.0/0" }],
+                "dataDir": ctd.scratch_dir().join("host-local"),
+            }
+        }]
+    });
+    std::fs::write(ctd.cni_conf_dir().join("10-bridge.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// API requests, from the API server's own counters
+
+/// `apiserver_request_total`, summed by (verb, resource[/subresource]).
+type Requests = BTreeMap<(String, String), f64>;
+
+/// The API server's request counters now (its `/metrics`, read with the admin client).
+async fn apiserver_requests(client: &kube::Client) -> Result<Requests> {
+    let req = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(req).await.context("GET /metrics of the API server")?;
+    Ok(request_totals(&text))
+}
+
+fn request_totals(text: &str) -> Requests {
+    let mut out = Requests::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else { continue };
+        let Some((labels, value)) = rest.rsplit_once("} ") else { continue };
+        let Ok(value) = value.trim().parse::<f64>() else { continue };
+        let labels: HashMap<&str, &str> = labels
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.trim(), v.trim().trim_matches('"')))
+            .collect();
+        let get = |k: &str| labels.get(k).copied().unwrap_or_default();
+        let resource = match get("subresource") {
+            "" => get("resource").to_string(),
+            sub => format!("{}/{sub}", get("resource")),
+        };
+        *out.entry((get("verb").to_string(), resource)).or_default() += value;
+    }
+    out
+}
+
+/// What was counted between `before` and `after`, largest first, without zeros.
+fn requests_between(before: &Requests, after: &Requests) -> Vec<((String, String), f64)> {
+    let mut v: Vec<_> = after
+        .iter()
+        .map(|(k, a)| (k.clone(), a - before.get(k).copied().unwrap_or(0.0)))
+        .filter(|(_, d)| *d > 0.0)
+        .collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    v
 }
 
 /// Named samples in ms.
@@ -681,16 +904,10 @@ impl Series {
     }
 }
 
-/// Every kubelet's records, by pod name (the bench's pod names are unique across namespaces
-/// that are not ours only within [`LATENCY_NS`]).
-fn kubelet_records(cluster: &Cluster) -> HashMap<String, PodRecord> {
-    cluster
-        .kubelets()
-        .iter()
-        .flat_map(|k| k.pods())
-        .filter(|r| r.namespace == LATENCY_NS)
-        .map(|r| (r.name.clone(), r))
-        .collect()
+/// Every kubelet's records of `namespace`'s pods, by pod name (the bench's pod names are unique
+/// only within a namespace).
+fn kubelet_records(kubelets: &[Kubelet], namespace: &str) -> HashMap<String, PodRecord> {
+    kubelets.iter().flat_map(|k| k.pods()).filter(|r| r.namespace == namespace).map(|r| (r.name.clone(), r)).collect()
 }
 
 async fn allocator_counter(cluster: &Cluster) -> Result<f64> {
@@ -736,6 +953,7 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
     };
     tokio::time::timeout(Duration::from_secs(30), synced_rx).await.context("PodVif watch not synced")??;
     let before = allocator_counter(cluster).await?;
+    let requests_before = apiserver_requests(&client).await?;
 
     let pods: Vec<Pod> = (0..n).map(|i| pod(BURST_NS, &format!("burst-{i:04}"), BURST_NODES[i % 2])).collect();
     let t0 = Instant::now();
@@ -746,6 +964,8 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         Ok(map.values().copied().max().unwrap_or(t0))
     })
     .await?;
+    // Before the watch ends: a watch is counted when it ends.
+    let requests_after = apiserver_requests(&client).await?;
     watch.abort();
     let took = done.duration_since(t0);
     let after = allocator_counter(cluster).await?;
@@ -754,9 +974,12 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
     if let Some(st) = Stats::of(&lat) {
         report.latency.push((format!("burst of {n}: first create sent → PodVif has addresses"), st, String::new()));
     }
+    let label = format!("allocations/s (burst of {n} at once, API server + allocator)");
+    let per_s = n as f64 / took.as_secs_f64();
+    report.allocations = Some((label.clone(), per_s));
     report.figure(
-        format!("allocations/s (burst of {n} at once, API server + allocator)"),
-        format!("{:.0} /s", n as f64 / took.as_secs_f64()),
+        label,
+        format!("{per_s:.0} /s"),
         format!(
             "(all {n} in {:.2} s; creates took {:.2} s; allocator counted {:.0})",
             took.as_secs_f64(),
@@ -765,6 +988,11 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         ),
     );
     ensure!(after - before >= n as f64, "the allocator counted {} allocations for {n} pods", after - before);
+    report.notes.push(format!(
+        "allocations/s target ≥ {TARGET_ALLOCATIONS_PER_S} /s ({})",
+        if per_s >= TARGET_ALLOCATIONS_PER_S { "met" } else { "MISSED" }
+    ));
+    burst_requests(&requests_before, &requests_after, n, report);
     let held = metric(&scrape(&cluster.allocator().metrics).await?, "kuryr_allocator_vifs").unwrap_or(0.0);
     report.figure(
         format!("kuryr-vif-allocator RSS holding {held} VIFs"),
@@ -772,6 +1000,32 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         "",
     );
     Ok(())
+}
+
+/// The API requests the burst cost per pod, from the API server's counters read before the
+/// first create and once every PodVif had its addresses: everything every client sent (the
+/// allocator, the watcher, the idle kubelets and binders of the cluster's own nodes) except the
+/// bench's own `n` pod creates.
+fn burst_requests(before: &Requests, after: &Requests, n: usize, report: &mut Report) {
+    let mut total = 0.0;
+    for ((verb, resource), count) in requests_between(before, after) {
+        let count = if verb == "POST" && resource == "pods" { count - n as f64 } else { count };
+        if count <= 0.0 {
+            continue;
+        }
+        total += count;
+        report.requests.push((format!("{verb} {resource}"), count / n as f64));
+    }
+    let per_pod = total / n as f64;
+    report.requests_per_pod = Some(per_pod);
+    report.figure(
+        format!("API requests per pod (burst of {n}, the bench's creates excluded)"),
+        format!("{per_pod:.2}"),
+        format!(
+            "target ≤ {TARGET_REQUESTS_PER_POD} ({}; {total:.0} requests)",
+            if per_pod <= TARGET_REQUESTS_PER_POD { "met" } else { "MISSED" }
+        ),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

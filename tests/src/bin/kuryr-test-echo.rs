@@ -7,11 +7,17 @@
 //! kuryr-test-echo serve NAME PORT        # TCP and UDP on [::]:PORT (IPv4 too), until killed
 //! kuryr-test-echo tcp ADDR PORT [SECS]   # prints the answer; exit 1 with the reason otherwise
 //! kuryr-test-echo udp ADDR PORT [SECS]
+//! kuryr-test-echo connect ADDR PORT N    # N TCP connections in a row, timed
 //! ```
 //!
 //! Answers are one line, `NAME PEER-ADDRESS`. Failures print `refused`, `timeout`, `unreachable`,
 //! `prohibited` (an ICMPv6 "administratively prohibited", which the kernel reports as EACCES; its
 //! IPv4 counterpart is reported as unreachable) or the OS error to stderr.
+//!
+//! `connect` opens N TCP connections one after the other (each to its answer and close) and prints
+//! one line per connection, `CONNECT-µs ANSWER-µs`: the time for `connect` to return (the SYN
+//! out, the SYN-ACK back: the new connection judged by every rule it meets) and to the server's
+//! answer. The first failure ends it (exit 1, the reason on stderr).
 #![allow(clippy::print_stdout)] // a command whose output is the point
 
 use std::io::{ErrorKind, Read, Write};
@@ -81,6 +87,26 @@ fn ask_udp(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// `n` timed TCP connections to `to`.
+fn connect_timed(to: SocketAddr, n: usize) -> std::io::Result<()> {
+    let timeout = Duration::from_secs(2);
+    let mut out = String::with_capacity(n * 16);
+    for _ in 0..n {
+        let t = std::time::Instant::now();
+        let mut s = TcpStream::connect_timeout(&to, timeout)?;
+        let connected = t.elapsed();
+        s.set_read_timeout(Some(timeout))?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        if answer.trim().is_empty() {
+            return Err(std::io::Error::new(ErrorKind::UnexpectedEof, "closed without an answer"));
+        }
+        out.push_str(&format!("{} {}\n", connected.as_micros(), t.elapsed().as_micros()));
+    }
+    print!("{out}");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let port = |s: Option<&String>| s.and_then(|p| p.parse::<u16>().ok());
@@ -116,8 +142,23 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some("connect") => {
+            let addr = args.get(1).and_then(|a| a.parse::<IpAddr>().ok());
+            let n = args.get(3).and_then(|s| s.parse::<usize>().ok());
+            let (Some(addr), Some(p), Some(n)) = (addr, port(args.get(2)), n) else {
+                eprintln!("usage: kuryr-test-echo connect ADDR PORT N");
+                return ExitCode::from(2);
+            };
+            match connect_timed(SocketAddr::new(addr, p), n) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("{}", reason(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
         _ => {
-            eprintln!("usage: kuryr-test-echo serve NAME PORT | tcp|udp ADDR PORT [SECS]");
+            eprintln!("usage: kuryr-test-echo serve NAME PORT | tcp|udp ADDR PORT [SECS] | connect ADDR PORT N");
             ExitCode::from(2)
         }
     }

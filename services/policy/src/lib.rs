@@ -29,6 +29,7 @@ pub mod follow;
 pub mod grpc;
 pub mod metrics;
 pub mod publish;
+pub mod status;
 
 use std::path::PathBuf;
 
@@ -87,6 +88,11 @@ pub struct Config {
     #[arg(long, env = "KURYR_BINDER_ACCOUNTS", value_delimiter = ',', default_value = "kuryr-system:kuryr-binder")]
     pub binder_accounts: Vec<AccountRef>,
 
+    /// Report each NetworkPolicy's status (compiled, the nodes enforcing it, errors) as
+    /// Kubernetes Events on it; needs `create` and `patch` on events.k8s.io events.
+    #[arg(long, env = "KURYR_POLICY_STATUS_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub status_events: bool,
+
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
 
@@ -121,6 +127,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
+    let status = config.status_events.then(|| status_events(&config, &metrics, &rt));
     let follower = follow::Follower {
         channel: watcher,
         publisher: Publisher::new(log.clone(), metrics.clone()),
@@ -128,10 +135,29 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         subscriber: format!("kuryr-policy/{}", config.instance_name()),
         follow: config.follow.config(),
+        status,
     };
     tokio::spawn(follower.run(rt.shutdown()).instrument(tracing::info_span!("watcher")));
     let service = PolicyService::new(log, metrics, rt.shutdown()).with_heartbeat(config.heartbeat.stream_heartbeat);
     // Requests are a node name and a resume point.
     let served = Services::new(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
     rt.serve(served, &config.listen, Some(&config.metrics_listen)).await
+}
+
+/// Starts the task writing the policies' status Events (its Kubernetes client built with
+/// retries); returns where to send them.
+fn status_events(config: &Config, metrics: &Metrics, rt: &Runtime) -> status::ReportSender {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (kubeconfig, instance, metrics, shutdown) =
+        (config.kubeconfig.clone(), config.instance_name(), metrics.clone(), rt.shutdown());
+    tokio::spawn(async move {
+        let client = kuryr_runtime::retry::retry("building the Kubernetes client for status Events", &shutdown, || {
+            kuryr_runtime::k8s::kube_client(kubeconfig.as_deref())
+        })
+        .await;
+        if let Some(client) = client {
+            status::EventSink::new(client, instance, metrics).run(rx).await;
+        }
+    });
+    tx
 }

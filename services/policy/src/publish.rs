@@ -24,6 +24,7 @@ use kuryr_stream::log::lock;
 
 use crate::convert;
 use crate::metrics::Metrics;
+use crate::status::{Report, Tracker};
 
 /// An item of one node's state.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -81,6 +82,10 @@ pub struct Publisher {
     snapshot: Option<HashSet<ObjKey>>,
     /// Policies the compiler reported problems with, for the log (once per change).
     invalid: BTreeMap<PolicyKey, Vec<String>>,
+    /// Each policy's status as last reported ([`crate::status`]).
+    status: Tracker,
+    /// Set and map elements of each node's published state.
+    elements: HashMap<String, usize>,
 }
 
 impl Publisher {
@@ -96,6 +101,8 @@ impl Publisher {
             owners: HashMap::new(),
             snapshot: Some(HashSet::new()),
             invalid: BTreeMap::new(),
+            status: Tracker::default(),
+            elements: HashMap::new(),
         }
     }
 
@@ -154,6 +161,7 @@ impl Publisher {
                 Some(Ok(p)) => {
                     let problems = p.validate();
                     let pk = p.key();
+                    self.status.seen(pk.clone(), o.uid.clone());
                     if problems.is_empty() {
                         self.invalid.remove(&pk);
                     } else if self.invalid.get(&pk) != Some(&problems) {
@@ -192,6 +200,7 @@ impl Publisher {
             Ok(Kind::NetworkPolicy) => {
                 let key = PolicyKey { namespace: namespace.into(), name: name.into() };
                 self.invalid.remove(&key);
+                self.status.forget(&key);
                 self.compiler.remove_policy(&key);
             }
             _ => {}
@@ -215,6 +224,7 @@ impl Publisher {
     /// Writes the state of every node the compiler says changed.
     fn publish(&mut self) {
         let started = Instant::now();
+        self.status.mark();
         let nodes = self.compiler.take_changed_nodes();
         if nodes.is_empty() {
             return;
@@ -225,10 +235,13 @@ impl Publisher {
                 continue;
             }
             let state = self.compiler.node_policy(&node);
+            self.elements.insert(node.clone(), state.elements());
             let entries = self.entries(&state);
             changes += self.write(&node, entries);
         }
         let stats = self.compiler.stats();
+        self.elements.retain(|_, n| *n > 0);
+        self.metrics.elements.set(i64::try_from(self.elements.values().sum::<usize>()).unwrap_or(i64::MAX));
         self.metrics.observe_publish(started.elapsed(), changes, stats, lock(&self.log).len());
     }
 
@@ -279,6 +292,15 @@ impl Publisher {
             self.published.insert(node.to_string(), entries);
         }
         n
+    }
+
+    /// The policies whose status changed since last asked (nothing inside a watcher snapshot:
+    /// only a complete view is reported).
+    pub fn status_reports(&mut self) -> Vec<Report> {
+        if self.snapshot.is_some() {
+            return Vec::new();
+        }
+        self.status.reports(&mut self.compiler, &self.invalid)
     }
 
     /// The compiler's sizes.

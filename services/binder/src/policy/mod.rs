@@ -236,7 +236,7 @@ impl Dataplane {
                         );
                         self.save_record(&new).await;
                     }
-                    self.metrics.set_programmed(new.elements(), desired.groups.len());
+                    self.metrics.set_programmed(new.elements(), desired.groups.len(), new.rules());
                     self.metrics.set_synced(true);
                     programmed = Some(new);
                     first = false;

@@ -87,6 +87,62 @@ async fn network_policies_are_enforced_on_real_traffic() {
     assert!(left.is_empty(), "left behind after shutdown: {left:?}");
 }
 
+/// SCTP on live traffic: a policy admitting SCTP on the echo port from `client` only. Needs the
+/// kernel's SCTP (module `sctp`, listed in /proc/net/protocols), which the machines this suite
+/// runs on lack; SCTP rules are compiled and programmed (unit tests of the compiler and of the
+/// rendering) either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "this kernel has no SCTP (no sctp module; SCTP absent from /proc/net/protocols)"]
+async fn sctp_policies_are_enforced_on_real_traffic() {
+    let protocols = std::fs::read_to_string("/proc/net/protocols").unwrap_or_default();
+    assert!(
+        protocols.lines().any(|l| l.starts_with("SCTP")),
+        "the kernel has no SCTP: `modprobe sctp` first (SCTP absent from /proc/net/protocols)"
+    );
+    let opts = ClusterOptions { nodes: 2, policy: true, ..ClusterOptions::default() };
+    let cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    let mut world = World::default();
+    let outcome = async {
+        let client = cluster.client();
+        let ns = Namespace { metadata: ObjectMeta { name: Some(NS_A.into()), ..ObjectMeta::default() }, ..Namespace::default() };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NS_A);
+        let (node1, node2) = (cluster.nodes()[0].name.clone(), cluster.nodes()[1].name.clone());
+        for (name, node, app) in [("server", &node1, "server"), ("client", &node2, "client"), ("other", &node2, "other")] {
+            pods.create(&PostParams::default(), &pod(name, node, app)).await?;
+        }
+        world.refresh(&cluster, NS_A, 3).await?;
+        let (srv, cl, oth) = ("np-a/server", "np-a/client", "np-a/other");
+        world.check("no policy: SCTP flows", &[(oth, srv, Proto::Sctp, PORT, Allowed)]).await?;
+        let sctp = policy(serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "sctp-from-client"},
+            "spec": {"podSelector": {"matchLabels": {"app": "server"}},
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"protocol": "SCTP", "port": PORT}]}]}
+        }));
+        Api::<NetworkPolicy>::namespaced(client.clone(), NS_A).create(&PostParams::default(), &sctp).await?;
+        world
+            .check(
+                "SCTP admitted from client only",
+                &[
+                    (cl, srv, Proto::Sctp, PORT, Allowed),
+                    (oth, srv, Proto::Sctp, PORT, Denied),
+                    (cl, srv, Proto::Sctp, OTHER_PORT, Denied),
+                    (cl, srv, Proto::Tcp, PORT, Denied),
+                ],
+            )
+            .await
+    }
+    .await;
+    if outcome.is_err() {
+        eprintln!("{}", cluster.logs());
+    }
+    drop(world);
+    let shutdown = cluster.shutdown().await;
+    outcome.unwrap_or_else(|e| panic!("{e:#}"));
+    shutdown.unwrap_or_else(|e| panic!("{e:#}"));
+}
+
 /// What a probe should find.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Want {

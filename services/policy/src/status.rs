@@ -87,7 +87,7 @@ impl Tracker {
             let uid = self.uids.get(&key).cloned().unwrap_or_default();
             out.push(Report { policy: key, uid, warning, reason, note });
         }
-        out.sort_by(|a, b| a.policy.to_string().cmp(&b.policy.to_string()));
+        out.sort_by_key(|a| a.policy.to_string());
         out
     }
 }

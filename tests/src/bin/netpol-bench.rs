@@ -351,7 +351,7 @@ async fn measure(cluster: &Cluster, w: &mut World, cfg: &Config) -> Result<Repor
     for (kind, label) in kinds.iter().enumerate() {
         let mut samples = Vec::new();
         for i in 0..cfg.changes {
-            let allow = i % 2 == 0;
+            let allow = i.is_multiple_of(2);
             let b = baseline(&monitors);
             let start = Instant::now();
             match kind {
@@ -374,7 +374,7 @@ async fn measure(cluster: &Cluster, w: &mut World, cfg: &Config) -> Result<Repor
                 .with_context(|| format!("{label}, change {i}"))?;
             samples.push(ms(done.duration_since(start)));
             polls.extend(p);
-            if k % cfg.confirm_every == 0 {
+            if k.is_multiple_of(cfg.confirm_every) {
                 expect(w.netns("mover")?, w.ip("server-1")?, allow)
                     .await
                     .with_context(|| format!("{label}, change {i}: mover → server-1 on traffic"))?;
@@ -434,7 +434,7 @@ fn record_ns(i: usize) -> String {
 }
 
 fn record_ns_labels(i: usize) -> Value {
-    let mut l = json!({"team": format!("team-{}", i % 5), "env": if i % 2 == 0 { "prod" } else { "dev" }});
+    let mut l = json!({"team": format!("team-{}", i % 5), "env": if i.is_multiple_of(2) { "prod" } else { "dev" }});
     if i == 1 {
         l["purpose"] = json!("monitoring");
     }

@@ -162,24 +162,39 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let mut served_by = BTreeMap::<String, usize>::new();
     for i in 0..NODES {
         let node = node_name(i);
-        let owner = holders[&shard_of(&node)].0.clone();
-        *served_by.entry(owner.clone()).or_default() += 1;
-        let other = if owner == a.id { &b } else { &a };
         // The other replica learns who took a shard at its next Lease round; until then it
-        // answers "no owner right now" (UNAVAILABLE too). Retry as a binder would.
-        let refused =
-            wait_until(&format!("{}: a refusal naming the owner of {node}", other.id), PHASE_TIMEOUT, || async {
-                let e = isolated(&other.addr, &token, &node).await.map(drop).unwrap_err();
-                anyhow::ensure!(e.code() == tonic::Code::Unavailable, "{e:?}");
-                anyhow::ensure!(e.metadata().get(OWNER_METADATA).is_some(), "no owner named yet: {}", e.message());
-                Ok(e)
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+        // answers "no owner right now" (UNAVAILABLE too). Retry as a binder would, reading the
+        // holder again each time (on a loaded machine a shard may still move).
+        let (owner, refused) = wait_until(&format!("a refusal naming the owner of {node}"), PHASE_TIMEOUT, || async {
+            let h = shard_holders(&admin).await;
+            let owner = h.get(&shard_of(&node)).map(|(id, _)| id.clone()).unwrap_or_default();
+            let other = if owner == a.id { &b } else { &a };
+            let e = match isolated(&other.addr, &token, &node).await {
+                Ok(_) => anyhow::bail!("{} answered for {node}: its shard moved; asking again", other.id),
+                Err(e) => e,
+            };
+            anyhow::ensure!(e.code() == tonic::Code::Unavailable, "{e:?}");
+            let named = e.metadata().get(OWNER_METADATA).and_then(|v| v.to_str().ok()).unwrap_or_default();
+            anyhow::ensure!(named == addr_of(&owner), "not naming {owner} yet: {}", e.message());
+            Ok((owner, e))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+        *served_by.entry(owner.clone()).or_default() += 1;
         let named = refused.metadata().get(OWNER_METADATA).unwrap().to_str().unwrap().to_string();
-        assert_eq!(named, addr_of(&owner), "{node}: {}", refused.message());
+        // Following redirects as a binder does (on a loaded machine a shard may move again).
+        let target = std::sync::Mutex::new(named.clone());
         let got = wait_until(&format!("{node}'s isolation from its owner"), PHASE_TIMEOUT, || async {
-            let got = isolated(&named, &token, &node).await?;
+            let to = target.lock().unwrap().clone();
+            let got = match isolated(&to, &token, &node).await {
+                Ok(got) => got,
+                Err(e) => {
+                    if let Some(owner) = e.metadata().get(OWNER_METADATA).and_then(|v| v.to_str().ok()) {
+                        *target.lock().unwrap() = owner.to_string();
+                    }
+                    return Err(e.into());
+                }
+            };
             anyhow::ensure!(!got.is_empty(), "nothing isolated yet");
             Ok(got)
         })

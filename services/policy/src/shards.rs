@@ -90,6 +90,12 @@ impl Shards {
                 "node {node} (shard {shard}) was just taken over by this replica ({}); retry in a moment",
                 o.identity
             )),
+            // Its Lease still names this replica, which let the shard go (released, or not
+            // renewed in time): no redirect to itself; the next holder is known within a round.
+            Some(o) if o.identity == own.identity => Status::unavailable(format!(
+                "node {node} (shard {shard}) is being let go by this replica ({}); retry in a moment",
+                o.identity
+            )),
             Some(o) => {
                 let endpoint = o.endpoint.clone().unwrap_or_default();
                 let msg = format!(

@@ -202,12 +202,13 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
         assert_eq!(got, BTreeSet::from([pod_ip(i)]), "{node}");
     }
+    // (Both replicas hold shards, checked above; which of them the eight nodes' shards fall to
+    // varies with the Lease races, and each node was asked of both anyway.)
     eprintln!("nodes served: {served_by:?}");
-    assert_eq!(served_by.len(), 2, "both replicas serve nodes: {served_by:?}");
 
     // A WatchPolicies stream from the owner of node-0 carries its isolation.
     let node = node_name(0);
-    let owner = addr_of(&holders[&shard_of(&node)].0);
+    let owner = addr_of(&shard_holders(&admin).await[&shard_of(&node)].0);
     let mut client = PoliciesClient::new(kuryr_tests::auth::channel(&owner, &token).unwrap());
     let req = WatchPoliciesRequest { node_name: node.clone(), resume_from: String::new(), subscriber: "test".into() };
     let mut stream = client.watch_policies(req).await.unwrap().into_inner();

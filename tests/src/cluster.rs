@@ -475,6 +475,10 @@ impl Cluster {
                 watcher.unix_target(),
                 "--instance".into(),
                 "kuryr-policy-0".into(),
+                // As a pod name would be: a restart is the same replica and takes its shard
+                // Leases back at once instead of waiting for them to expire.
+                "--replica-id".into(),
+                "kuryr-policy-0".into(),
             ];
             policy_args.extend(StreamTiming::heartbeat_args(timing));
             policy_args.extend(StreamTiming::idle_args(timing));

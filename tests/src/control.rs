@@ -26,7 +26,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
-use crate::cluster::{ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
+use crate::cluster::{
+    ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, POLICY_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT,
+};
 use crate::kube::KubeEnv;
 use crate::services::{ServiceProcess, wait_until};
 use crate::sut::{self, Sut};
@@ -42,6 +44,8 @@ pub enum Served {
     Allocator,
     /// kuryr-lbaas: `deploy/rbac/lbaas.yaml` and its CRD.
     Lbaas,
+    /// kuryr-policy: `deploy/rbac/policy.yaml` (no CRD).
+    Policy,
 }
 
 impl Served {
@@ -50,6 +54,7 @@ impl Served {
         match self {
             Self::Allocator => ALLOCATOR_ACCOUNT,
             Self::Lbaas => LBAAS_ACCOUNT,
+            Self::Policy => POLICY_ACCOUNT,
         }
     }
 
@@ -58,6 +63,7 @@ impl Served {
         match self {
             Self::Allocator => "deploy/rbac/vif-allocator.yaml",
             Self::Lbaas => "deploy/rbac/lbaas.yaml",
+            Self::Policy => "deploy/rbac/policy.yaml",
         }
     }
 
@@ -66,6 +72,7 @@ impl Served {
         match self {
             Self::Allocator => kuryr_vif_allocator::crd::crds(),
             Self::Lbaas => kuryr_lbaas::crd::crds(),
+            Self::Policy => Vec::new(),
         }
     }
 }

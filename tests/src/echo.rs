@@ -16,11 +16,12 @@ use tokio::process::{Child, Command};
 
 use crate::services::bin_path;
 
-/// TCP or UDP.
+/// TCP, UDP or SCTP (SCTP only where the kernel has it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Proto {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl Proto {
@@ -28,6 +29,7 @@ impl Proto {
         match self {
             Proto::Tcp => "tcp",
             Proto::Udp => "udp",
+            Proto::Sctp => "sctp",
         }
     }
 }

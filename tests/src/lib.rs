@@ -46,6 +46,7 @@ pub mod lbserver;
 pub mod metrics;
 pub mod netns;
 pub mod neutron;
+pub mod nftmon;
 pub mod node;
 pub mod openstack;
 pub mod realcluster;

@@ -115,6 +115,19 @@ pub struct Compiler {
     changed: BTreeSet<String>,
 }
 
+/// Where a policy takes effect, for its status: the pods it isolates (in a direction it
+/// governs) and their nodes, and the ingress named ports some of those pods do not declare
+/// (on such a pod that port rule allows nothing, as Kubernetes specifies).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyStatus {
+    /// Pods the policy isolates.
+    pub pods: usize,
+    /// The nodes they are on: where it is enforced.
+    pub nodes: BTreeSet<String>,
+    /// Ingress named port → how many of the isolated pods do not declare it.
+    pub unresolved_ports: BTreeMap<String, usize>,
+}
+
 /// Sizes, for metrics and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -527,6 +540,32 @@ impl Compiler {
             out.groups.insert(id, allowed);
         }
         out
+    }
+
+    /// Where a policy takes effect ([`PolicyStatus`]); `None` for a policy it does not hold.
+    pub fn policy_status(&mut self, key: &PolicyKey) -> Option<PolicyStatus> {
+        self.flush();
+        let compiled = self.policies.get(key)?;
+        let mut status = PolicyStatus::default();
+        let mut members = BTreeSet::new();
+        for id in self.groups_by_policy.get(key).into_iter().flatten() {
+            if let Some(g) = self.groups.get(id) {
+                members.extend(g.members.iter());
+                status.nodes.extend(g.nodes.keys().cloned());
+            }
+        }
+        status.pods = members.len();
+        for name in compiled.ingress_port_names() {
+            let lacking = members
+                .iter()
+                .filter_map(|m| self.pods.get(*m))
+                .filter(|e| !e.pod.ports.iter().any(|p| p.name == name))
+                .count();
+            if lacking > 0 {
+                status.unresolved_ports.insert(name.to_string(), lacking);
+            }
+        }
+        Some(status)
     }
 
     /// The policies whose rules make up a group (for display); empty for an unknown id.

@@ -254,3 +254,30 @@ fn a_policy_on_its_own_names_its_pods_and_peers() {
     c.remove_policy(&pk);
     assert!(c.policy_peers(&pk).is_none());
 }
+
+#[test]
+fn a_policy_status_names_its_pods_nodes_and_unresolved_named_ports() {
+    let mut c = world();
+    let db = PolicyKey { namespace: "shop".into(), name: "db".into() };
+    let s = c.policy_status(&db).unwrap();
+    assert_eq!((s.pods, s.nodes.iter().map(String::as_str).collect::<Vec<_>>()), (2, vec!["n1", "n2"]));
+    assert!(s.unresolved_ports.is_empty());
+    // A named port one of the two db pods declares.
+    let mut named = allow_from("shop", "named", &[("app", "db")], &[("app", "web")], 1);
+    named.ingress[0].ports[0].port = Some(PortRef::Name("pg".into()));
+    c.upsert_policy(named);
+    let mut db1 = pod("shop", "db-1", "n1", "10.0.1.1", &[("app", "db")]);
+    db1.ports = vec![ContainerPort { name: "pg".into(), protocol: Protocol::Tcp, port: 5432 }];
+    c.upsert_pod(db1);
+    let named = PolicyKey { namespace: "shop".into(), name: "named".into() };
+    let s = c.policy_status(&named).unwrap();
+    assert_eq!(s.unresolved_ports, [("pg".to_string(), 1)].into());
+    // Its pods gone from n2: enforced on n1 only; a policy selecting nothing is enforced nowhere.
+    c.remove_pod(&key("shop", "db-2"));
+    assert_eq!(c.policy_status(&db).unwrap().nodes.into_iter().collect::<Vec<_>>(), ["n1"]);
+    c.upsert_policy(allow_from("shop", "none", &[("app", "nothing")], &[], 80));
+    let none = c.policy_status(&PolicyKey { namespace: "shop".into(), name: "none".into() }).unwrap();
+    assert_eq!((none.pods, none.nodes.len()), (0, 0));
+    assert!(c.policy_status(&PolicyKey { namespace: "shop".into(), name: "gone".into() }).is_none());
+    assert_eq!(c.policy_keys().len(), 3);
+}

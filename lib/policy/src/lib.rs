@@ -57,7 +57,7 @@ pub mod selector;
 pub mod state;
 
 pub use allowed::{AddrPort, Allowed, PortBox, Traffic};
-pub use index::{Compiler, PolicyPeers, Stats};
+pub use index::{Compiler, PolicyPeers, PolicyStatus, Stats};
 pub use model::{
     ContainerPort, LabelSelector, Labels, Namespace, NetworkPolicy, Operator, Peer, Pod, PodKey, PolicyKey, PolicyType,
     PortRef, PortRule, Protocol, Requirement, Rule,

@@ -231,7 +231,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(target) = &config.policy {
         let channel = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
             .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
-        let channel = with_credentials(channel, credentials.clone());
+        let upstream = upstream::Upstream::new(channel, credentials.clone());
         tracing::info!(policy = target, "NetworkPolicy dataplane enabled");
         policy::Dataplane::new(
             policy::metrics::PolicyMetrics::register(rt.registry()),
@@ -239,7 +239,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             &node,
             &config.state_dir,
         )
-        .spawn(channel, format!("binder/{node}"), config.follow.config(), rt.shutdown());
+        .spawn(upstream, format!("binder/{node}"), config.follow.config(), rt.shutdown());
     }
     let service = cni::CniService {
         node,

@@ -19,6 +19,9 @@ struct Current {
     channel: PeerChannel,
 }
 
+/// A sharded service's replica this node follows (the same redirects): kuryr-policy's too.
+pub type Upstream = Allocator;
+
 /// The allocator this node follows; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Allocator {
@@ -43,6 +46,11 @@ impl Allocator {
     /// A client of the allocator to talk to now.
     pub fn client(&self) -> VifAllocatorClient<PeerChannel> {
         VifAllocatorClient::new(self.lock().channel.clone())
+    }
+
+    /// The channel to talk to now (for clients of other services than the allocator).
+    pub fn channel(&self) -> PeerChannel {
+        self.lock().channel.clone()
     }
 
     /// The owner followed, if any (`None`: `--allocator`).

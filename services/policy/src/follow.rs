@@ -18,6 +18,7 @@ use kuryr_stream::{FollowConfig, Followed};
 
 use crate::metrics::Metrics;
 use crate::publish::{Effect, Publisher};
+use crate::status::{self, ReportSender};
 
 /// The conditions of readiness.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +59,8 @@ pub struct Follower {
     pub subscriber: String,
     /// The idle timeout and backoff.
     pub follow: FollowConfig,
+    /// Where the policies' statuses go ([`crate::status`]); `None`: not reported.
+    pub status: Option<ReportSender>,
 }
 
 impl Follower {
@@ -71,9 +74,18 @@ impl Follower {
         };
         let mut first = true;
         let mut follower = follow_watcher(self.channel.clone(), req, self.follow);
+        let mut status_tick = tokio::time::interval(status::PERIOD);
+        status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let next = tokio::select! {
                 next = follower.next() => next,
+                _ = status_tick.tick(), if self.status.is_some() => {
+                    let reports = self.publisher.status_reports();
+                    if let (false, Some(tx)) = (reports.is_empty(), &self.status) {
+                        let _ = tx.send(reports);
+                    }
+                    continue;
+                }
                 () = shutdown.clone().wait() => return,
             };
             let ev = match next {

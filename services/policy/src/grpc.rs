@@ -1,7 +1,9 @@
 //! The gRPC edge: validates requests (naming the offending field), streams one node's part of
 //! the log over WatchPolicies (snapshot, deltas, resume, heartbeats; see [`kuryr_stream::feed`])
 //! and answers GetNodePolicy from it. A caller whose token is bound to a node (a binder's) gets
-//! that node's policy only.
+//! that node's policy only. With sharding ([`crate::shards`]), a node served by another replica
+//! is refused with UNAVAILABLE naming the owner, and a node's streams end that way when its shard
+//! moves.
 
 use kuryr_policy_core::addr::AddrRange;
 use kuryr_policy_core::{Allowed, Protocol};
@@ -17,6 +19,7 @@ use tonic::{Request, Response, Status};
 
 use crate::metrics::{Metrics, StartLabels};
 use crate::publish::{Entry, Item, Key, PolicyLog};
+use crate::shards::Shards;
 
 /// Responses buffered per stream before the stream task waits for the subscriber to read.
 const STREAM_BUFFER: usize = 256;
@@ -32,6 +35,7 @@ pub struct PolicyService {
     metrics: Metrics,
     shutdown: Shutdown,
     heartbeat: Duration,
+    shards: Shards,
 }
 
 /// The heartbeat interval unless told otherwise (`--stream-heartbeat`).
@@ -40,7 +44,14 @@ pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 impl PolicyService {
     /// Serves `log`.
     pub fn new(log: PolicyLog, metrics: Metrics, shutdown: Shutdown) -> Self {
-        Self { log, metrics, shutdown, heartbeat: DEFAULT_HEARTBEAT }
+        Self { log, metrics, shutdown, heartbeat: DEFAULT_HEARTBEAT, shards: Shards::all() }
+    }
+
+    /// Serves only the nodes `shards` serves, redirecting the others (every node by default).
+    #[must_use]
+    pub fn with_shards(mut self, shards: Shards) -> Self {
+        self.shards = shards;
+        self
     }
 
     /// Streams carry a HEARTBEAT whenever nothing else was sent for `every`.
@@ -213,13 +224,19 @@ impl Policies for PolicyService {
         let req = req.into_inner();
         validate_watch(&req)?;
         own_node(caller.as_ref(), &req.node_name)?;
+        self.shards.check(&req.node_name, "WatchPolicies")?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", node = %req.node_name, subscriber = %subscriber, peer = %peer);
         let watch = Watch { node: req.node_name.clone(), metrics: self.metrics.clone() };
-        let shutdown = self.shutdown.clone();
+        let (shutdown, shards, node) = (self.shutdown.clone(), self.shards.clone(), req.node_name.clone());
         let stop = async move {
-            shutdown.wait().await;
-            Err(Status::unavailable("kuryr-policy is shutting down; reconnect with resume_from"))
+            tokio::select! {
+                () = shards.lost(&node) => {
+                    tracing::info!("the node's shard moved to another replica; ending its stream");
+                    Err(shards.refusal(&node))
+                }
+                () = shutdown.wait() => Err(Status::unavailable("kuryr-policy is shutting down; reconnect with resume_from")),
+            }
         };
         let options = Options { buffer: STREAM_BUFFER, heartbeat: Some(self.heartbeat) };
         let opened = kuryr_stream::feed::subscribe(&self.log, &req.resume_from, watch, options, stop, span.clone())
@@ -240,6 +257,7 @@ impl Policies for PolicyService {
         let req = req.into_inner();
         node_name(&req.node_name)?;
         own_node(caller.as_ref(), &req.node_name)?;
+        self.shards.check(&req.node_name, "GetNodePolicy")?;
         let log = kuryr_stream::log::lock(&self.log);
         if !log.is_ready() {
             return Err(Status::unavailable(NOT_READY));

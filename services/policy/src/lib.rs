@@ -24,8 +24,11 @@
 //!
 //! Readiness: NOT_SERVING until the watcher's first snapshot is compiled, and while its stream
 //! is down or silent for longer than `--stream-idle-timeout` (the state already streamed stays
-//! in force on the nodes). One replica serves every node; lease sharding (as the allocator and
-//! lbaas have) is not implemented yet.
+//! in force on the nodes).
+//!
+//! **Scales** through shards ([`shards`], `--shards`, Kubernetes Leases from [`kuryr_shard`]):
+//! replicas split the nodes, each streaming only its nodes' policy and redirecting binders of
+//! the others to their owner, as the allocator does.
 
 pub mod convert;
 pub mod follow;
@@ -33,8 +36,11 @@ pub mod grpc;
 pub mod metrics;
 pub mod neutron;
 pub mod publish;
+pub mod shards;
+pub mod status;
 
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
 use kuryr_proto::policy::v1::policies_server::PoliciesServer;
@@ -43,13 +49,16 @@ use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
+use kuryr_shard::{Ownership, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
+use tokio::sync::watch;
 use tracing::Instrument as _;
 
 use crate::follow::Readiness;
 use crate::grpc::PolicyService;
 use crate::metrics::Metrics;
 use crate::publish::{PolicyLog, Publisher};
+use crate::shards::Shards;
 
 /// Deltas kept for resuming WatchPolicies: a binder that reconnects within this many changes
 /// (over every node) gets only what it missed.
@@ -99,6 +108,13 @@ pub struct Config {
 
     #[command(flatten)]
     pub neutron: neutron::NeutronArgs,
+    /// Report each NetworkPolicy's status (compiled, the nodes enforcing it, errors) as
+    /// Kubernetes Events on it; needs `create` and `patch` on events.k8s.io events.
+    #[arg(long, env = "KURYR_POLICY_STATUS_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub status_events: bool,
+
+    #[command(flatten)]
+    pub shard: kuryr_shard::ShardArgs,
 
     #[command(flatten)]
     pub heartbeat: HeartbeatArgs,
@@ -143,10 +159,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
+    let (shards, shard_handle) = start_shards(&config, &mut rt)?;
     let mut publisher = Publisher::new(log.clone(), metrics.clone());
     if config.backend == BackendKind::Neutron {
-        publisher = publisher.with_neutron(neutron::start(&config, &mut rt).await?);
+        publisher = publisher.with_neutron(neutron::start(&config, &mut rt, shards.watch()).await?);
     }
+    let status = config.status_events.then(|| status_events(&config, &metrics, &rt));
     let follower = follow::Follower {
         channel: watcher,
         publisher,
@@ -154,10 +172,69 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         subscriber: format!("kuryr-policy/{}", config.instance_name()),
         follow: config.follow.config(),
+        status,
     };
     tokio::spawn(follower.run(rt.shutdown()).instrument(tracing::info_span!("watcher")));
-    let service = PolicyService::new(log, metrics, rt.shutdown()).with_heartbeat(config.heartbeat.stream_heartbeat);
+    let service = PolicyService::new(log, metrics, rt.shutdown())
+        .with_heartbeat(config.heartbeat.stream_heartbeat)
+        .with_shards(shards);
     // Requests are a node name and a resume point.
     let served = Services::new(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
-    rt.serve(served, &config.listen, Some(&config.metrics_listen)).await
+    let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
+    // The shard Leases are released at shutdown, so the other replicas take over at once.
+    if let Some(h) = shard_handle.get() {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(6), h.stopped()).await;
+    }
+    served
+}
+
+/// The nodes this replica serves: all of them with `--shards 0`, else those of the shards its
+/// Leases hold (taken in the background, with a Kubernetes client built with retries).
+fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Arc<OnceLock<ShardHandle>>)> {
+    let shard_config = config.shard.resolve("kuryr-policy", &config.listen)?;
+    let shard_metrics = ShardMetrics::register(rt.registry());
+    let handle_slot: Arc<OnceLock<ShardHandle>> = Arc::default();
+    if shard_config.shards == 0 {
+        return Ok((Shards::all(), handle_slot));
+    }
+    let (tx, rx) = watch::channel(Arc::new(Ownership::pending(&shard_config.identity, shard_config.shards)));
+    let shards = Shards::new(rx);
+    shards.register(rt.registry());
+    let (kubeconfig, shutdown, slot) = (config.kubeconfig.clone(), rt.shutdown(), handle_slot.clone());
+    tokio::spawn(async move {
+        let client =
+            kuryr_runtime::retry::retry("building the Kubernetes client for the shard Leases", &shutdown, || {
+                kuryr_runtime::k8s::kube_client(kubeconfig.as_deref())
+            })
+            .await;
+        let Some(client) = client else { return };
+        let handle = kuryr_shard::start(client, shard_config, shard_metrics, shutdown);
+        let mut from = handle.ownership();
+        let _ = slot.set(handle);
+        loop {
+            tx.send_replace(from.borrow_and_update().clone());
+            if from.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok((shards, handle_slot))
+}
+
+/// Starts the task writing the policies' status Events (its Kubernetes client built with
+/// retries); returns where to send them.
+fn status_events(config: &Config, metrics: &Metrics, rt: &Runtime) -> status::ReportSender {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (kubeconfig, instance, metrics, shutdown) =
+        (config.kubeconfig.clone(), config.instance_name(), metrics.clone(), rt.shutdown());
+    tokio::spawn(async move {
+        let client = kuryr_runtime::retry::retry("building the Kubernetes client for status Events", &shutdown, || {
+            kuryr_runtime::k8s::kube_client(kubeconfig.as_deref())
+        })
+        .await;
+        if let Some(client) = client {
+            status::EventSink::new(client, instance, metrics).run(rx).await;
+        }
+    });
+    tx
 }

@@ -17,6 +17,15 @@ pub struct StartLabels {
     pub start: &'static str,
 }
 
+/// A status Event's type and whether it was written.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    /// `Normal` or `Warning`.
+    pub r#type: &'static str,
+    /// `ok` or `error`.
+    pub result: &'static str,
+}
+
 /// The metrics; cheap to clone (each is a handle to shared state).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -33,6 +42,10 @@ pub struct Metrics {
     pub groups: Gauge,
     /// Policies with parts that match nothing (the API server would have refused them).
     pub invalid_policies: Counter,
+    /// Set and map elements of every node's state (what the binders program), over every node.
+    pub elements: Gauge,
+    /// Policy status Events written (or not), by type.
+    pub status_events: Family<EventLabels, Counter>,
     /// Open WatchPolicies streams.
     pub subscribers: Gauge,
     /// WatchPolicies streams begun, by how.
@@ -52,6 +65,8 @@ impl Default for Metrics {
             selectors: Gauge::default(),
             groups: Gauge::default(),
             invalid_policies: Counter::default(),
+            elements: Gauge::default(),
+            status_events: Family::default(),
             subscribers: Gauge::default(),
             subscriptions: Family::default(),
             watcher_reconnects: Counter::default(),
@@ -79,6 +94,16 @@ impl Metrics {
             "NetworkPolicy versions with parts that match nothing (refused by a validating API server)",
             m.invalid_policies.clone(),
         );
+        registry.register(
+            "kuryr_policy_elements",
+            "Set and map elements of the compiled node states (what the binders program), over every node",
+            m.elements.clone(),
+        );
+        registry.register(
+            "kuryr_policy_status_events",
+            "NetworkPolicy status Events by type (Normal, Warning) and result (ok, error)",
+            m.status_events.clone(),
+        );
         registry.register("kuryr_policy_watch_subscribers", "Open WatchPolicies streams", m.subscribers.clone());
         registry.register(
             "kuryr_policy_watch_subscriptions",
@@ -91,6 +116,11 @@ impl Metrics {
             m.watcher_reconnects.clone(),
         );
         m
+    }
+
+    /// Counts one status Event.
+    pub fn status_event(&self, r#type: &'static str, ok: bool) {
+        self.status_events.get_or_create(&EventLabels { r#type, result: if ok { "ok" } else { "error" } }).inc();
     }
 
     /// Records one publication.

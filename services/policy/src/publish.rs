@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::convert;
 use crate::metrics::Metrics;
 use crate::neutron::sync::DesiredState;
+use crate::status::{Report, Tracker};
 
 /// An item of one node's state.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,6 +87,10 @@ pub struct Publisher {
     invalid: BTreeMap<PolicyKey, Vec<String>>,
     /// With `--backend neutron`: where the desired Neutron state goes.
     neutron: Option<watch::Sender<DesiredState>>,
+    /// Each policy's status as last reported ([`crate::status`]).
+    status: Tracker,
+    /// Set and map elements of each node's published state.
+    elements: HashMap<String, usize>,
 }
 
 impl Publisher {
@@ -102,6 +107,8 @@ impl Publisher {
             snapshot: Some(HashSet::new()),
             invalid: BTreeMap::new(),
             neutron: None,
+            status: Tracker::default(),
+            elements: HashMap::new(),
         }
     }
 
@@ -181,6 +188,7 @@ impl Publisher {
                 Some(Ok(p)) => {
                     let problems = p.validate();
                     let pk = p.key();
+                    self.status.seen(pk.clone(), o.uid.clone());
                     if problems.is_empty() {
                         self.invalid.remove(&pk);
                     } else if self.invalid.get(&pk) != Some(&problems) {
@@ -219,6 +227,7 @@ impl Publisher {
             Ok(Kind::NetworkPolicy) => {
                 let key = PolicyKey { namespace: namespace.into(), name: name.into() };
                 self.invalid.remove(&key);
+                self.status.forget(&key);
                 self.compiler.remove_policy(&key);
             }
             _ => {}
@@ -242,6 +251,7 @@ impl Publisher {
     /// Writes the state of every node the compiler says changed; whether any did.
     fn publish(&mut self) -> bool {
         let started = Instant::now();
+        self.status.mark();
         let nodes = self.compiler.take_changed_nodes();
         if nodes.is_empty() {
             return false;
@@ -252,10 +262,13 @@ impl Publisher {
                 continue;
             }
             let state = self.compiler.node_policy(&node);
+            self.elements.insert(node.clone(), state.elements());
             let entries = self.entries(&state);
             changes += self.write(&node, entries);
         }
         let stats = self.compiler.stats();
+        self.elements.retain(|_, n| *n > 0);
+        self.metrics.elements.set(i64::try_from(self.elements.values().sum::<usize>()).unwrap_or(i64::MAX));
         self.metrics.observe_publish(started.elapsed(), changes, stats, lock(&self.log).len());
         true
     }
@@ -307,6 +320,15 @@ impl Publisher {
             self.published.insert(node.to_string(), entries);
         }
         n
+    }
+
+    /// The policies whose status changed since last asked (nothing inside a watcher snapshot:
+    /// only a complete view is reported).
+    pub fn status_reports(&mut self) -> Vec<Report> {
+        if self.snapshot.is_some() {
+            return Vec::new();
+        }
+        self.status.reports(&mut self.compiler, &self.invalid)
     }
 
     /// The compiler's sizes.

@@ -25,8 +25,6 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::Stdio;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -35,11 +33,10 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kuryr_tests::cluster::svc::{nft_table, table_has};
-use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions};
+use kuryr_tests::cluster::svc::table_has;
+use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::nftmon::{Monitor, baseline, wait_all};
 use kuryr_tests::stats::Stats;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::sync::Notify;
 
 const NAMESPACE: &str = "bench-svc";
 /// The Service whose EndpointSlice the bench writes.
@@ -152,7 +149,7 @@ async fn slice_changes(cluster: &Cluster, monitors: &[Monitor], changes: usize) 
     let base: IpAddr = Ipv4Addr::new(10, 99, 0, 1).into();
     let b = baseline(monitors);
     slices.create(&PostParams::default(), &slice(&[base])).await?;
-    wait_all(cluster.nodes(), monitors, &b, |t| table_has(t, vip) && table_has(t, base))
+    wait_all(cluster.nodes(), monitors, &b, CHANGE_TIMEOUT, |t| table_has(t, vip) && table_has(t, base))
         .await
         .context("the first endpoint")?;
     let mut samples = Vec::new();
@@ -165,7 +162,7 @@ async fn slice_changes(cluster: &Cluster, monitors: &[Monitor], changes: usize) 
         let b = baseline(monitors);
         let start = Instant::now();
         slices.patch(MANUAL, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        let (done, p) = wait_all(cluster.nodes(), monitors, &b, |t| table_has(t, extra) == add)
+        let (done, p) = wait_all(cluster.nodes(), monitors, &b, CHANGE_TIMEOUT, |t| table_has(t, extra) == add)
             .await
             .with_context(|| format!("change {i}: {extra} {}", if add { "added" } else { "removed" }))?;
         samples.push(ms(done.duration_since(start)));
@@ -186,7 +183,7 @@ async fn pod_rounds(cluster: &Cluster, monitors: &[Monitor], rounds: usize) -> R
     let b = baseline(monitors);
     pods.create(&PostParams::default(), &pod("backend-stays", &cluster.nodes()[0].name)).await?;
     let stays = wait_pod_ip(&pods, "backend-stays").await?;
-    wait_all(cluster.nodes(), monitors, &b, |t| table_has(t, vip) && table_has(t, stays)).await?;
+    wait_all(cluster.nodes(), monitors, &b, CHANGE_TIMEOUT, |t| table_has(t, vip) && table_has(t, stays)).await?;
     let (mut created, mut deleted, mut polls) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..rounds {
         let node = &cluster.nodes()[i % cluster.nodes().len()].name;
@@ -195,15 +192,16 @@ async fn pod_rounds(cluster: &Cluster, monitors: &[Monitor], rounds: usize) -> R
         let start = Instant::now();
         pods.create(&PostParams::default(), &pod(&name, node)).await?;
         let ip = wait_pod_ip(&pods, &name).await?;
-        let (done, p) = wait_all(cluster.nodes(), monitors, &b, |t| table_has(t, vip) && table_has(t, ip))
-            .await
-            .with_context(|| format!("{name} ({ip}) into the rules"))?;
+        let (done, p) =
+            wait_all(cluster.nodes(), monitors, &b, CHANGE_TIMEOUT, |t| table_has(t, vip) && table_has(t, ip))
+                .await
+                .with_context(|| format!("{name} ({ip}) into the rules"))?;
         created.push(ms(done.duration_since(start)));
         polls.extend(p);
         let b = baseline(monitors);
         let start = Instant::now();
         pods.delete(&name, &DeleteParams::default()).await?;
-        let (done, p) = wait_all(cluster.nodes(), monitors, &b, |t| !table_has(t, ip))
+        let (done, p) = wait_all(cluster.nodes(), monitors, &b, CHANGE_TIMEOUT, |t| !table_has(t, ip))
             .await
             .with_context(|| format!("{name} ({ip}) out of the rules"))?;
         deleted.push(ms(done.duration_since(start)));
@@ -217,110 +215,6 @@ async fn pod_rounds(cluster: &Cluster, monitors: &[Monitor], rounds: usize) -> R
     }
     services.delete(SELECTED, &DeleteParams::default()).await?;
     Ok((created, deleted, polls))
-}
-
-/// `nft monitor` in one node's namespace: when each nftables transaction committed there.
-struct Monitor {
-    node: String,
-    commits: Arc<Mutex<Vec<Instant>>>,
-    notify: Arc<Notify>,
-    _child: tokio::process::Child,
-}
-
-impl Monitor {
-    async fn start(node: &ClusterNode) -> Result<Monitor> {
-        let mut child = tokio::process::Command::new("nsenter")
-            .arg(format!("--net={}", node.node.netns_path().display()))
-            .args(["--", "nft", "monitor"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .context("starting nft monitor")?;
-        let stdout = child.stdout.take().context("nft monitor's stdout")?;
-        let (commits, notify) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Notify::new()));
-        let (c, n) = (commits.clone(), notify.clone());
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stdout).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if line.starts_with("# new generation") {
-                    c.lock().unwrap_or_else(PoisonError::into_inner).push(Instant::now());
-                    n.notify_waiters();
-                }
-            }
-        });
-        // Let it subscribe before anything is measured.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        Ok(Monitor { node: node.name.clone(), commits, notify, _child: child })
-    }
-
-    /// Transactions seen so far.
-    fn seen(&self) -> usize {
-        self.commits.lock().unwrap_or_else(PoisonError::into_inner).len()
-    }
-
-    /// When transaction `i` (counting from 0) was seen.
-    fn commit(&self, i: usize) -> Option<Instant> {
-        self.commits.lock().unwrap_or_else(PoisonError::into_inner).get(i).copied()
-    }
-}
-
-/// Every node's transaction count, taken just before a change is written.
-fn baseline(monitors: &[Monitor]) -> Vec<usize> {
-    monitors.iter().map(Monitor::seen).collect()
-}
-
-/// Waits until `pred` holds for every node's table, reading a node's table again on each of its
-/// transactions (and every 100 ms); returns when the change was programmed on the last node —
-/// on each node the first transaction after the last read that did not show it (`base`: the
-/// count before the change was written) — and how long the table reads took.
-async fn wait_all(
-    nodes: &[ClusterNode],
-    monitors: &[Monitor],
-    base: &[usize],
-    pred: impl Fn(&str) -> bool + Sync,
-) -> Result<(Instant, Vec<f64>)> {
-    let pred = &pred;
-    let per_node = futures::future::join_all(nodes.iter().zip(monitors).zip(base).map(|((n, m), &b)| async move {
-        let deadline = Instant::now() + CHANGE_TIMEOUT;
-        let mut reads = Vec::new();
-        // The transactions seen before the last read that did not show the change: the change
-        // came with a later one.
-        let mut before = b;
-        loop {
-            let notified = m.notify.notified();
-            let seen = m.seen();
-            let t = Instant::now();
-            let table = nft_table(n).await;
-            reads.push(ms(t.elapsed()));
-            if pred(&table) {
-                // The monitor's line may trail the read by a moment.
-                let until = Instant::now() + Duration::from_secs(2);
-                loop {
-                    if let Some(at) = m.commit(before) {
-                        return Ok((at, reads));
-                    }
-                    ensure!(Instant::now() < until, "{}: the change shows but no transaction was seen", m.node);
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }
-            before = seen;
-            if Instant::now() > deadline {
-                anyhow::bail!("{}: not programmed after {CHANGE_TIMEOUT:?}; table:\n{table}", n.name);
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
-        }
-    }))
-    .await;
-    let mut last = None::<Instant>;
-    let mut reads = Vec::new();
-    for r in per_node {
-        let (at, p) = r?;
-        last = Some(last.map_or(at, |l| l.max(at)));
-        reads.extend(p);
-    }
-    Ok((last.context("no nodes")?, reads))
 }
 
 async fn wait_pod_ip(pods: &Api<Pod>, name: &str) -> Result<IpAddr> {

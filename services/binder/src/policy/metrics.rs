@@ -30,6 +30,7 @@ pub struct PolicyMetrics {
     synced: Gauge,
     elements: Gauge,
     groups: Gauge,
+    rules: Gauge,
 }
 
 impl PolicyMetrics {
@@ -42,6 +43,7 @@ impl PolicyMetrics {
             synced: Gauge::default(),
             elements: Gauge::default(),
             groups: Gauge::default(),
+            rules: Gauge::default(),
         };
         registry.register(
             "kuryr_binder_policy_program_seconds",
@@ -70,6 +72,11 @@ impl PolicyMetrics {
         );
         registry.register("kuryr_binder_policy_elements", "Set and map elements programmed", m.elements.clone());
         registry.register("kuryr_binder_policy_groups", "Groups of peers programmed (a chain each)", m.groups.clone());
+        registry.register(
+            "kuryr_binder_policy_rules",
+            "Rules of the groups' chains programmed (a fixed number per group: the per-packet cost does not grow with peers)",
+            m.rules.clone(),
+        );
         m
     }
 
@@ -93,8 +100,9 @@ impl PolicyMetrics {
         self.synced.set(i64::from(synced));
     }
 
-    pub fn set_programmed(&self, elements: usize, groups: usize) {
+    pub fn set_programmed(&self, elements: usize, groups: usize, rules: usize) {
         self.elements.set(i64::try_from(elements).unwrap_or(i64::MAX));
         self.groups.set(i64::try_from(groups).unwrap_or(i64::MAX));
+        self.rules.set(i64::try_from(rules).unwrap_or(i64::MAX));
     }
 }

@@ -15,6 +15,10 @@
 //! difference fails to apply, every policy set is flushed and refilled in one transaction
 //! ([`render::replace`]): in neither case is there a moment in which a protected pod is open.
 //!
+//! **Sharded kuryr-policy.** A replica asked for a node it does not serve answers UNAVAILABLE
+//! with the owner's `HOST:PORT` in the `kuryr-shard-owner` trailer, as the allocator does; the
+//! follower reconnects there, and back to `--policy` when the owner cannot be reached.
+//!
 //! The binder's health does not depend on any of this: pods must get networks while
 //! kuryr-policy is down, and the rules already programmed stay in place.
 
@@ -29,9 +33,8 @@ use std::time::{Duration, Instant};
 use kuryr_proto::policy::v1::policies_client::PoliciesClient;
 use kuryr_proto::policy::v1::{PolicyEventType, WatchPoliciesRequest, WatchPoliciesResponse};
 use kuryr_runtime::Shutdown;
-use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::{Failed, next_message};
-use kuryr_stream::follow::{FollowConfig, Followed, Follower, Mark, Source};
+use kuryr_stream::follow::{Failure, FollowConfig, Followed, Follower, Mark, Retry, Source};
 use tokio::sync::Notify;
 use tonic::Streaming;
 
@@ -39,6 +42,10 @@ use self::metrics::PolicyMetrics;
 use self::render::Rendered;
 use self::state::{Applied, State};
 use crate::lb::nft::Nft;
+use crate::upstream::Upstream;
+
+/// Redirects followed at once in a row; more back off (replicas disagreeing for a moment).
+const FRESH_REDIRECTS: u32 = 3;
 
 /// Retry delays after a failed transaction.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -50,10 +57,13 @@ pub const RECORD: &str = "policy.json";
 /// kuryr-policy's `WatchPolicies` stream of this node, for the follower.
 #[derive(Debug)]
 struct PolicySource {
-    client: PoliciesClient<PeerChannel>,
+    upstream: Upstream,
     node: String,
     subscriber: String,
     state: Arc<Mutex<State>>,
+    /// Redirects in a row, and failures to reach the owner followed.
+    hops: u32,
+    owner_failures: u32,
 }
 
 impl Source for PolicySource {
@@ -67,7 +77,8 @@ impl Source for PolicySource {
             resume_from: resume_from.to_string(),
             subscriber: self.subscriber.clone(),
         };
-        let stream = self.client.watch_policies(req).await.map_err(Failed)?.into_inner();
+        let mut client = PoliciesClient::new(self.upstream.channel());
+        let stream = client.watch_policies(req).await.map_err(Failed)?.into_inner();
         tracing::info!(resume_from, "following kuryr-policy's compiled policy for this node");
         self.state.lock().unwrap_or_else(PoisonError::into_inner).opened(resume_from);
         Ok(stream)
@@ -92,6 +103,30 @@ impl Source for PolicySource {
 
     fn resume_point(event: &WatchPoliciesResponse) -> &str {
         &event.resume_point
+    }
+
+    fn failed(&mut self, failure: Failure<'_, Failed>) -> Retry {
+        if let Failure::Open(Failed(status)) | Failure::Broke(Failed(status)) = &failure
+            && let Some(owner) = self.upstream.redirect(status)
+        {
+            tracing::info!(owner, error = status.message(), "the node's kuryr-policy replica moved; following it");
+            (self.hops, self.owner_failures) = (self.hops + 1, 0);
+            return if self.hops <= FRESH_REDIRECTS { Retry::Now } else { Retry::Backoff };
+        }
+        let unreachable = matches!(failure, Failure::Open(_) | Failure::OpenSilent | Failure::Silent);
+        if unreachable && self.upstream.owner().is_some() {
+            self.owner_failures += 1;
+            if self.owner_failures >= 2 {
+                self.upstream.fall_back();
+                self.owner_failures = 0;
+                tracing::warn!("the node's kuryr-policy replica cannot be reached; back to --policy");
+            }
+        }
+        Retry::Backoff
+    }
+
+    fn live(&mut self) {
+        (self.hops, self.owner_failures) = (0, 0);
     }
 }
 
@@ -134,13 +169,15 @@ impl Dataplane {
     }
 
     /// Starts the follower and the programmer; they run until shutdown.
-    pub fn spawn(self, channel: PeerChannel, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
+    pub fn spawn(self, upstream: Upstream, subscriber: String, follow: FollowConfig, shutdown: Shutdown) {
         tokio::spawn(self.clone().program(shutdown.clone()));
         let source = PolicySource {
-            client: PoliciesClient::new(channel),
+            upstream,
             node: self.node.clone(),
             subscriber,
             state: self.state.clone(),
+            hops: 0,
+            owner_failures: 0,
         };
         let follower = Follower::new(source, "kuryr-policy's policy stream", follow);
         tokio::spawn(self.follow(follower, shutdown));
@@ -236,7 +273,7 @@ impl Dataplane {
                         );
                         self.save_record(&new).await;
                     }
-                    self.metrics.set_programmed(new.elements(), desired.groups.len());
+                    self.metrics.set_programmed(new.elements(), desired.groups.len(), new.rules());
                     self.metrics.set_synced(true);
                     programmed = Some(new);
                     first = false;

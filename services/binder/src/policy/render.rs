@@ -74,6 +74,11 @@ impl Rendered {
     pub fn elements(&self) -> usize {
         self.sets.values().map(|(_, e)| e.len()).sum()
     }
+
+    /// The number of rules in the group chains (the base chain's fixed rules not counted).
+    pub fn rules(&self) -> usize {
+        self.chains.values().map(Vec::len).sum()
+    }
 }
 
 fn proto(p: i32) -> Option<&'static str> {

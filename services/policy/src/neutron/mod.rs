@@ -140,10 +140,12 @@ impl NeutronArgs {
 }
 
 /// Starts the backend (the PodVif watch and the reconciler); returns where the publisher hands
-/// the desired state.
+/// the desired state. With several replicas only one writes to Neutron: the one holding shard 0
+/// of `ownership` (every replica when unsharded).
 pub async fn start(
     config: &crate::Config,
     rt: &mut kuryr_runtime::Runtime,
+    ownership: tokio::sync::watch::Receiver<std::sync::Arc<kuryr_shard::Ownership>>,
 ) -> anyhow::Result<tokio::sync::watch::Sender<sync::DesiredState>> {
     let args = &config.neutron;
     args.validate()?;
@@ -172,18 +174,62 @@ pub async fn start(
             }
         }
     });
-    let reconciler = sync::Reconciler::new(
-        client.network(),
-        args.cluster_tag(),
-        args.neutron_resync,
-        args.neutron_port_concurrency,
-        metrics,
-        desired_rx,
-        vifs_rx,
-    );
-    tracing::info!(cluster = args.cluster_tag(), "Neutron security-group backend");
-    tokio::spawn(reconciler.run(shutdown));
+    let (neutron, tag) = (client.network(), args.cluster_tag());
+    let (resync, concurrency) = (args.neutron_resync, args.neutron_port_concurrency);
+    tracing::info!(cluster = tag, "Neutron security-group backend");
+    let reconciler = move || {
+        sync::Reconciler::new(
+            neutron.clone(),
+            tag.clone(),
+            resync,
+            concurrency,
+            metrics.clone(),
+            desired_rx.clone(),
+            vifs_rx.clone(),
+        )
+    };
+    tokio::spawn(lead(ownership, shutdown, reconciler));
     Ok(desired_tx)
+}
+
+/// Whether this replica writes to Neutron under `o`.
+fn leads(o: &kuryr_shard::Ownership) -> bool {
+    !o.sharded() || o.owns_shard(0)
+}
+
+/// Runs a reconciler from `make` while this replica holds shard 0, so that two replicas never
+/// converge Neutron against each other; a new holder starts by reading Neutron again.
+async fn lead(
+    mut ownership: tokio::sync::watch::Receiver<std::sync::Arc<kuryr_shard::Ownership>>,
+    shutdown: kuryr_runtime::shutdown::Shutdown,
+    make: impl Fn() -> sync::Reconciler,
+) {
+    loop {
+        while !leads(&ownership.borrow_and_update()) {
+            if ownership.changed().await.is_err() {
+                return;
+            }
+        }
+        tracing::info!("holding shard 0: this replica converges Neutron's security groups");
+        let mut task = tokio::spawn(make().run(shutdown.clone()));
+        loop {
+            tokio::select! {
+                _ = &mut task => return,
+                changed = ownership.changed() => {
+                    if changed.is_err() {
+                        // The ownership can no longer change: keep converging until shutdown.
+                        let _ = task.await;
+                        return;
+                    }
+                    if !leads(&ownership.borrow_and_update()) {
+                        break;
+                    }
+                }
+            }
+        }
+        task.abort();
+        tracing::info!("lost shard 0: another replica converges Neutron's security groups");
+    }
 }
 
 /// How policies select one pod.

@@ -290,6 +290,18 @@ mod tests {
     }
 
     #[test]
+    fn only_the_holder_of_shard_0_writes_to_neutron() {
+        use kuryr_shard::Ownership;
+        assert!(leads(&Ownership::everything("a")), "unsharded: every replica");
+        let mut o = Ownership::pending("a", 4);
+        assert!(!leads(&o), "nothing held yet");
+        o.owned = [1, 2].into();
+        assert!(!leads(&o), "shard 0 is another replica's");
+        o.owned.insert(0);
+        assert!(leads(&o));
+    }
+
+    #[test]
     fn policies_become_groups_and_pods_their_selections() {
         let mut c = Compiler::new();
         c.upsert_pod(pod("a", "10.0.0.1", "web"));

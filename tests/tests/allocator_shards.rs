@@ -22,14 +22,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest};
 use kuryr_proto::service_names::VIF_ALLOCATOR;
-use kuryr_tests::control::{ControlPlane, Served};
+use kuryr_tests::control::{ControlPlane, Served, shard_holders};
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::util::free_port;
 use kuryr_vif_allocator::crd::{AddressBlock, PodVif, VifState as CrdState};
@@ -89,25 +88,6 @@ fn pod(name: &str, node: &str) -> Pod {
         }),
         ..Default::default()
     }
-}
-
-/// Shard → holder identity and endpoint, as the Lease objects say (held Leases only).
-async fn shard_holders(admin: &kube::Client) -> BTreeMap<u32, (String, String)> {
-    let leases: Api<Lease> = Api::namespaced(admin.clone(), "kuryr-system");
-    let list =
-        leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-vif-allocator")).await.unwrap();
-    let mut out = BTreeMap::new();
-    for l in list.items {
-        let name = l.metadata.name.clone().unwrap();
-        let Some(i) = name.strip_prefix("kuryr-vif-allocator-shard-").and_then(|i| i.parse().ok()) else { continue };
-        let spec = l.spec.unwrap_or_default();
-        if let Some(h) = spec.holder_identity.filter(|h| !h.is_empty()) {
-            let endpoint =
-                l.metadata.annotations.and_then(|a| a.get("kuryr.openstack.org/endpoint").cloned()).unwrap_or_default();
-            out.insert(i, (h, endpoint));
-        }
-    }
-    out
 }
 
 /// What the binder-like clients saw: by node, pod uid → VIF.
@@ -254,7 +234,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
 
     // 1. Both own shards, every shard is held, and the Leases carry the holders' endpoints.
     let holders = wait_until("every shard held, by both replicas", PHASE_TIMEOUT, || async {
-        let h = shard_holders(&admin).await;
+        let h = shard_holders(&admin, "kuryr-vif-allocator").await?;
         let by: BTreeSet<&str> = h.values().map(|(id, _)| id.as_str()).collect();
         anyhow::ensure!(h.len() == SHARDS as usize && by.len() == 2, "{h:?}");
         Ok(h)
@@ -389,7 +369,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let killed = Instant::now();
     uids.extend(create(PODS / 2..PODS).await);
     let took = wait_until("a holding every shard", PHASE_TIMEOUT, || async {
-        let h = shard_holders(&admin).await;
+        let h = shard_holders(&admin, "kuryr-vif-allocator").await?;
         anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|(id, _)| *id == a.id), "{h:?}");
         Ok(killed.elapsed())
     })

@@ -33,7 +33,8 @@ use super::rules::{self, Direction, Selection, SgRule};
 use super::vifs::Vifs;
 use super::{Desired, OWNER_TAG, policy_tag};
 
-/// The first delay after a failed pass; it doubles up to [`RETRY_MAX`].
+/// The ceiling of the first delay after a failed pass (the shared backoff with jitter); it
+/// doubles up to [`RETRY_MAX`].
 pub const RETRY_MIN: Duration = Duration::from_millis(100);
 /// The longest delay between failed passes.
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -180,7 +181,7 @@ impl Reconciler {
 
     /// Converges until shutdown.
     pub async fn run(mut self, shutdown: Shutdown) {
-        let mut delay = RETRY_MIN;
+        let mut backoff = kuryr_stream::Backoff::new("policy-neutron", RETRY_MIN, RETRY_MAX);
         let mut next_resync = tokio::time::Instant::now() + self.resync;
         loop {
             let state = self.desired.borrow_and_update().clone();
@@ -197,9 +198,11 @@ impl Reconciler {
                             self.metrics.converge.observe(started.elapsed().as_secs_f64());
                         }
                         self.metrics.applied_generation.set(generation as i64);
-                        delay = RETRY_MIN;
+                        backoff.reset();
                     }
                     Err(errors) => {
+                        let reason = errors.first().map_or("unknown", |(operation, _)| *operation);
+                        let delay = backoff.next_delay(reason);
                         for (operation, e) in &errors {
                             self.metrics.errors.get_or_create(&OpLabels { operation }).inc();
                             tracing::warn!(operation, error = %e, retry_in = ?delay, "Neutron security groups not converged");
@@ -210,7 +213,6 @@ impl Reconciler {
                             () = tokio::time::sleep(delay) => {}
                             () = shutdown.clone().wait() => return,
                         }
-                        delay = (delay * 2).min(RETRY_MAX);
                         continue;
                     }
                 }

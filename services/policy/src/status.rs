@@ -180,7 +180,7 @@ impl EventSink {
             secondary: None,
         };
         let kind = if r.warning { "Warning" } else { "Normal" };
-        let mut delay = FIRST_DELAY;
+        let mut backoff = kuryr_stream::Backoff::new("policy-status", FIRST_DELAY, FIRST_DELAY * 2u32.pow(ATTEMPTS));
         for attempt in 1..=ATTEMPTS {
             match self.recorder.publish(&ev, &reference).await {
                 Ok(()) => {
@@ -191,10 +191,7 @@ impl EventSink {
                     self.metrics.status_event(kind, false);
                     tracing::warn!(policy = %r.policy, reason = r.reason, error = %e, "could not record the policy's status Event");
                 }
-                Err(_) => {
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
-                }
+                Err(_) => backoff.sleep("event").await,
             }
         }
     }

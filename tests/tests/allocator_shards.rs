@@ -237,6 +237,9 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         let h = shard_holders(&admin, "kuryr-vif-allocator").await?;
         let by: BTreeSet<&str> = h.values().map(|(id, _)| id.as_str()).collect();
         anyhow::ensure!(h.len() == SHARDS as usize && by.len() == 2, "{h:?}");
+        // Both may hold some before the second takes its fair share: wait for the split to settle.
+        let most = by.iter().map(|id| h.values().filter(|(h, _)| h == id).count()).max().unwrap_or(0);
+        anyhow::ensure!(most == SHARDS as usize / 2, "not split evenly yet: {h:?}");
         Ok(h)
     })
     .await

@@ -29,9 +29,11 @@ pub mod lease;
 pub mod metrics;
 pub mod ownership;
 pub mod plan;
+pub mod refusal;
 
 pub use config::{ShardArgs, ShardConfig};
 pub use hash::shard_of;
 pub use lease::{ENDPOINT_ANNOTATION, ShardHandle, start};
 pub use metrics::ShardMetrics;
 pub use ownership::{Owner, Ownership};
+pub use refusal::{OWNER_METADATA, refusal};

@@ -22,10 +22,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tonic::Status;
-use tonic::metadata::{MetadataMap, MetadataValue};
 
-/// The gRPC metadata naming a node's owner in a refusal (as the allocator's).
-pub const OWNER_METADATA: &str = "kuryr-shard-owner";
+pub use kuryr_shard::OWNER_METADATA;
 
 /// Refusals by method.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,39 +86,7 @@ impl Shards {
 
     /// The UNAVAILABLE telling a client that `node` is served elsewhere (and where, if known).
     pub fn refusal(&self, node: &str) -> Status {
-        let own = self.ownership();
-        let shard = own.shard_of(node).unwrap_or(0);
-        match own.owner_of(node) {
-            Some(o) if own.owns(node) => Status::unavailable(format!(
-                "node {node} (shard {shard}) was just taken over by this replica ({}); retry in a moment",
-                o.identity
-            )),
-            // Its Lease still names this replica, which let the shard go (released, or not
-            // renewed in time): no redirect to itself; the next holder is known within a round.
-            Some(o) if o.identity == own.identity => Status::unavailable(format!(
-                "node {node} (shard {shard}) is being let go by this replica ({}); retry in a moment",
-                o.identity
-            )),
-            Some(o) => {
-                let endpoint = o.endpoint.clone().unwrap_or_default();
-                let msg = format!(
-                    "node {node} is served by kuryr-policy replica {} at {} (shard {shard}); reconnect there",
-                    o.identity,
-                    if endpoint.is_empty() { "an unknown address" } else { endpoint.as_str() }
-                );
-                let mut md = MetadataMap::new();
-                if let Ok(v) = MetadataValue::try_from(endpoint.as_str())
-                    && !endpoint.is_empty()
-                {
-                    md.insert(OWNER_METADATA, v);
-                }
-                Status::with_metadata(tonic::Code::Unavailable, msg, md)
-            }
-            None if !own.ready => Status::unavailable("kuryr-policy does not know its shards yet"),
-            None => Status::unavailable(format!(
-                "node {node} (shard {shard}) has no owner right now; another replica takes it over within the Lease duration"
-            )),
-        }
+        kuryr_shard::refusal(&self.ownership(), node, "kuryr-policy")
     }
 
     /// Resolves once `node` is no longer served here.

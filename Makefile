@@ -52,15 +52,17 @@ shim:
 	mkdir -p target/shim-static && cp target/$(HOST_TRIPLE)/shim/kuryr-cni $(SHIM_BIN)
 
 ## bench: every benchmark below, one after another: bench-cni, bench-e2e, bench-svc, bench-octavia,
-## bench-neutron, bench-kubelet
+## bench-neutron, bench-nested, bench-kubelet, bench-netpol, bench-kuryr
 bench: tools
 	$(MAKE) --no-print-directory bench-cni
 	$(MAKE) --no-print-directory bench-e2e
 	$(MAKE) --no-print-directory bench-svc
 	$(MAKE) --no-print-directory bench-octavia
 	$(MAKE) --no-print-directory bench-neutron
+	$(MAKE) --no-print-directory bench-nested
 	$(MAKE) --no-print-directory bench-kubelet
 	$(MAKE) --no-print-directory bench-netpol
+	$(MAKE) --no-print-directory bench-kuryr
 
 ## bench-cni: CNI ADD and DEL latency of kuryr-cni vs the reference bridge+host-local plugins in the
 ## same run (BENCH_PODS sandboxes, default 200), the time budget of each hop (the binder's own
@@ -112,15 +114,39 @@ bench-neutron: tools openstack
 	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/neutron-bench
 
-## bench-netpol-neutron: kuryr-policy --backend neutron against a real Neutron (ML2/OVS agent with the
-## openvswitch firewall driver), optimised: Neutron calls and time to converge per policy change (new,
+## bench-nested: nested pods (kuryr-vif-allocator --nested-trunks) against a real Neutron with the trunk
+## plugin and the OVS agent's trunk driver, a VM namespace with its own OVS and binder, optimised: pod
+## created → CNI ADD returned with a cold and a warm trunk pool, Neutron calls per pod (BENCH_NESTED_PODS)
+.PHONY: bench-nested
+bench-nested: tools openstack
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin nested-bench
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/nested-bench
+
+## bench-netpol-neutron: against a real Neutron (ML2/OVS agent with the openvswitch firewall driver),
+## optimised: one policy as remote IP prefixes vs a remote group, driven directly on plugged pods (calls,
+## API time, time until enforced on the datapath; BENCH_SG_TARGETS, BENCH_SG_PEERS, BENCH_SG_ROUNDS);
+## then kuryr-policy --backend neutron: Neutron calls and time to converge per policy change (new,
 ## edited, pod relabelled, deleted) beside Kuryr's estimated count (BENCH_NP_TARGETS, BENCH_NP_CLIENTS,
-## BENCH_NP_ROUNDS)
+## BENCH_NP_ROUNDS); BENCH_NP_ARMS=groups,policy chooses the arms
 .PHONY: bench-netpol-neutron
-bench-netpol-neutron: tools openstack
-	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-policy -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-policy --bin netpol-neutron-bench
-	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-policy target/bench-bin/
+bench-netpol-neutron: tools openstack shim
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-policy -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-policy --bin kuryr-binder --bin netpol-neutron-bench
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-policy target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/netpol-neutron-bench
+
+## bench-kuryr: Kuryr-Kubernetes 10.0.0 itself, then kuryr-rs, the same workload on the same real
+## kube-apiserver, Keystone, Neutron (API, RPC, ML2/OVS agent) and Octavia, optimised: pod created → port
+## handed out at 2 and 10 pods/s with a cold and a warm pool, CNI ADD (kuryr-rs; Kuryr's fails here),
+## Neutron calls per pod, Service with 10 endpoints → load balancer ACTIVE, endpoint change → converged,
+## PSS and CPU of every process, the ratio per row (BENCH_KURYR_PODS, BENCH_KURYR_MEMBERS, BENCH_KURYR_CHANGES)
+.PHONY: bench-kuryr
+bench-kuryr: tools openstack
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-binder -p kuryr-lbaas -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-binder --bin kuryr-lbaas --bin kuryr-bench
+	$(MAKE) --no-print-directory shim
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-binder target/release/kuryr-lbaas target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
+	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/kuryr-bench
 
 ## openstack: only the OpenStack venvs (cached; fast when warm)
 .PHONY: openstack
@@ -145,14 +171,15 @@ bench-netpol: tools
 ## bridge + host-local plugins, then kuryr installed from deploy/ on the same cluster, the same workload
 ## (BENCH_KUBELET_PODS, default 300, at BENCH_KUBELET_RATE pods/s, default 20); p50/p99 and the ratio
 bench-kubelet: tools
-	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-binder --bin kubelet-bench
+	$(CARGO) build --release -p kuryr-watcher -p kuryr-vif-allocator -p kuryr-lbaas -p kuryr-policy -p kuryr-binder -p kuryr-tests --bin kuryr-watcher --bin kuryr-vif-allocator --bin kuryr-lbaas --bin kuryr-policy --bin kuryr-binder --bin kubelet-bench
 	$(MAKE) --no-print-directory shim
-	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
+	mkdir -p target/bench-bin && cp target/release/kuryr-watcher target/release/kuryr-vif-allocator target/release/kuryr-lbaas target/release/kuryr-policy target/release/kuryr-binder target/bench-bin/ && cp $(SHIM_BIN) target/bench-bin/
 	KURYR_BIN_DIR=$(CURDIR)/target/bench-bin ./target/release/kubelet-bench
 
 ## chaos: pods churned on an embedded cluster while kuryr processes are killed (-9, also during DEL and
 ## GC), stopped (SIGSTOP) and the API server stalled, a fault every ~CHAOS_FAULT_SECONDS; then the
-## invariants (CHAOS_PODS, default 1000; CHAOS_SECONDS; CHAOS_BACKEND=embedded). Last line:
+## invariants (CHAOS_PODS, default 1000; CHAOS_SECONDS; CHAOS_BACKEND=embedded|neutron, neutron:
+## real Keystone/Neutron behind a fault proxy, CHAOS_PROXY_RATE). Last line:
 ## `chaos: N pods, K faults, L leaked, D duplicate, U unreachable`; fails unless the last three are 0
 .PHONY: chaos
 CHAOS_PODS ?= 1000
@@ -196,6 +223,10 @@ image:
 
 .PHONY: lab lab-down
 
+# What the lab runs: the kuryr image's binaries (tests/env/images/kuryr-image.sh) and the lab
+# driver; not the test suites' benchmark binaries.
+LAB_PACKAGES := kuryr-watcher kuryr-vif-allocator kuryr-lbaas kuryr-policy kuryr-binder kuryr-cni
+
 ## lab: install what the lab needs (system packages, the Kubernetes and test tools; not the OpenStack venvs),
 ## build the binaries with the lab profile (optimised, no LTO), then run a Kubernetes cluster of real nodes
 ## (kubelet + containerd in network and mount namespaces, no kube-proxy) on this machine with kuryr installed
@@ -203,7 +234,7 @@ image:
 lab:
 	bash tests/env/setup.sh
 	bash tests/env/tools.sh kube-apiserver kube-controller-manager kubelet kube-scheduler kubectl agnhost etcd coredns grpcurl
-	$(CARGO) build --profile lab --workspace --bins
+	$(CARGO) build --profile lab $(LAB_PACKAGES:%=-p %) -p kuryr-tests $(LAB_PACKAGES:%=--bin %) --bin kuryr-lab
 	KURYR_BIN_DIR=$(CURDIR)/target/lab ./target/lab/kuryr-lab up
 
 ## lab-down: stop the lab started by `make lab` and wait until it is gone (also cleans up after a

@@ -11,13 +11,15 @@
 //! - SIGSTOP/SIGCONT of kuryr-watcher, kuryr-vif-allocator or kuryr-lbaas (a silent partition);
 //! - the Kubernetes API server stalled (SIGSTOP/SIGCONT).
 //!
-//! After the last fault the cluster gets a quiet period to converge, then the invariants are
-//! checked ([`invariants`]): every live pod has exactly one VIF and is reachable from a pod on
+//! Between faults, every few seconds, the records are checked ([`invariants`]; a problem counts
+//! once it has lasted over a grace period, so work in flight is not flagged). After the last
+//! fault the cluster gets a quiet period to converge, then the invariants are checked once more: every live pod has exactly one VIF and is reachable from a pod on
 //! every node, nothing is leaked or held twice, every Service answers from every node with
 //! exactly its ready endpoints, nothing of a deleted pod is left on a node. [`Outcome::last_line`]
 //! is the verdict line of `make chaos`.
 
 pub mod invariants;
+pub mod neutron;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -28,18 +30,22 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, Pod, PodSpec, PodTemplateSpec, Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kuryr_vif_allocator::k8s::crd::{AddressBlock, PodVif};
 
 use crate::cluster::checks::{self, RunningPod};
 use crate::cluster::{Cluster, ClusterOptions, ServiceKind, StreamTiming, reach, svc};
 use crate::echo::{self, Proto};
 use crate::kubelet::PodPhase;
 use crate::metrics::Scrape;
-use invariants::{Allocation, Findings, LivePod, NodeHeld, Snapshot, VifRecord};
+use invariants::{Allocation, Findings, Kind, Lasting, LivePod, NodeHeld, Snapshot, VifRecord};
 
 /// The namespace of the churned pods and Services.
 pub const NAMESPACE: &str = "chaos";
@@ -48,6 +54,12 @@ const SERVICE_PORT: u16 = 80;
 const TARGET_PORT: u16 = 8080;
 /// Pings in flight at once during the final check.
 const PINGS_AT_ONCE: usize = 12;
+/// How often the records are checked during the run, and how long a problem found then may last
+/// (work in flight) before it counts.
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+const GRACE: Duration = Duration::from_secs(90);
+/// Replicas of a Deployment at most.
+pub const DEPLOYMENT_MAX: i32 = 4;
 
 /// How to run.
 #[derive(Clone, Debug)]
@@ -64,6 +76,11 @@ pub struct ChaosOptions {
     pub live: usize,
     /// Services, each selecting every few pods.
     pub services: usize,
+    /// A Deployment per node (its template names the node: there is no scheduler), scaled
+    /// between 0 and [`DEPLOYMENT_MAX`] replicas at random about every `fault_every`; its pods
+    /// are endpoints of the Services too. kube-controller-manager runs the deployment and
+    /// replicaset controllers for them.
+    pub deployments: bool,
     /// Bound on converging after the last fault.
     pub quiet: Duration,
     /// Seed of the fault and timing choices (the same seed, the same sequence of faults).
@@ -81,6 +98,7 @@ impl Default for ChaosOptions {
             nodes: 2,
             live: 60,
             services: 3,
+            deployments: true,
             quiet: Duration::from_secs(180),
             seed: 1,
             verbose: true,
@@ -114,12 +132,18 @@ pub struct Outcome {
     pub startup: Option<(Duration, Duration, Duration)>,
     /// Pods whose sandbox was retried (RunPodSandbox called more than once).
     pub retried_starts: usize,
+    /// Of `pods`, those the Deployments' ReplicaSets created (the kubelets saw them).
+    pub by_deployments: usize,
+    /// Deployments scaled during the run.
+    pub scaled: usize,
     /// Live pods at the end, Services checked, pings answered.
     pub live_at_end: usize,
     pub services_checked: usize,
     pub pings: usize,
     /// The run's length, cluster start-up excluded.
     pub ran: Duration,
+    /// Checks of the invariants made during the run (between faults).
+    pub checked_during: usize,
     /// `kuryr_retries_total` at the end by component (summed over reasons and the processes
     /// scraped: the watcher, the first allocator and lbaas replicas, every binder; counted since
     /// each process's last start).
@@ -133,6 +157,17 @@ impl Outcome {
             "chaos: {} pods, {} faults, {} leaked, {} duplicate, {} unreachable",
             self.pods, self.faults, self.leaked, self.duplicate, self.unreachable
         )
+    }
+
+    /// Counts one problem and keeps its line.
+    pub fn count(&mut self, kind: Kind, line: impl std::fmt::Display) {
+        let (n, what) = match kind {
+            Kind::Leak => (&mut self.leaked, "leaked"),
+            Kind::Duplicate => (&mut self.duplicate, "duplicate"),
+            Kind::Unreachable => (&mut self.unreachable, "unreachable"),
+        };
+        *n += 1;
+        self.details.push(format!("{what}: {line}"));
     }
 
     /// No leak, no duplicate, nothing unreachable.
@@ -178,6 +213,7 @@ pub async fn run(opts: &ChaosOptions) -> Result<Outcome> {
         services: true,
         node_prefix: "chaos".into(),
         replicas: 2,
+        workloads: opts.deployments,
         // Partitions (SIGSTOP) are told from quiet streams within a few seconds.
         stream_timing: Some(StreamTiming { heartbeat: "1s".into(), idle_timeout: "4s".into() }),
         ..ClusterOptions::default()
@@ -220,6 +256,8 @@ struct Churn {
     stop: AtomicBool,
     /// Live pods by creation order (name, node index).
     live: Mutex<VecDeque<(String, usize)>>,
+    /// Deployments scaled.
+    scaled: AtomicUsize,
 }
 
 impl Churn {
@@ -243,12 +281,27 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
     let churn = Arc::new(Churn::default());
     let started = Instant::now();
     let churner = tokio::spawn(churn_pods(client.clone(), node_names.clone(), opts.clone(), churn.clone()));
+    let scaler = if opts.deployments {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
+        for (k, node) in node_names.iter().enumerate() {
+            let d = deployment(k, node, opts.services);
+            deployments
+                .create(&PostParams::default(), &d)
+                .await
+                .with_context(|| format!("creating Deployment d{k}"))?;
+        }
+        Some(tokio::spawn(scale_deployments(deployments, node_names.len(), opts.clone(), churn.clone())))
+    } else {
+        None
+    };
 
     let mut rng = fastrand::Rng::with_seed(opts.seed);
     let mut startup: HashMap<String, (Duration, u32)> = HashMap::new();
     let mut fault_log = Vec::new();
     let mut last_fault_end = Instant::now();
     let mut last_fault_start = Instant::now();
+    let mut watch = Lasting::default();
+    let mut next_check = Instant::now();
     while started.elapsed() < opts.duration {
         // Gaps from the start of one fault to the start of the next.
         let gap = opts.fault_every.mul_f64(0.5 + rng.f64()).saturating_sub(last_fault_start.elapsed());
@@ -278,11 +331,21 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
         fault_log.push(line);
         res?;
         collect_startup(cluster, &mut startup);
+        // The invariants, continuously (between faults).
+        if Instant::now() >= next_check {
+            let found = invariants::check(&snapshot(cluster).await?);
+            watch.observe(found.problems().map(|(k, l)| (l.clone(), k, l.clone())), Instant::now(), GRACE);
+            next_check = Instant::now() + CHECK_EVERY;
+        }
     }
     churn.stop.store(true, Ordering::Relaxed);
     churner.await.context("the churn task")??;
+    if let Some(scaler) = scaler {
+        scaler.await.context("the scaling task")?;
+    }
     let ran = started.elapsed();
-    let expected = churn.live().len();
+    let replicas = deployment_replicas(&client).await?;
+    let expected = churn.live().len() + replicas;
     if opts.verbose {
         eprintln!("chaos: churn stopped after {ran:?}; converging ({expected} live pods)");
     }
@@ -309,8 +372,11 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
     }
     collect_startup(cluster, &mut startup);
 
+    let by_deployments = startup_names(cluster).iter().filter(|n| n.starts_with("d")).count();
     let mut outcome = Outcome {
-        pods: churn.created.load(Ordering::Relaxed),
+        pods: churn.created.load(Ordering::Relaxed) + by_deployments,
+        by_deployments,
+        scaled: churn.scaled.load(Ordering::Relaxed),
         faults: fault_log.len(),
         fault_log,
         converged_in,
@@ -318,6 +384,11 @@ async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
         live_at_end: expected,
         ..Outcome::default()
     };
+    outcome.checked_during = watch.checks;
+    outcome.fault_log.push(format!("invariants checked {} times during the run", watch.checks));
+    for (kind, line) in watch.counted() {
+        outcome.count(kind, format!("during the run: {line}"));
+    }
     if converged_in.is_none() {
         outcome.details.push(format!("not converged within {:?} of the last fault: {last}", opts.quiet));
     }
@@ -516,7 +587,7 @@ pub async fn snapshot(cluster: &Cluster) -> Result<Snapshot> {
         });
     }
     for v in &vifs {
-        let vif = v.status.as_ref().and_then(|s| s.vif.as_ref());
+        let vif = v.vif();
         s.vifs.push(VifRecord {
             key: key(&v.metadata.namespace, &v.metadata.name),
             pod_uid: v.spec.pod_uid.clone(),
@@ -569,12 +640,9 @@ pub async fn snapshot(cluster: &Cluster) -> Result<Snapshot> {
 /// The end checks: records, reachability, Services.
 async fn final_checks(cluster: &Cluster, outcome: &mut Outcome) -> Result<()> {
     let findings: Findings = invariants::check(&snapshot(cluster).await?);
-    outcome.leaked += findings.leaked.len();
-    outcome.duplicate += findings.duplicate.len();
-    outcome.unreachable += findings.missing.len();
-    outcome.details.extend(findings.leaked.iter().map(|l| format!("leaked: {l}")));
-    outcome.details.extend(findings.duplicate.iter().map(|l| format!("duplicate: {l}")));
-    outcome.details.extend(findings.missing.iter().map(|l| format!("no single VIF: {l}")));
+    for (kind, line) in findings.problems() {
+        outcome.count(kind, line);
+    }
 
     // Reachability: every live Running pod from one pod on every node.
     let running = running_pods(cluster).await?;
@@ -583,8 +651,7 @@ async fn final_checks(cluster: &Cluster, outcome: &mut Outcome) -> Result<()> {
         match running.iter().find(|p| p.node == n.name) {
             Some(p) => sources.push(p),
             None => {
-                outcome.unreachable += 1;
-                outcome.details.push(format!("unreachable: no Running pod on {} to ping from", n.name));
+                outcome.count(Kind::Unreachable, format!("no Running pod on {} to ping from", n.name));
             }
         }
     }
@@ -638,8 +705,7 @@ async fn final_checks(cluster: &Cluster, outcome: &mut Outcome) -> Result<()> {
             match by_name.get(p.as_str()) {
                 Some(rp) => servers.push(echo::serve(&rp.netns, p, TARGET_PORT)?),
                 None => {
-                    outcome.unreachable += 1;
-                    outcome.details.push(format!("unreachable: Service {name}: endpoint {p} is not a Running pod"));
+                    outcome.count(Kind::Unreachable, format!("Service {name}: endpoint {p} is not a Running pod"));
                 }
             }
         }
@@ -658,8 +724,7 @@ async fn final_checks(cluster: &Cluster, outcome: &mut Outcome) -> Result<()> {
             )
             .await;
             if let Err(e) = got {
-                outcome.unreachable += 1;
-                outcome.details.push(format!("unreachable: Service {name} from {} ({}): {e:#}", src.name, src.node));
+                outcome.count(Kind::Unreachable, format!("Service {name} from {} ({}): {e:#}", src.name, src.node));
             }
         }
         drop(servers);
@@ -697,6 +762,67 @@ async fn running_pods(cluster: &Cluster) -> Result<Vec<RunningPod>> {
         })
         .count();
     checks::wait_running(cluster, NAMESPACE, n, Duration::from_secs(10)).await
+}
+
+/// Every ~`fault_every` one Deployment set to a random number of replicas (0 to
+/// [`DEPLOYMENT_MAX`]), until the churn stops; a request the API server does not answer (stalled)
+/// is given up for the next.
+async fn scale_deployments(deployments: Api<Deployment>, n: usize, opts: ChaosOptions, churn: Arc<Churn>) {
+    let mut rng = fastrand::Rng::with_seed(opts.seed ^ 0x5ca1e);
+    while !churn.stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(opts.fault_every.mul_f64(0.5 + rng.f64())).await;
+        let (k, replicas) = (rng.usize(0..n), rng.i32(0..=DEPLOYMENT_MAX));
+        let patch = serde_json::json!({ "spec": { "replicas": replicas } });
+        let (name, params, patch) = (format!("d{k}"), PatchParams::default(), Patch::Merge(&patch));
+        match tokio::time::timeout(Duration::from_secs(10), deployments.patch(&name, &params, &patch)).await {
+            Ok(Ok(_)) => {
+                churn.scaled.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {
+                churn.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The Deployments' replicas as they stand.
+async fn deployment_replicas(client: &kube::Client) -> Result<usize> {
+    let list = Api::<Deployment>::namespaced(client.clone(), NAMESPACE).list(&ListParams::default()).await?.items;
+    let n: i32 = list.iter().map(|d| d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1)).sum();
+    Ok(usize::try_from(n).unwrap_or_default())
+}
+
+/// The names of the pods the kubelets have started.
+fn startup_names(cluster: &Cluster) -> BTreeSet<String> {
+    cluster.kubelets().iter().flat_map(|k| k.pods()).filter(|r| r.network_ready.is_some()).map(|r| r.name).collect()
+}
+
+/// Deployment `d<k>`: its pods on `node`, endpoints of Service `s<k % services>` when there are
+/// Services.
+fn deployment(k: usize, node: &str, services: usize) -> Deployment {
+    let mut labels: BTreeMap<String, String> = [("app".to_string(), format!("d{k}"))].into();
+    if services > 0 {
+        labels.insert("svc".into(), format!("s{}", k % services));
+    }
+    let mut template = pod("", node, None);
+    template.metadata = ObjectMeta { labels: Some(labels), ..ObjectMeta::default() };
+    Deployment {
+        metadata: ObjectMeta {
+            name: Some(format!("d{k}")),
+            namespace: Some(NAMESPACE.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(DeploymentSpec {
+            replicas: Some(1),
+            selector: LabelSelector {
+                match_labels: Some([("app".to_string(), format!("d{k}"))].into()),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec { metadata: Some(template.metadata), spec: template.spec },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
 }
 
 fn service(i: usize) -> Service {

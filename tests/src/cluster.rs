@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kube::api::{Api, PostParams};
 use kuryr_proto::service_names;
-use kuryr_vif_allocator::crd::{PodNetwork, PodNetworkSpec};
+use kuryr_vif_allocator::k8s::crd::{PodNetwork, PodNetworkSpec};
 
 pub use manifest::{Manifest, NodeRecord, ProcessRecord};
 pub use underlay::NODE_IFNAME;
@@ -114,6 +114,9 @@ pub struct ClusterOptions {
     /// Services: kube-controller-manager (EndpointSlices), kuryr-lbaas, and `--lbaas` for the
     /// binders.
     pub services: bool,
+    /// Deployments (with `services`): kube-controller-manager runs the deployment and
+    /// replicaset controllers too. There is no scheduler: a Deployment's template names its node.
+    pub workloads: bool,
     /// NetworkPolicy: kuryr-policy, and `--policy` for the binders.
     pub policy: bool,
     /// The PodNetwork's IPv4 block prefix (the allocator's default when unset); small blocks
@@ -169,6 +172,7 @@ impl Default for ClusterOptions {
             kubelet: true,
             run_containers: false,
             services: false,
+            workloads: false,
             policy: false,
             ipv4_block_prefix: None,
             service_log: "info".into(),
@@ -191,6 +195,7 @@ impl fmt::Debug for ClusterOptions {
             .field("kubelet", &self.kubelet)
             .field("run_containers", &self.run_containers)
             .field("services", &self.services)
+            .field("workloads", &self.workloads)
             .field("stream_timing", &self.stream_timing)
             .field("replicas", &self.replicas)
             .finish_non_exhaustive()
@@ -332,12 +337,13 @@ impl Cluster {
 
         let controller_manager = if opts.services {
             let t = Instant::now();
-            let kcm = ControllerManager::start(&kube, dir.path()).await?;
+            let controllers = if opts.workloads { controllers::WORKLOAD_CONTROLLERS } else { controllers::CONTROLLERS };
+            let kcm = ControllerManager::start_with(&kube, dir.path(), controllers).await?;
             if let Some(pid) = kcm.pid() {
                 let exe = kcm.exe().to_path_buf();
                 progress.record(|m| m.processes.push(ProcessRecord { name: controllers::BINARY.into(), pid, exe }));
             }
-            progress.step(&format!("kube-controller-manager ({}) healthy", controllers::CONTROLLERS), t);
+            progress.step(&format!("kube-controller-manager ({controllers}) healthy"), t);
             Some(kcm)
         } else {
             None
@@ -676,6 +682,22 @@ impl Cluster {
         out
     }
 
+    /// What to print when a scenario failed: every service's log, the last lines of
+    /// kube-controller-manager's (when it runs) and each node's nftables table `inet kuryr`.
+    pub async fn diagnostics(&self) -> String {
+        let mut out = self.logs();
+        if let Some(kcm) = self.controller_manager() {
+            let logs = kcm.logs();
+            let tail: Vec<&str> = logs.lines().rev().take(80).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            out.push_str(&format!("==== kube-controller-manager (last lines)\n{}\n", tail.join("\n")));
+        }
+        for n in &self.nodes {
+            out.push_str(&format!("==== table inet kuryr on {}\n{}\n", n.name, svc::nft_table(n).await));
+        }
+        out
+    }
+
     /// Stops everything in dependency order — kubelets; each node (sandboxes removed through CRI
     /// while its binder still answers, then the binder, then containerd and the node's
     /// namespace); the allocator; the watcher; the underlay namespace; the API server — and
@@ -985,4 +1007,29 @@ async fn start_node(
 
 fn join(ips: &[IpAddr]) -> String {
     ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The frame of the end-to-end suites: starts a cluster with `opts`, runs `scenario` on it,
+/// prints [`Cluster::diagnostics`] when it fails, shuts the cluster down and fails on anything of
+/// it left on the host (processes, namespaces, mounts, links). `name` labels the messages.
+pub async fn run_scenario(
+    name: &str,
+    opts: ClusterOptions,
+    scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>,
+) -> Result<()> {
+    let t = Instant::now();
+    let mut cluster = Cluster::start(opts).await.context("starting the cluster")?;
+    eprintln!("{name}: cluster up in {:?}", cluster.started_in());
+    let outcome = scenario(&mut cluster).await;
+    if outcome.is_err() {
+        eprintln!("{}", cluster.diagnostics().await);
+    }
+    let manifest = cluster.manifest().clone();
+    let shutdown = cluster.shutdown().await;
+    outcome.with_context(|| name.to_string())?;
+    let took = shutdown.context("shutting the cluster down")?;
+    let left = manifest.leftovers();
+    anyhow::ensure!(left.is_empty(), "left behind after shutdown: {left:?}");
+    eprintln!("{name}: cluster down in {took:?}; {:?} in all", t.elapsed());
+    Ok(())
 }

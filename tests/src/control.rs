@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -30,12 +29,9 @@ use crate::cluster::{
     ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, POLICY_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT,
 };
 use crate::kube::KubeEnv;
-use crate::services::{ServiceProcess, wait_until};
+use crate::services::ServiceProcess;
 use crate::sut::{self, Sut};
 use crate::util::{free_port, repo_root};
-
-/// Bound on a CRD becoming Established.
-const CRD_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The service a control plane is set up for.
 #[derive(Clone, Copy, Debug)]
@@ -70,8 +66,8 @@ impl Served {
     /// The CRDs it needs, as the service crate lists them.
     fn crds(self) -> Vec<(&'static str, CustomResourceDefinition)> {
         match self {
-            Self::Allocator => kuryr_vif_allocator::crd::crds(),
-            Self::Lbaas => kuryr_lbaas::crd::crds(),
+            Self::Allocator => kuryr_vif_allocator::k8s::crd::crds(),
+            Self::Lbaas => kuryr_lbaas::k8s::crd::crds(),
             Self::Policy => Vec::new(),
         }
     }
@@ -136,27 +132,12 @@ impl ControlPlane {
                 .await
                 .with_context(|| format!("creating namespace {n}"))?;
         }
-        env.apply_file(&repo_root().join("deploy/crds")).await?;
+        let names: Vec<String> = served.crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
+        env.install_crds(&names).await?;
         env.apply_file(&repo_root().join("deploy/rbac/watcher.yaml")).await?;
         env.apply_file(&repo_root().join(served.rbac())).await?;
         // What RBAC cannot narrow: the service may change only finalizers of what it patches.
         env.apply_file(&repo_root().join("deploy/rbac/admission.yaml")).await?;
-        let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-        for (_, c) in served.crds() {
-            let name = c.metadata.name.context("CRD without a name")?;
-            wait_until(&format!("CRD {name} Established"), CRD_TIMEOUT, || async {
-                let c = crds.get(&name).await?;
-                let established = c
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True");
-                anyhow::ensure!(established, "not yet");
-                Ok(())
-            })
-            .await?;
-        }
         let watcher_kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, WATCHER_ACCOUNT).await?;
         let kubeconfig = env.service_account_kubeconfig(SYSTEM_NAMESPACE, served.account()).await?;
         let binder_token = env.kuryr_token(SYSTEM_NAMESPACE, BINDER_ACCOUNT, None).await?;

@@ -228,6 +228,23 @@ impl KubeEnv {
         run(cmd, None, KUBECTL_TIMEOUT).await
     }
 
+    /// Applies `deploy/crds` as admin and waits (on a watch, at most 90 s each) until each CRD
+    /// named in `names` is Established.
+    pub async fn install_crds(&self, names: &[String]) -> Result<()> {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        use kube::runtime::wait::{await_condition, conditions};
+        const CRD_TIMEOUT: Duration = Duration::from_secs(90);
+        self.apply_file(&crate::util::repo_root().join("deploy/crds")).await?;
+        let crds: kube::Api<CustomResourceDefinition> = kube::Api::all(self.client().await?);
+        for name in names {
+            tokio::time::timeout(CRD_TIMEOUT, await_condition(crds.clone(), name, conditions::is_crd_established()))
+                .await
+                .map_err(|_| anyhow::anyhow!("CRD {name} not Established within {CRD_TIMEOUT:?}"))?
+                .with_context(|| format!("watching CRD {name}"))?;
+        }
+        Ok(())
+    }
+
     /// `kubectl apply -f PATH` as admin (a file or a directory of manifests); a directory
     /// holding a `kustomization.yaml` is applied as the kustomization it is (`-k`), as users do.
     pub async fn apply_file(&self, path: &Path) -> Result<String> {

@@ -21,8 +21,13 @@
 //!   host's way into its API server.
 //! - [`openstack`]: real Keystone, Neutron (API, RPC server, ML2/OVS agent on a private OVS) and
 //!   Octavia (API and worker, no-op drivers) on loopback, with MariaDB and RabbitMQ.
+//! - [`faultproxy`]: an HTTP proxy in front of Neutron or Octavia injecting 503, 409, timeouts,
+//!   slow answers and lost answers to POSTs at configurable rates.
 //! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
+//! - [`sg_strategies`]: one policy as security groups with remote prefixes or a remote group,
+//!   driven directly against Neutron and its OVS agent, measured in calls and time to enforced.
+//! - [`kuryr_controller`]: Kuryr-Kubernetes' own controller from its venv, for the migration suites.
 //! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`echo`]: servers and clients in network namespaces that say who answered whom (TCP, UDP).
@@ -39,18 +44,23 @@ pub mod conformance;
 pub mod control;
 pub mod cri;
 pub mod echo;
+pub mod faultproxy;
 pub mod forward;
 pub mod kube;
 pub mod kubelet;
+pub mod kuryr_controller;
 pub mod lbserver;
 pub mod metrics;
+pub mod nested;
 pub mod netns;
 pub mod neutron;
 pub mod nftmon;
 pub mod node;
+pub mod objects;
 pub mod openstack;
 pub mod realcluster;
 pub mod services;
+pub mod sg_strategies;
 pub mod shim;
 pub mod stats;
 pub mod sut;

@@ -324,6 +324,24 @@ fn parse_value(v: &str) -> Result<f64> {
     })
 }
 
+/// The value of one sample (`name{labels}` exactly as exposed); 0 when absent.
+pub fn metric(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The sum of every sample of metric `name` whose labels contain each of `labels`
+/// (`key="value"` strings).
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| labels.iter().all(|w| l.contains(w)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,5 +423,20 @@ spaced { a = "1" , b="2" , } -Inf
         assert_eq!(metrics_url("127.0.0.1:9611"), "http://127.0.0.1:9611/metrics");
         assert_eq!(metrics_url("http://127.0.0.1:9611"), "http://127.0.0.1:9611/metrics");
         assert_eq!(metrics_url("http://127.0.0.1:9611/metrics"), "http://127.0.0.1:9611/metrics");
+    }
+
+    #[test]
+    fn metrics_are_read_by_sample_and_summed_by_label() {
+        let text = "# HELP openstack_requests_total x\n\
+            openstack_requests_total{service=\"network\",operation=\"ports.update\",method=\"PUT\",code=\"200\"} 3\n\
+            openstack_requests_total{service=\"network\",operation=\"ports.list\",method=\"GET\",code=\"200\"} 5\n\
+            openstack_requests_total{service=\"identity\",operation=\"tokens.create\",method=\"POST\",code=\"201\"} 1\n\
+            openstack_requests_total_extra 9\n\
+            kuryr_allocator_neutron_status_polls_total 7\n";
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"service="network""#]), 8.0);
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"operation="ports.update""#]), 3.0);
+        assert_eq!(metric_sum(text, "openstack_requests_total", &[]), 9.0);
+        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls_total"), 7.0);
+        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls"), 0.0, "a prefix is not a sample");
     }
 }

@@ -46,6 +46,17 @@ impl Netns {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// Pings `to` (IPv4 or IPv6) from this namespace until it answers, for at most `timeout`:
+    /// an address answers only once its interface is up and, for IPv6, duplicate address
+    /// detection is done.
+    pub async fn wait_ping(&self, to: &str, timeout: std::time::Duration) -> Result<()> {
+        let family = if to.contains(':') { "-6" } else { "-4" };
+        crate::services::wait_until(&format!("{} to reach {to}", self.name), timeout, || async {
+            self.exec(&["ping", family, "-n", "-c", "1", "-W", "2", to]).map(drop)
+        })
+        .await
+    }
+
     /// Interface names in the namespace.
     pub fn links(&self) -> Vec<String> {
         self.exec(&["ip", "-o", "link", "show"])

@@ -27,14 +27,18 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
 use kuryr_openstack::neutron::Neutron;
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, ServiceType};
+use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
+use kuryr_proto::allocator::v1::{GetVifRequest, Vif};
 use serde_json::json;
 
 use crate::binder::Binder;
 use crate::kube::KubeEnv;
+pub use crate::metrics::{metric, metric_sum};
 use crate::netns::Netns;
 use crate::openstack::{NeutronNode, OpenStackEnv, PodNetwork, Service};
 use crate::services::{ServiceProcess, wait_until};
 use crate::shim::{ShimOutput, run_shim};
+use crate::sut::Sut;
 use crate::util::{free_port, repo_root};
 
 /// The namespace the services' accounts live in.
@@ -131,6 +135,33 @@ pub struct Svc {
 }
 
 impl Svc {
+    /// The gRPC and metrics ports (to start it again at the same endpoints: [`spawn_on`]).
+    pub fn ports(&self) -> Result<(u16, u16)> {
+        let port = |a: &str| a.rsplit(':').next().unwrap_or_default().parse::<u16>();
+        Ok((port(&self.addr).context("gRPC port")?, port(&self.metrics_url).context("metrics port")?))
+    }
+
+    /// The VIF this allocator holds for pod `uid`, once it has one that `accept` takes (asked
+    /// with [`Svc::token`]); the error carries the allocator's log.
+    pub async fn wait_vif_where(&self, uid: &str, timeout: Duration, accept: fn(&Vif) -> Result<()>) -> Result<Vif> {
+        let c = VifAllocatorClient::new(self.channel()?);
+        wait_until(&format!("a VIF for pod {uid}"), timeout, || {
+            let mut c = c.clone();
+            async move {
+                let v = c.get_vif(GetVifRequest { pod_uid: uid.into() }).await?.into_inner();
+                accept(&v)?;
+                Ok(v)
+            }
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:#}\n{}", self.proc.logs()))
+    }
+
+    /// [`Svc::wait_vif_where`] taking any VIF.
+    pub async fn wait_vif(&self, uid: &str, timeout: Duration) -> Result<Vif> {
+        self.wait_vif_where(uid, timeout, |_| Ok(())).await
+    }
+
     /// The text of `/metrics`.
     pub async fn metrics(&self) -> Result<String> {
         let url = format!("{}/metrics", self.metrics_url);
@@ -159,8 +190,13 @@ impl Svc {
 
 /// Starts `bin` with `args` plus its listen, metrics and shutdown flags, logging into `dir`.
 /// The socket path is the same across restarts: a binder keeps dialling it.
-pub fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Result<Svc> {
-    let (port, mport) = (free_port()?, free_port()?);
+pub fn spawn(bin: &str, args: Vec<String>, dir: &Path) -> Result<Svc> {
+    spawn_on(bin, args, dir, free_port()?, free_port()?)
+}
+
+/// [`spawn`] on the given gRPC and metrics ports: a restart at the same endpoints (a sharded
+/// replica's advertised address).
+pub fn spawn_on(bin: &str, mut args: Vec<String>, dir: &Path, port: u16, mport: u16) -> Result<Svc> {
     let sock = dir.join(format!("{bin}.sock"));
     let addr = format!("127.0.0.1:{port}");
     args.extend([
@@ -180,18 +216,42 @@ impl NeutronCluster {
     /// `namespaces`, the CRDs, the watcher's and allocator's RBAC and credentials, and the Node
     /// of the Neutron agent's host.
     pub async fn start(namespaces: &[&str]) -> Result<Self> {
-        Self::start_with_env(namespaces, &[]).await
+        Self::start_with_env(namespaces, &[], &[]).await
+    }
+
+    /// [`NeutronCluster::start`] with Octavia too (API and worker, amphora provider with the
+    /// no-op drivers), in Keystone's catalog beside Neutron.
+    pub async fn start_with_octavia(namespaces: &[&str]) -> Result<Self> {
+        Self::start_with_env(namespaces, &[Service::Octavia], &[]).await
     }
 
     /// [`NeutronCluster::start`] with the agent enforcing security groups: the `openvswitch`
     /// firewall driver (OpenFlow and conntrack on the userspace datapath) instead of `noop`.
     pub async fn start_with_firewall(namespaces: &[&str]) -> Result<Self> {
-        Self::start_with_env(namespaces, &[("NEUTRON_FIREWALL_DRIVER", "openvswitch")]).await
+        Self::start_with_env(namespaces, &[], &[("NEUTRON_FIREWALL_DRIVER", "openvswitch")]).await
     }
 
-    async fn start_with_env(namespaces: &[&str], vars: &[(&str, &str)]) -> Result<Self> {
-        let (os, kube) =
-            tokio::join!(OpenStackEnv::start_with_env(&[Service::Keystone, Service::Neutron], vars), KubeEnv::start());
+    /// [`NeutronCluster::start`] with more Neutron nodes, hosts `extra_hosts` (each a network
+    /// namespace with its own Open vSwitch and ML2/OVS agent, so that ports bound to it bind),
+    /// each also a Kubernetes Node (InternalIP 192.168.50.2, .3, ...).
+    pub async fn start_with_nodes(namespaces: &[&str], extra_hosts: &[&str]) -> Result<Self> {
+        let hosts = extra_hosts.join(",");
+        let c = Self::start_with_env(namespaces, &[], &[("NEUTRON_EXTRA_AGENT_HOSTS", &hosts)]).await?;
+        let nodes: Api<Node> = Api::all(c.admin.clone());
+        for (i, host) in extra_hosts.iter().enumerate() {
+            let meta = ObjectMeta { name: Some((*host).into()), ..Default::default() };
+            nodes.create(&PostParams::default(), &Node { metadata: meta, ..Default::default() }).await?;
+            let ip = format!("192.168.50.{}", i + 2);
+            let status = json!({"status": {"addresses": [{"type": "InternalIP", "address": ip}]}});
+            nodes.patch_status(host, &PatchParams::default(), &Patch::Merge(status)).await?;
+        }
+        Ok(c)
+    }
+
+    async fn start_with_env(namespaces: &[&str], more: &[Service], vars: &[(&str, &str)]) -> Result<Self> {
+        let services: Vec<Service> =
+            [Service::Keystone, Service::Neutron].into_iter().chain(more.iter().copied()).collect();
+        let (os, kube) = tokio::join!(OpenStackEnv::start_with_env(&services, vars), KubeEnv::start());
         let (os, kube) = (os?, kube?);
         let admin = kube.client().await?;
         let pp = PostParams::default();
@@ -257,21 +317,7 @@ impl NeutronCluster {
     pub async fn policy(&self, watcher: &Svc, extra: &[String]) -> Result<Svc> {
         self.kube.apply_file(&repo_root().join("deploy/rbac/policy.yaml")).await?;
         let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, crate::cluster::POLICY_ACCOUNT).await?;
-        let mut args: Vec<String> = [
-            "--kubeconfig",
-            &kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--backend",
-            "neutron",
-            "--clouds-yaml",
-            &self.os.clouds_yaml().display().to_string(),
-            "--os-cloud",
-            "kuryr",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+        let mut args = self.openstack_service_args(&kubeconfig, watcher);
         args.extend(extra.iter().cloned());
         spawn("kuryr-policy", args, self.dir.path())
     }
@@ -279,68 +325,89 @@ impl NeutronCluster {
     /// Starts kuryr-vif-allocator `--backend neutron` on the pod network (both subnets),
     /// authenticating as the `kuryr` user from clouds.yaml.
     pub fn allocator(&self, watcher: &Svc, o: &AllocatorOptions) -> Result<Svc> {
-        let mut args: Vec<String> = [
-            "--kubeconfig",
-            &self.allocator_kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--backend",
-            "neutron",
-            "--clouds-yaml",
-            &self.os.clouds_yaml().display().to_string(),
-            "--os-cloud",
-            "kuryr",
-            "--pod-network-id",
-            &self.net.network_id,
-            "--pod-subnet-ids",
-            &format!("{},{}", self.net.subnet_v4_id, self.net.subnet_v6_id),
-            "--cluster-id",
-            &o.cluster_id,
-            "--pool-min",
-            &o.pool_min.to_string(),
-            "--pool-batch",
-            &o.pool_batch.to_string(),
-            "--orphan-gc-interval",
-            "3s",
-            "--instance",
-            &o.instance,
-            "--log",
-            &o.log,
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+        let args = self.allocator_args(watcher, o);
+        Ok(Svc { token: self.pool_manager_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path())? })
+    }
+
+    /// The flags [`NeutronCluster::allocator`] starts an allocator with (before its listen,
+    /// metrics and shutdown flags).
+    pub fn allocator_args(&self, watcher: &Svc, o: &AllocatorOptions) -> Vec<String> {
+        let mut args = self.allocator_base_args(watcher);
+        let subnets = format!("{},{}", self.net.subnet_v4_id, self.net.subnet_v6_id);
+        let pool_min = o.pool_min.to_string();
+        let pool_batch = o.pool_batch.to_string();
+        args.extend(
+            [
+                "--pod-network-id",
+                &self.net.network_id,
+                "--pod-subnet-ids",
+                &subnets,
+                "--cluster-id",
+                &o.cluster_id,
+                "--pool-min",
+                &pool_min,
+                "--pool-batch",
+                &pool_batch,
+                "--instance",
+                &o.instance,
+                "--log",
+                &o.log,
+            ]
+            .map(str::to_string),
+        );
+        // Orphans (and, sharded, the audit of this replica's ports) every 3 s unless the suite
+        // chose otherwise.
+        if !o.extra.iter().any(|a| a == "--orphan-gc-interval") {
+            args.extend(["--orphan-gc-interval".into(), "3s".into()]);
+        }
         if let Some(min) = &o.status_poll_min {
             args.extend(["--status-poll-min".into(), min.clone()]);
         }
         args.extend(o.extra.iter().cloned());
-        Ok(Svc { token: self.pool_manager_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path())? })
+        args
+    }
+
+    /// kuryr-lbaas (replica `lb-1`) on Octavia as `o` says, following `watcher`, with its
+    /// ServiceAccount's RBAC and kubeconfig, `extra` flags before the Octavia ones; not yet
+    /// waited for.
+    pub async fn lbaas(&self, watcher: &Svc, o: &crate::openstack::OctaviaLbaas, extra: &[&str]) -> Result<Sut> {
+        self.kube.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await?;
+        let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, "kuryr-lbaas").await?;
+        let mut args: Vec<String> = vec!["--kubeconfig".into(), kubeconfig.display().to_string()];
+        args.extend(["--watcher", &watcher.addr, "--instance", "lb-1", "--replica-id", "lb-1"].map(str::to_string));
+        args.extend(extra.iter().map(ToString::to_string));
+        args.extend(o.args().into_iter().map(str::to_string));
+        Sut::spawn("kuryr-lbaas", &args, self.dir.path(), "lb-1")
     }
 
     /// The flags of an allocator of this cluster that every suite shares — its kubeconfig, the
     /// watcher, `--backend neutron`, clouds.yaml and the `kuryr` cloud — for suites that choose
     /// the network flags themselves (per-namespace networks).
     pub fn allocator_base_args(&self, watcher: &Svc) -> Vec<String> {
-        [
-            "--kubeconfig",
-            &self.allocator_kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--backend",
-            "neutron",
-            "--clouds-yaml",
-            &self.os.clouds_yaml().display().to_string(),
-            "--os-cloud",
-            "kuryr",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect()
+        self.openstack_service_args(&self.allocator_kubeconfig, watcher)
+    }
+
+    /// A kuryr service on Neutron: `kubeconfig`, the watcher, `--backend neutron`, clouds.yaml and
+    /// the `kuryr` cloud.
+    fn openstack_service_args(&self, kubeconfig: &Path, watcher: &Svc) -> Vec<String> {
+        let kubeconfig = kubeconfig.display().to_string();
+        let clouds = self.os.clouds_yaml().display().to_string();
+        ["--kubeconfig", &kubeconfig, "--watcher", &watcher.addr, "--backend", "neutron"]
+            .into_iter()
+            .chain(["--clouds-yaml", &clouds, "--os-cloud", "kuryr"])
+            .map(str::to_string)
+            .collect()
     }
 
     /// Starts a kuryr-binder for the Neutron node, inside its network namespace, on its OVS,
     /// following `allocator` over its unix socket; ADD waits at most `vif_wait`.
     pub async fn binder(&self, allocator: &Svc, vif_wait: Duration, extra: &[String]) -> Result<Binder> {
+        self.binder_to(&format!("unix:{}", allocator.sock.display()), vif_wait, extra).await
+    }
+
+    /// [`NeutronCluster::binder`] following the allocator at `target` (any `--allocator` form
+    /// reachable from the node's namespace).
+    pub async fn binder_to(&self, target: &str, vif_wait: Duration, extra: &[String]) -> Result<Binder> {
         let token =
             self.kube.kuryr_token_file(SYSTEM_NAMESPACE, crate::cluster::BINDER_ACCOUNT, Some(&self.node.host)).await?;
         let mut args = vec![
@@ -352,8 +419,7 @@ impl NeutronCluster {
             token.display().to_string(),
         ];
         args.extend(extra.iter().cloned());
-        Binder::start(&self.node.host, &self.node.netns_path(), &format!("unix:{}", allocator.sock.display()), &args)
-            .await
+        Binder::start(&self.node.host, &self.node.netns_path(), target, &args).await
     }
 
     /// A pod on the Neutron node.
@@ -371,6 +437,44 @@ impl NeutronCluster {
             }),
             ..Default::default()
         }
+    }
+
+    /// Creates pod `namespace/name` on the Neutron node with `labels`, plugs it into `br-int`
+    /// through `binder` (CNI ADD by the shim, as a runtime does: the agent binds its port and
+    /// programs its flows) and reports its addresses in its status, as the kubelet does.
+    pub async fn plug_pod(
+        &self,
+        allocator: &Svc,
+        binder: &Arc<Binder>,
+        namespace: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<PluggedPod> {
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), namespace);
+        let mut p = self.pod(name);
+        p.metadata.labels = Some(labels.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect());
+        let uid = pods.create(&PostParams::default(), &p).await?.metadata.uid.context("a pod without uid")?;
+        let vif = allocator.wait_vif(&uid, timeout).await?;
+        let netns = Arc::new(Netns::new(&format!("np{}", &uid[..4]))?);
+        let cni = CniPod { namespace: namespace.into(), name: name.into(), uid: uid.clone(), netns };
+        let (p, b) = (cni.clone(), binder.clone());
+        let out = tokio::task::spawn_blocking(move || p.run("ADD", &b, None, timeout)).await??;
+        anyhow::ensure!(out.code == 0, "ADD {name}: {} {}\n{}", out.stdout, out.stderr, binder.logs());
+        let result = out.json()?;
+        let ip = |v6: bool| -> Result<String> {
+            let ips = result["ips"].as_array().context("no ips in the CNI result")?;
+            let a = ips
+                .iter()
+                .filter_map(|i| i["address"].as_str())
+                .find(|a| a.contains(':') == v6)
+                .with_context(|| format!("no IPv{} address in {ips:?}", if v6 { 6 } else { 4 }))?;
+            Ok(a.split('/').next().unwrap_or_default().to_string())
+        };
+        let (v4, v6) = (ip(false)?, ip(true)?);
+        let status = json!({"status": {"phase": "Running", "podIP": v4, "podIPs": [{"ip": v4}, {"ip": v6}]}});
+        pods.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await?;
+        Ok(PluggedPod { name: name.into(), port: vif.vif_id, v4, v6, cni })
     }
 
     /// Sets the port quota of `project` (`PUT /v2.0/quotas/<project>`); -1 is unlimited.
@@ -446,6 +550,17 @@ impl CniPod {
         prev: Option<&serde_json::Value>,
         timeout: Duration,
     ) -> Result<ShimOutput> {
+        self.run_at(op, &binder.socket, prev, timeout)
+    }
+
+    /// [`CniPod::run`] against the binder listening on `socket`.
+    pub fn run_at(
+        &self,
+        op: &str,
+        socket: &std::path::Path,
+        prev: Option<&serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<ShimOutput> {
         let container = format!("c-{}", self.uid);
         let args = format!(
             "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={container};K8S_POD_UID={}",
@@ -462,12 +577,39 @@ impl CniPod {
         ];
         let mut conf = json!({
             "cniVersion": "1.1.0", "name": "kuryr", "type": "kuryr-cni",
-            "binderSocket": binder.socket, "timeoutSeconds": timeout.as_secs().max(1),
+            "binderSocket": socket, "timeoutSeconds": timeout.as_secs().max(1),
         });
         if let Some(prev) = prev {
             conf["prevResult"] = prev.clone();
         }
         run_shim(&env, conf.to_string().as_bytes())
+    }
+}
+
+/// A pod plugged by [`NeutronCluster::plug_pod`]: its Neutron port, addresses and network
+/// namespace.
+#[derive(Clone, Debug)]
+pub struct PluggedPod {
+    pub name: String,
+    /// The Neutron port's id.
+    pub port: String,
+    pub v4: String,
+    pub v6: String,
+    pub cni: CniPod,
+}
+
+impl PluggedPod {
+    /// One ICMP echo from the pod's namespace to `to` (a fresh `ping` process: a new ICMP id, so
+    /// a new connection for conntrack), answered within `wait` (fractions of a second allowed).
+    pub fn ping_within(&self, to: &str, wait: Duration) -> Result<()> {
+        let fam = if to.contains(':') { "-6" } else { "-4" };
+        let w = format!("{:.3}", wait.as_secs_f64());
+        self.cni.netns.exec(&["ping", fam, "-n", "-c", "1", "-W", &w, to]).map(drop)
+    }
+
+    /// [`PluggedPod::ping_within`] a second.
+    pub fn ping(&self, to: &str) -> Result<()> {
+        self.ping_within(to, Duration::from_secs(1))
     }
 }
 
@@ -509,42 +651,4 @@ pub async fn measure_policy_change<F: std::future::Future<Output = Result<()>>>(
     let took = t.elapsed();
     let (after, _, _) = policy_counters(policy).await?;
     Ok(PolicyChange { calls: after - before, took })
-}
-
-/// The value of one sample (`name{labels}` exactly as exposed); 0 when absent.
-pub fn metric(text: &str, sample: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.strip_prefix(' ')))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// The sum of every sample of metric `name` whose labels contain each of `labels`
-/// (`key="value"` strings).
-pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
-        .filter(|l| labels.iter().all(|w| l.contains(w)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_are_read_by_sample_and_summed_by_label() {
-        let text = "# HELP openstack_requests_total x\n\
-            openstack_requests_total{service=\"network\",operation=\"ports.update\",method=\"PUT\",code=\"200\"} 3\n\
-            openstack_requests_total{service=\"network\",operation=\"ports.list\",method=\"GET\",code=\"200\"} 5\n\
-            openstack_requests_total{service=\"identity\",operation=\"tokens.create\",method=\"POST\",code=\"201\"} 1\n\
-            openstack_requests_total_extra 9\n\
-            kuryr_allocator_neutron_status_polls_total 7\n";
-        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"service="network""#]), 8.0);
-        assert_eq!(metric_sum(text, "openstack_requests_total", &[r#"operation="ports.update""#]), 3.0);
-        assert_eq!(metric_sum(text, "openstack_requests_total", &[]), 9.0);
-        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls_total"), 7.0);
-        assert_eq!(metric(text, "kuryr_allocator_neutron_status_polls"), 0.0, "a prefix is not a sample");
-    }
 }

@@ -302,7 +302,22 @@ impl RealCluster {
                     .kubectl(&["-n", namespace, "get", "events", "--sort-by=.lastTimestamp"])
                     .await
                     .unwrap_or_default();
-                bail!("{w} did not roll out: {e:#}\n---- pods ----\n{pods}\n---- events ----\n{events}");
+                // Taints and conditions name why a pod stays Pending (disk or memory pressure,
+                // a node not Ready).
+                let nodes = self
+                    .kubectl(&[
+                        "get",
+                        "nodes",
+                        "-o",
+                        "custom-columns=NAME:.metadata.name,TAINTS:.spec.taints[*].key,\
+                         TRUE_CONDITIONS:.status.conditions[?(@.status==\"True\")].type",
+                    ])
+                    .await
+                    .unwrap_or_default();
+                bail!(
+                    "{w} did not roll out: {e:#}\n---- pods ----\n{pods}\n---- events ----\n{events}\n\
+                     ---- nodes ----\n{nodes}"
+                );
             }
         }
         Ok(())

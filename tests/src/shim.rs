@@ -24,6 +24,13 @@ impl ShimOutput {
     }
 }
 
+/// The first IPv6 (`v6`) or IPv4 address of a CNI result's `ips`, without its prefix length.
+pub fn result_ip(result: &serde_json::Value, v6: bool) -> Option<String> {
+    let ips = result["ips"].as_array()?;
+    let a = ips.iter().filter_map(|i| i["address"].as_str()).find(|a| a.contains(':') == v6)?;
+    Some(a.split('/').next().unwrap_or(a).to_string())
+}
+
 /// Runs `kuryr-cni` with exactly `env` (nothing inherited) and `stdin`.
 pub fn run_shim(env: &[(&str, &str)], stdin: &[u8]) -> Result<ShimOutput> {
     run(env, stdin, None)

@@ -86,6 +86,17 @@ impl Sut {
     }
 }
 
+/// The flags that make a process replica `id` of a service split into `shards` Lease shards
+/// held for `lease` (`3s`): `--instance` and `--replica-id` `id`, `--shards`, `--lease-duration`,
+/// and a short `--shutdown-grace`.
+pub fn replica_args(id: &str, shards: u32, lease: &str) -> Vec<String> {
+    ["--instance", id, "--replica-id", id, "--shards", &shards.to_string(), "--lease-duration", lease]
+        .into_iter()
+        .chain(["--shutdown-grace", "3s"])
+        .map(str::to_string)
+        .collect()
+}
+
 /// The log tails of several processes, for a failure message.
 pub fn logs(suts: &[&Sut], n: usize) -> String {
     suts.iter().map(|s| s.logs_tail(n)).collect::<Vec<_>>().join("\n")

@@ -291,6 +291,7 @@ pub fn bridge_vif(
             driver: BindingDriver::Bridge as i32,
             bridge: bridge.into(),
             host_ifname: String::new(),
+            vlan_id: 0,
         }),
         state: VifState::Allocated as i32,
         backend: "scripted".into(),

@@ -7,19 +7,21 @@
 //!    node's stream with the other node's routes, READY after ReportPlugged, and on deletion
 //!    VIF_DELETED, address released, PodVif gone, finalizer removed, pod gone; a finished pod
 //!    loses its VIF; kill -9 and restart: the same VIFs without re-allocation, and pods created
-//!    or deleted meanwhile are handled once it is back.
+//!    or deleted meanwhile are handled once it is back; a PodVif of the earlier shape (the VIF in
+//!    its status) is read across the restart and takes state writes.
 //! 2. Two unsharded allocators (`--shards 0`, both doing all the work) against the same API
 //!    while 100 pods are created at once: no address twice. (Sharded replicas:
 //!    `allocator_shards.rs`.)
+//! 3. Records that must be kept or replaced: the VIF on record kept and a racing address given
+//!    back; a PodVif of the earlier shape recording a VIF the backend does not hold, replaced.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
@@ -32,13 +34,15 @@ use kuryr_proto::service_names::VIF_ALLOCATOR;
 use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::free_port;
-use kuryr_vif_allocator::crd::{
+use kuryr_tests::objects;
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::Sut;
+use kuryr_vif_allocator::backend::ipam::IpamStore;
+use kuryr_vif_allocator::core::PodKey;
+use kuryr_vif_allocator::k8s::crd::{
     AddressBlock, AddressBlockSpec, AddressBlockStatus, BlockAllocation, PodNetwork, PodNetworkSpec, PodVif,
     PodVifSpec, VifRecord, VifState as CrdState,
 };
-use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey};
 use serde_json::json;
 use tonic::Streaming;
 
@@ -72,29 +76,24 @@ async fn cluster(ns: &str) -> Cluster {
     Cluster(c)
 }
 
-/// A service process with its gRPC and metrics addresses.
+/// An allocator process ([`Sut`]) and what the test's calls send: a binder's token.
 struct Svc {
-    proc: ServiceProcess,
-    addr: String,
-    metrics_url: String,
-    /// What the test's calls send: a binder's token.
+    sut: Sut,
     token: String,
 }
 
-/// Starts `bin` listening on a free port.
-fn spawn(bin: &str, mut args: Vec<String>, dir: &Path) -> Svc {
-    let mport = free_port().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    args.extend([
-        "--listen".into(),
-        addr.clone(),
-        "--metrics-listen".into(),
-        format!("127.0.0.1:{mport}"),
-        "--shutdown-grace".into(),
-        "3s".into(),
-    ]);
-    let proc = ServiceProcess::spawn(bin, &args, dir).unwrap();
-    Svc { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: String::new() }
+impl std::ops::Deref for Svc {
+    type Target = Sut;
+
+    fn deref(&self) -> &Sut {
+        &self.sut
+    }
+}
+
+impl std::ops::DerefMut for Svc {
+    fn deref_mut(&mut self) -> &mut Sut {
+        &mut self.sut
+    }
 }
 
 impl Cluster {
@@ -128,8 +127,10 @@ impl Cluster {
             "--log",
             "info,kuryr_vif_allocator=debug",
         ];
-        let args = args.iter().chain(extra).map(ToString::to_string).collect();
-        Svc { token: self.binder_token.clone(), ..spawn("kuryr-vif-allocator", args, self.dir.path()) }
+        let args: Vec<String> =
+            args.iter().chain(extra).chain(&["--shutdown-grace", "3s"]).map(ToString::to_string).collect();
+        let sut = Sut::spawn("kuryr-vif-allocator", &args, self.dir.path(), instance).unwrap();
+        Svc { sut, token: self.binder_token.clone() }
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
@@ -175,17 +176,11 @@ impl Svc {
     }
 
     async fn wait_serving(&self, service: &str) {
-        wait_until(&format!("{service} SERVING"), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&self.addr)?, service).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+        self.sut.wait_serving(service, PHASE_TIMEOUT).await.unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     async fn metrics(&self) -> String {
-        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
-        assert!(out.status.success(), "GET {} failed", self.metrics_url);
-        String::from_utf8(out.stdout).unwrap()
+        self.sut.metrics_text().await.unwrap()
     }
 
     async fn watch(&self, node: &str, resume_from: &str) -> NodeStream {
@@ -309,15 +304,10 @@ impl NodeStream {
 }
 
 fn pod(name: &str, node: Option<&str>, host_network: bool) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
-        spec: Some(PodSpec {
-            node_name: node.map(Into::into),
-            host_network: Some(host_network),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Default::default() }],
-            ..Default::default()
-        }),
-        ..Default::default()
+    let p = objects::pod(name).host_network(host_network);
+    match node {
+        Some(n) => p.node(n).build(),
+        None => p.build(),
     }
 }
 
@@ -412,11 +402,12 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
         (pv.spec.pod_uid.as_str(), pv.spec.node_name.as_str(), pv.spec.network.as_str()),
         (v1.pod.as_ref().unwrap().uid.as_str(), "n1", NETWORK)
     );
-    assert_eq!(pv.metadata.owner_references.unwrap()[0].uid, pv.spec.pod_uid);
-    let st = pv.status.unwrap();
-    assert_eq!(st.state, Some(CrdState::Allocated));
-    assert_eq!(st.vif.as_ref().unwrap().vif_id, v1.vif_id);
-    assert_eq!(st.vif.unwrap().ips[0].address, v1.ips[0].address);
+    assert_eq!(pv.metadata.owner_references.as_ref().unwrap()[0].uid, pv.spec.pod_uid);
+    // The create recorded the VIF (in the spec); no status until the state moves.
+    assert!(pv.status.is_none(), "a status was written: {:?}", pv.status);
+    assert_eq!(pv.state(), CrdState::Allocated);
+    let rec = pv.spec.vif.as_ref().unwrap();
+    assert_eq!((rec.vif_id.as_str(), rec.ips[0].address.as_str()), (v1.vif_id.as_str(), v1.ips[0].address.as_str()));
     // Host-network and unscheduled pods get nothing.
     for name in ["h1", "u1"] {
         assert!(pod_vifs.get_opt(name).await.unwrap().is_none(), "{name} got a PodVif");
@@ -432,6 +423,7 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
             pod_name: "stale".into(),
             node_name: "n1".into(),
             network: NETWORK.into(),
+            vif: None,
         },
     );
     pod_vifs.create(&pp, &stale).await.unwrap();
@@ -519,7 +511,7 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     let resp = client.report_plugged(report(&p1_uid, &v1.vif_id, true)).await.unwrap().into_inner();
     assert_eq!(resp.vif.unwrap().state(), VifState::Ready);
     n1.until("p1 READY", |s| s.vif("p1").state() == VifState::Ready).await;
-    assert_eq!(pod_vifs.get("p1").await.unwrap().status.unwrap().state, Some(CrdState::Ready));
+    assert_eq!(pod_vifs.get("p1").await.unwrap().state(), CrdState::Ready);
     // A binder whose stream broke resumes from its last point with the same allocator: no RESET,
     // no snapshot; SNAPSHOT_COMPLETE first (it is live again), then only what it missed.
     let point = n1.last.clone();
@@ -584,6 +576,12 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     let q1_uid = uid(&pods, "q1").await;
     pods.delete("q1", &grace0).await.unwrap();
     assert!(pods.get("q1").await.unwrap().metadata.deletion_timestamp.is_some(), "the finalizer should hold q1");
+    // Meanwhile p1's PodVif takes the shape earlier versions wrote: the VIF in its status, none in
+    // its spec. The restarted allocator must read it as it is.
+    let rec = pod_vifs.get("p1").await.unwrap().spec.vif.unwrap();
+    pod_vifs.patch("p1", &PatchParams::default(), &Patch::Merge(json!({"spec": {"vif": null}}))).await.unwrap();
+    let earlier = json!({"status": {"vif": rec, "state": "Ready"}});
+    pod_vifs.patch_status("p1", &PatchParams::default(), &Patch::Merge(earlier)).await.unwrap();
 
     let alloc = c.allocator(&watcher, "a1");
     // The binder reconnects with its resume point: a new epoch, so RESET and a snapshot holding
@@ -608,6 +606,14 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
     let v1_again = n1.vif("p1");
     assert_eq!((v1_again.vif_id.as_str(), v1_again.state()), (v1.vif_id.as_str(), VifState::Ready));
     assert_eq!(v1_again.ips, v1.ips, "p1 was re-allocated");
+    // A state change on the PodVif of the earlier shape lands in its status, the VIF left there.
+    let mut client = alloc.client();
+    client.report_plugged(report(&p1_uid, &v1.vif_id, false)).await.unwrap();
+    let pv = pod_vifs.get("p1").await.unwrap();
+    assert_eq!((pv.spec.vif.is_none(), pv.state()), (true, CrdState::Allocated), "{pv:?}");
+    assert_eq!(pv.vif().map(|r| r.vif_id.as_str()), Some(v1.vif_id.as_str()));
+    client.report_plugged(report(&p1_uid, &v1.vif_id, true)).await.unwrap();
+    assert_eq!(pod_vifs.get("p1").await.unwrap().state(), CrdState::Ready);
     // Routes need the watcher's nodes and the blocks: they follow as soon as both are in.
     n1.until("n2's routes", |s| s.routes.get("n2").is_some_and(|r| r.cidrs == blocks["n2"])).await;
     n1.until("p3's VIF", |s| s.vifs.contains_key("p3")).await;
@@ -685,8 +691,7 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
     let statuses = wait_until("100 PodVifs with a VIF", PHASE_TIMEOUT, || async {
         let list = pod_vifs.list(&ListParams::default()).await?;
-        let done: Vec<PodVif> =
-            list.items.into_iter().filter(|p| p.status.as_ref().is_some_and(|s| s.vif.is_some())).collect();
+        let done: Vec<PodVif> = list.items.into_iter().filter(|p| p.vif().is_some()).collect();
         anyhow::ensure!(done.len() == PODS, "{} of {PODS}", done.len());
         Ok(done)
     })
@@ -698,7 +703,7 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     let blocks = c.blocks().await;
     let mut by_pod = HashMap::new();
     for pv in &statuses {
-        let vif = pv.status.as_ref().unwrap().vif.as_ref().unwrap();
+        let vif = pv.vif().unwrap();
         let ip: IpAddr = vif.ips[0].address.split('/').next().unwrap().parse().unwrap();
         let i = uids[&pv.spec.pod_uid];
         assert!(blocks[node(i)].iter().any(|b| in_cidr(ip, b)), "{ip} of pod-{i} is not in a block of {}", node(i));
@@ -813,7 +818,8 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
         last_allocated: Some("10.244.0.70".into()),
     });
     blocks.replace_status("pods-10-244-0-64-26", &pp, &second).await.unwrap();
-    let mut recorded = VifRecord::from_config(first.vif_id.clone(), &first.vif);
+    let mut recorded =
+        VifRecord::from(kuryr_vif_allocator::core::VifRecord::from_config(first.vif_id.clone(), &first.vif));
     recorded.vif_id = format!("{NETWORK}/10.244.0.70");
     recorded.mac = "0a:58:0a:f4:00:46".into();
     let prefix = recorded.ips[0].address.split('/').nth(1).unwrap().to_string();
@@ -822,10 +828,16 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
     let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
     let pv = PodVif::new(
         "p",
-        PodVifSpec { pod_uid: uid.clone(), pod_name: "p".into(), node_name: "n1".into(), network: NETWORK.into() },
+        PodVifSpec {
+            pod_uid: uid.clone(),
+            pod_name: "p".into(),
+            node_name: "n1".into(),
+            network: NETWORK.into(),
+            vif: Some(recorded.clone()),
+        },
     );
     pod_vifs.create(&pp, &pv).await.unwrap();
-    let status = json!({"status": {"vif": recorded, "state": CrdState::Plugged}});
+    let status = json!({"status": {"state": CrdState::Plugged}});
     pod_vifs.patch_status("p", &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
 
     let watcher = c.watcher(None);
@@ -845,8 +857,58 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
     assert_eq!(held, ["10.244.0.70".parse::<IpAddr>().unwrap()]);
-    let after = pod_vifs.get_status("p").await.unwrap().status.unwrap();
-    assert_eq!(after.vif.unwrap().vif_id, recorded.vif_id, "the record was not overwritten");
+    let after = pod_vifs.get("p").await.unwrap();
+    assert_eq!(after.spec.vif.unwrap().vif_id, recorded.vif_id, "the record was not overwritten");
     let m = alloc.metrics().await;
     assert!(m.lines().any(|l| l == "kuryr_allocator_lost_races_total 1"), "{m}");
+}
+
+/// A PodVif as an earlier version wrote it (the VIF in its status), recording a VIF the backend
+/// does not hold, READY: recovery loads it as it is, and the pod's reconcile replaces it with
+/// the pod's own allocation — the status cleared first (state ALLOCATED, the earlier VIF gone),
+/// then the VIF written into the spec, both over the version read.
+#[tokio::test]
+async fn a_record_the_backend_does_not_hold_is_replaced_in_a_pod_vif_of_the_earlier_shape() {
+    let ns = "replace";
+    let c = cluster(ns).await;
+    let pods = c.pods(ns);
+    let pp = PostParams::default();
+    let made = pods.create(&pp, &pod("p", Some("n1"), false)).await.unwrap();
+    let uid = made.metadata.uid.unwrap();
+    let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
+    let spec = PodVifSpec {
+        pod_uid: uid.clone(),
+        pod_name: "p".into(),
+        node_name: "n1".into(),
+        network: NETWORK.into(),
+        vif: None,
+    };
+    pod_vifs.create(&pp, &PodVif::new("p", spec)).await.unwrap();
+    let gone = VifRecord {
+        vif_id: format!("{NETWORK}/10.244.200.9"),
+        mac: "0a:58:0a:f4:c8:09".into(),
+        mtu: 1500,
+        ips: vec![kuryr_vif_allocator::k8s::crd::VifIp {
+            address: "10.244.200.9/26".into(),
+            gateway: Some("10.244.200.1".into()),
+        }],
+        bridge: "kuryr0".into(),
+        ..VifRecord::default()
+    };
+    let earlier = json!({"status": {"vif": gone, "state": CrdState::Ready}});
+    pod_vifs.patch_status("p", &PatchParams::default(), &Patch::Merge(earlier)).await.unwrap();
+
+    let watcher = c.watcher(None);
+    let alloc = c.allocator(&watcher, "a1");
+    alloc.wait_serving(VIF_ALLOCATOR).await;
+    let mut n1 = alloc.watch("n1", "").await;
+    n1.until("the pod's own VIF", |s| s.vifs.get("p").is_some_and(|v| v.vif_id != gone.vif_id)).await;
+    let vif = n1.vifs["p"].clone();
+    assert_eq!(vif.state(), VifState::Allocated, "the earlier record's READY was kept: {vif:?}");
+    let pv = pod_vifs.get("p").await.unwrap();
+    let rec = pv.spec.vif.clone().unwrap_or_else(|| panic!("no VIF in the spec: {pv:?}\n{}", alloc.proc.logs()));
+    assert_eq!((rec.vif_id.as_str(), pv.state()), (vif.vif_id.as_str(), CrdState::Allocated), "{pv:?}");
+    assert!(!pv.vif_in_status(), "the earlier VIF is still in the status: {pv:?}");
+    let held: Vec<IpAddr> = c.recorded().await.into_iter().filter(|(_, u)| *u == uid).map(|(ip, _)| ip).collect();
+    assert_eq!(held, [ipv4(&vif).0], "the blocks hold other addresses for the pod than its record");
 }

@@ -143,6 +143,10 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
             conf.display().to_string(),
             "--neutron-events-resync-interval".into(),
             "60s".into(),
+            // Each orphan round also audits this replica's ports with one port list: none may
+            // fall in the burst whose list calls are counted below.
+            "--orphan-gc-interval".into(),
+            "600s".into(),
         ],
         ..AllocatorOptions::default()
     };

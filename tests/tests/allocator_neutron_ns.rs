@@ -34,13 +34,13 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_openstack::Filter;
 use kuryr_openstack::neutron::{Port, RouterCreate, SubnetPoolCreate};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
-use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
-use kuryr_proto::allocator::v1::{GetVifRequest, ListPoolsRequest, PoolKey, PopulatePoolRequest, Vif};
+use kuryr_proto::allocator::v1::{ListPoolsRequest, PoolKey, PopulatePoolRequest};
 use kuryr_tests::cluster::controllers::ControllerManager;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{CniPod, NeutronCluster, Svc, metric, spawn};
 use kuryr_tests::services::wait_until;
-use kuryr_vif_allocator::crd::{NamespaceNetwork, NamespaceNetworkPhase};
+use kuryr_tests::shim::result_ip;
+use kuryr_vif_allocator::k8s::crd::{NamespaceNetwork, NamespaceNetworkPhase};
 
 /// Bound on changes that go through Neutron and its agent.
 const SLOW: Duration = Duration::from_secs(180);
@@ -135,16 +135,6 @@ impl Fixture {
     }
 }
 
-async fn vif(alloc: &Svc, uid: &str) -> Vif {
-    let c = VifAllocatorClient::new(alloc.channel().unwrap());
-    wait_until(&format!("a VIF for pod {uid}"), SLOW, || {
-        let mut c = c.clone();
-        async move { Ok(c.get_vif(GetVifRequest { pod_uid: uid.into() }).await?.into_inner()) }
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()))
-}
-
 /// A CIDR as (network bits, prefix length, IPv6).
 fn cidr(s: &str) -> (u128, u8, bool) {
     let (addr, len) = s.split_once('/').unwrap_or((s, if s.contains(':') { "128" } else { "32" }));
@@ -169,18 +159,7 @@ fn in_subnets(addr: &str, cidrs: &[String]) -> bool {
 }
 
 fn ip_of(result: &serde_json::Value, v6: bool) -> String {
-    let ips = result["ips"].as_array().unwrap();
-    let a = ips.iter().map(|i| i["address"].as_str().unwrap()).find(|a| a.contains(':') == v6).unwrap();
-    a.split('/').next().unwrap().to_string()
-}
-
-async fn ping(from: &Netns, to: &str) {
-    let fam = if to.contains(':') { "-6" } else { "-4" };
-    wait_until(&format!("{} to reach {to}", from.name), Duration::from_secs(60), || async {
-        from.exec(&["ping", fam, "-n", "-c", "1", "-W", "2", to]).map(drop)
-    })
-    .await
-    .unwrap();
+    result_ip(result, v6).unwrap_or_else(|| panic!("no {} address in {result}", if v6 { "IPv6" } else { "IPv4" }))
 }
 
 #[tokio::test]
@@ -216,7 +195,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
     // 1. Two namespaces with pods: two networks, subnets from the pools, router interfaces.
     let uid_a1 = f.create_pod("team-a", "a1").await;
     let uid_b1 = f.create_pod("team-b", "b1").await;
-    let (va1, vb1) = (vif(&alloc, &uid_a1).await, vif(&alloc, &uid_b1).await);
+    let (va1, vb1) = (alloc.wait_vif(&uid_a1, SLOW).await.unwrap(), alloc.wait_vif(&uid_b1, SLOW).await.unwrap());
     let mut nets = Vec::new();
     for (ns, v) in [("team-a", &va1), ("team-b", &vb1)] {
         let rec = f.ready_record(ns, &alloc).await;
@@ -324,7 +303,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
 
     // CNI ADD: addresses from the namespace's subnets; two pods of team-a ping each other.
     let uid_a2 = f.create_pod("team-a", "a2").await;
-    let va2 = vif(&alloc, &uid_a2).await;
+    let va2 = alloc.wait_vif(&uid_a2, SLOW).await.unwrap();
     assert_eq!(va2.network_id, net_a);
     let (pa1, pa2, pb1) =
         (f.cni_pod("team-a", "a1", &uid_a1), f.cni_pod("team-a", "a2", &uid_a2), f.cni_pod("team-b", "b1", &uid_b1));
@@ -336,17 +315,17 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
         results.push(out.json().unwrap());
     }
     assert!(in_subnets(&format!("{}/32", ip_of(&results[0], false)), &cidrs_a));
-    ping(&pa1.netns, &ip_of(&results[1], false)).await;
-    ping(&pa2.netns, &ip_of(&results[0], true)).await;
+    pa1.netns.wait_ping(&ip_of(&results[1], false), Duration::from_secs(60)).await.unwrap();
+    pa2.netns.wait_ping(&ip_of(&results[0], true), Duration::from_secs(60)).await.unwrap();
 
     // 2. kill -9 and restart: the same networks, nothing made twice.
     alloc.proc.kill().await.unwrap();
     drop(alloc);
     let alloc = f.allocator(&watcher);
     alloc.wait_ready(SLOW).await.unwrap();
-    assert_eq!(vif(&alloc, &uid_a1).await.vif_id, va1.vif_id);
+    assert_eq!(alloc.wait_vif(&uid_a1, SLOW).await.unwrap().vif_id, va1.vif_id);
     let uid_a3 = f.create_pod("team-a", "a3").await;
-    let va3 = vif(&alloc, &uid_a3).await;
+    let va3 = alloc.wait_vif(&uid_a3, SLOW).await.unwrap();
     assert_eq!(va3.network_id, net_a, "a known namespace's pod lands on its network");
     for (ns, net) in [("team-a", &net_a), ("team-b", &net_b)] {
         assert_eq!(f.tagged_networks(ns).await, std::slice::from_ref(net), "no second network for {ns}");
@@ -409,6 +388,6 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
     let rec_a = f.ready_record("team-a", &alloc).await;
     assert_eq!(rec_a.status.unwrap().network_id.as_deref(), Some(net_a.as_str()));
     assert!(f.namespace_finalizers("team-a").await.unwrap().iter().any(|x| x == FINALIZER));
-    assert_eq!(vif(&alloc, &uid_a1).await.vif_id, va1.vif_id);
-    ping(&pa1.netns, &ip_of(&results[1], false)).await;
+    assert_eq!(alloc.wait_vif(&uid_a1, SLOW).await.unwrap().vif_id, va1.vif_id);
+    pa1.netns.wait_ping(&ip_of(&results[1], false), Duration::from_secs(60)).await.unwrap();
 }

@@ -22,16 +22,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest};
 use kuryr_proto::service_names::VIF_ALLOCATOR;
 use kuryr_tests::control::{ControlPlane, Served, shard_holders};
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::free_port;
-use kuryr_vif_allocator::crd::{AddressBlock, PodVif, VifState as CrdState};
+use kuryr_tests::objects;
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
+use kuryr_vif_allocator::k8s::crd::{AddressBlock, PodVif, VifState as CrdState};
 use serde_json::json;
 use tokio::sync::watch;
 
@@ -47,26 +48,16 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
 const FINALIZER: &str = "kuryr.openstack.org/vif";
 const OWNER_METADATA: &str = "kuryr-shard-owner";
 
-fn logs(a: &Replica, b: &Replica) -> String {
-    format!("==== {}\n{}\n==== {}\n{}", a.id, a.proc.logs(), b.id, b.proc.logs())
+/// Lines of each replica's log in a failure message.
+const LOG_LINES: usize = 200;
+
+fn logs(a: &Sut, b: &Sut) -> String {
+    sut::logs(&[a, b], LOG_LINES)
 }
 
-struct Replica {
-    proc: ServiceProcess,
-    id: String,
-    addr: String,
-    metrics_url: String,
-}
-
-impl Replica {
-    async fn metric(&self, name: &str) -> f64 {
-        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
-        assert!(out.status.success(), "GET {} failed", self.metrics_url);
-        let text = String::from_utf8(out.stdout).unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
-    }
+/// The value of one sample of `r`'s metrics (`name{labels}` exactly as exposed); 0 when absent.
+async fn metric(r: &Sut, sample: &str) -> f64 {
+    kuryr_tests::metrics::metric(&r.metrics_text().await.unwrap(), sample)
 }
 
 /// A channel to `addr` whose calls carry a binder's `token`.
@@ -79,15 +70,7 @@ fn node_name(i: usize) -> String {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Default::default() }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::pod(name).node(node).build()
 }
 
 /// What the binder-like clients saw: by node, pod uid → VIF.
@@ -186,9 +169,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let watcher = c.watcher(None, &[]).unwrap();
     let watcher_addr = &watcher.addr;
     let replica = |id: &str| {
-        let (port, mport) = (free_port().unwrap(), free_port().unwrap());
-        let addr = format!("127.0.0.1:{port}");
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--kubeconfig",
             &allocator_kc.display().to_string(),
             "--watcher",
@@ -199,37 +180,19 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
             "10.244.0.0/16",
             "--ipv4-block-prefix",
             "26",
-            "--listen",
-            &addr,
-            "--metrics-listen",
-            &format!("127.0.0.1:{mport}"),
-            "--instance",
-            id,
-            "--replica-id",
-            id,
-            "--shards",
-            &SHARDS.to_string(),
-            "--lease-duration",
-            "3s",
-            "--shutdown-grace",
-            "3s",
             "--log",
             "info,kuryr_vif_allocator=debug,kuryr_shard=debug",
         ]
         .iter()
         .map(ToString::to_string)
         .collect();
-        let proc = ServiceProcess::spawn("kuryr-vif-allocator", &args, c.dir.path()).unwrap();
-        Replica { proc, id: id.into(), addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics") }
+        args.extend(sut::replica_args(id, SHARDS, "3s"));
+        Sut::spawn("kuryr-vif-allocator", &args, c.dir.path(), id).unwrap()
     };
     let a = replica("alloc-a");
     let mut b = replica("alloc-b");
     for r in [&a, &b] {
-        wait_until(&format!("{} SERVING", r.id), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&r.addr)?, VIF_ALLOCATOR).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
+        r.wait_serving(VIF_ALLOCATOR, PHASE_TIMEOUT).await.unwrap();
     }
 
     // 1. Both own shards, every shard is held, and the Leases carry the holders' endpoints.
@@ -254,7 +217,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     // A Lease is written a moment before its owner publishes the ownership: wait for the metric.
     for r in [&a, &b] {
         wait_until(&format!("{} owning 4 shards", r.id), PHASE_TIMEOUT, || async {
-            let n = r.metric("kuryr_shards_owned").await;
+            let n = metric(r, "kuryr_shards_owned").await;
             anyhow::ensure!(n == 4.0, "{n}");
             Ok(())
         })
@@ -309,10 +272,10 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let pod_vifs: Api<PodVif> = Api::namespaced(admin.clone(), NS);
     let with_vif = || async {
         let list = pod_vifs.list(&ListParams::default()).await.unwrap();
-        list.items.into_iter().filter(|p| p.status.as_ref().is_some_and(|s| s.vif.is_some())).collect::<Vec<_>>()
+        list.items.into_iter().filter(|p| p.vif().is_some()).collect::<Vec<_>>()
     };
     wait_until("b handing out VIFs", PHASE_TIMEOUT, || async {
-        let n = b.metric("kuryr_allocator_allocations_total").await;
+        let n = metric(&b, "kuryr_allocator_allocations_total").await;
         anyhow::ensure!(n >= 5.0, "{n}");
         Ok(())
     })
@@ -364,7 +327,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     assert_eq!(got, on_node, "the owner's snapshot of {node}");
     let half = with_vif().await.len();
     eprintln!("redirected WatchVifs for {node} got {got} VIFs; {half} PodVifs with a VIF at the kill");
-    let b_allocations = b.metric("kuryr_allocator_allocations_total").await;
+    let b_allocations = metric(&b, "kuryr_allocator_allocations_total").await;
     assert!(b_allocations > 0.0);
 
     // kill -9 of b mid-burst; the second half is created at once.
@@ -390,8 +353,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     // whichever replica served it), each address once, in a block of its node.
     let all = wait_until("every pod's VIF READY", PHASE_TIMEOUT, || async {
         let list = pod_vifs.list(&ListParams::default()).await?;
-        let ready =
-            list.items.iter().filter(|p| p.status.as_ref().is_some_and(|s| s.state == Some(CrdState::Ready))).count();
+        let ready = list.items.iter().filter(|p| p.state() == CrdState::Ready).count();
         anyhow::ensure!(ready == PODS, "{ready} of {PODS} READY ({} PodVifs)", list.items.len());
         Ok(list.items)
     })
@@ -401,7 +363,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let mut by_ip: HashMap<IpAddr, String> = HashMap::new();
     for pv in &all {
         assert!(uid_set.contains(&pv.spec.pod_uid), "a PodVif for an unknown pod: {pv:?}");
-        let vif = pv.status.as_ref().unwrap().vif.as_ref().unwrap();
+        let vif = pv.vif().unwrap();
         let ip: IpAddr = vif.ips[0].address.split('/').next().unwrap().parse().unwrap();
         assert!(by_ip.insert(ip, pv.spec.pod_uid.clone()).is_none(), "{ip} handed out twice");
     }
@@ -426,7 +388,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
-    let a_allocations = a.metric("kuryr_allocator_allocations_total").await;
+    let a_allocations = metric(&a, "kuryr_allocator_allocations_total").await;
     eprintln!(
         "allocations: {} {a_allocations}, {} {b_allocations} (before its kill); binder redirects {}",
         a.id,
@@ -435,9 +397,9 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     );
     assert!(a_allocations > 0.0 && b_allocations > 0.0, "both replicas did work");
     assert!(*redirects.lock().unwrap() > 0, "no binder was ever redirected");
-    assert!(a.metric("kuryr_allocator_redirects_total{method=\"WatchVifs\"}").await > 0.0);
-    assert_eq!(a.metric("kuryr_shards_owned").await, f64::from(SHARDS));
-    assert!(a.metric("kuryr_shard_acquisitions_total").await >= 8.0);
+    assert!(metric(&a, "kuryr_allocator_redirects_total{method=\"WatchVifs\"}").await > 0.0);
+    assert_eq!(metric(&a, "kuryr_shards_owned").await, f64::from(SHARDS));
+    assert!(metric(&a, "kuryr_shard_acquisitions_total").await >= 8.0);
 
     // 3. Deleting everything leaves nothing.
     let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };

@@ -1,10 +1,12 @@
-//! A short chaos run ([`kuryr_tests::chaos`]) on the embedded backend: 60 pods created and
+//! Short chaos runs: on the embedded backend ([`kuryr_tests::chaos`]), 60 pods created and
 //! deleted over two and a half minutes on two nodes (at most 20 live, a third of them endpoints
 //! of two Services), a random fault every ~5 s (kill -9 of the watcher, the allocator, lbaas or a
 //! binder, also during DEL and GC; SIGSTOP of a service; the API server stalled). The assertion
 //! is the invariants after the quiet period: nothing leaked, nothing duplicated, every live pod
 //! with exactly one VIF and reachable from every node, every Service answered by exactly its
 //! ready endpoints from every node, nothing of a deleted pod left on a node.
+//!
+//! And on the Neutron backend ([`kuryr_tests::chaos::neutron`]), 30 pods behind the fault proxy.
 //!
 //! The checker itself is tested on constructed state here too (and in the library's unit
 //! tests): a leak it cannot see would make the run pass for nothing.
@@ -60,6 +62,7 @@ async fn sixty_pods_of_churn_under_random_faults_leave_nothing_leaked_duplicated
         nodes: 2,
         live: 20,
         services: 2,
+        deployments: true,
         quiet: Duration::from_secs(150),
         seed,
         verbose: true,
@@ -72,9 +75,58 @@ async fn sixty_pods_of_churn_under_random_faults_leave_nothing_leaked_duplicated
     );
     eprintln!("kuryr_retries_total by component at the end: {:?}", outcome.retries);
     eprintln!("{}", outcome.last_line());
-    assert_eq!(outcome.pods, 60, "every pod created");
+    assert_eq!(
+        outcome.pods - outcome.by_deployments,
+        60,
+        "every pod created (beside the Deployments' {})",
+        outcome.by_deployments
+    );
     assert!(outcome.faults >= 10, "only {} faults injected", outcome.faults);
+    assert!(outcome.checked_during >= 5, "the invariants checked only {} times during the run", outcome.checked_during);
     assert!(outcome.converged_in.is_some(), "not converged: {:#?}", outcome.details);
     assert!(outcome.services_checked == 2 && outcome.pings > 0, "{outcome:?}");
+    assert!(
+        outcome.scaled >= 5 && outcome.by_deployments > 0,
+        "Deployments scaled {} times, {} pods",
+        outcome.scaled,
+        outcome.by_deployments
+    );
+    assert!(outcome.ok(), "{}\n{}", outcome.last_line(), outcome.details.join("\n"));
+}
+
+/// The Neutron backend, small: 30 pods through the CNI shim on the Neutron node (at most 8
+/// live) over two minutes, the allocator reaching Neutron through the fault proxy (503, 409,
+/// slow answers and lost POST answers at 5 % each, timeouts at 1 %), a process fault every ~10 s
+/// (kill -9 of one of the two allocator replicas or the binder, SIGSTOP of a replica or the
+/// watcher). Ports are
+/// checked in Neutron during the run and after it: none without a live pod or the allocator's
+/// pools, none twice, every live pod with its one port and reachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_leaked_or_duplicated() {
+    use kuryr_tests::chaos::neutron::{self, NeutronChaosOptions};
+    use kuryr_tests::faultproxy::FaultRates;
+    let opts = NeutronChaosOptions {
+        pods: 30,
+        duration: Duration::from_secs(120),
+        fault_every: Duration::from_secs(10),
+        live: 8,
+        parallel: 4,
+        allocators: 2,
+        rates: FaultRates { server_error: 0.05, conflict: 0.05, timeout: 0.01, slow: 0.05, lost_answer: 0.05 },
+        quiet: Duration::from_secs(120),
+        seed: 7,
+        verbose: true,
+    };
+    let outcome = neutron::run(&opts).await.unwrap_or_else(|e| panic!("the chaos run failed: {e:#}"));
+    eprintln!("faults:\n  {}", outcome.fault_log.join("\n  "));
+    eprintln!("{}", outcome.last_line());
+    assert_eq!(outcome.pods, 30, "every pod created");
+    assert!(outcome.faults >= 5, "only {} faults injected", outcome.faults);
+    assert!(
+        outcome.checked_during >= 10,
+        "the invariants checked only {} times during the run",
+        outcome.checked_during
+    );
+    assert!(outcome.converged_in.is_some(), "not converged: {:#?}", outcome.details);
     assert!(outcome.ok(), "{}\n{}", outcome.last_line(), outcome.details.join("\n"));
 }

@@ -84,6 +84,7 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
             [
                 "addressblocks.kuryr.openstack.org",
                 "namespacenetworks.kuryr.openstack.org",
+                "network-attachment-definitions.k8s.cni.cncf.io",
                 "podnetworks.kuryr.openstack.org",
                 "podvifs.kuryr.openstack.org",
                 "serviceloadbalancers.kuryr.openstack.org"
@@ -160,6 +161,39 @@ async fn overlays_render_are_accepted_by_the_api_server_and_match_the_binaries()
                 "{overlay}: {name} does not tolerate not-ready nodes"
             );
         }
+        check_openstack_credentials(overlay, &objs);
         check_command_lines(overlay, &objs);
+    }
+}
+
+/// With OpenStack, every service that calls it (the allocator on Neutron, lbaas on Octavia,
+/// kuryr-policy on Neutron security groups) is switched to that backend and gets the cloud's
+/// configuration and clouds.yaml; on the embedded overlay none of them is.
+fn check_openstack_credentials(overlay: &str, objs: &[serde_json::Value]) {
+    let openstack = overlay == "openstack";
+    for (name, backend) in [
+        ("kuryr-vif-allocator", "--backend=neutron"),
+        ("kuryr-lbaas", "--backend=octavia"),
+        ("kuryr-policy", "--backend=neutron"),
+    ] {
+        let o = objs.iter().find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == name).unwrap();
+        let spec = &o["spec"]["template"]["spec"];
+        let c = &spec["containers"][0];
+        let args: Vec<&str> = c["args"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
+        assert_eq!(args.contains(&backend), openstack, "{overlay}: {name} {backend}: {args:?}");
+        let config = c["envFrom"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["configMapRef"]["name"].as_str())
+            .find(|n| n.starts_with("kuryr-openstack"));
+        assert_eq!(config.is_some(), openstack, "{overlay}: {name} and the kuryr-openstack ConfigMap");
+        let mounted = c["volumeMounts"].as_array().unwrap().iter().any(|m| m["mountPath"] == "/etc/openstack");
+        let secret = spec["volumes"].as_array().unwrap().iter().any(|v| v["secret"]["secretName"] == "kuryr-openstack");
+        assert_eq!((mounted, secret), (openstack, openstack), "{overlay}: {name} and clouds.yaml at /etc/openstack");
+        if let Some(config) = config {
+            let cm = objs.iter().find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == config).unwrap();
+            assert_eq!(cm["data"]["KURYR_OS_CLOUD"], "kuryr", "{overlay}: the cloud of the Secret's clouds.yaml");
+        }
     }
 }

@@ -16,17 +16,18 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Container, Event, Namespace, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks;
 use kuryr_tests::cluster::reach::{self, PodEndpoint, Summary};
-use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, run_scenario};
 use kuryr_tests::metrics::Scrape;
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::run_shim;
-use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
-use kuryr_vif_allocator::ipam::ipnet::IpNet;
+use kuryr_vif_allocator::core::ipam::ipnet::IpNet;
+use kuryr_vif_allocator::k8s::crd::{AddressBlock, PodVif};
 
 const NAMESPACE: &str = "e2e";
 const PODS_PER_NODE: usize = 4;
@@ -41,19 +42,7 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 async fn pods_get_pool_addresses_reach_each_other_across_nodes_and_release_everything() {
     let opts =
         ClusterOptions { nodes: 2, network_cidrs: vec![V4_CIDR.into(), V6_CIDR.into()], ..ClusterOptions::default() };
-    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("cluster up in {:?}", cluster.started_in());
-    let outcome = scenario(&mut cluster).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-    }
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{e:#}"));
-    let took = shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    eprintln!("cluster down in {took:?}");
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    run_scenario("e2e", opts, async |c| scenario(c).await).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 async fn scenario(cluster: &mut Cluster) -> Result<()> {
@@ -129,9 +118,8 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
         let uid = p.metadata.uid.clone().unwrap_or_default();
         let vif = vifs.get(&name).await.with_context(|| format!("PodVif {name}"))?;
         let vif_ips: Vec<String> = vif
-            .status
-            .and_then(|s| s.vif)
-            .map(|v| v.ips.into_iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect())
+            .vif()
+            .map(|v| v.ips.iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect())
             .unwrap_or_default();
         let status_ips: Vec<String> =
             p.status.iter().flat_map(|s| s.pod_ips.iter().flatten()).map(|i| i.ip.clone()).collect();
@@ -392,15 +380,7 @@ async fn cni_failure_is_counted(cluster: &Cluster) -> Result<()> {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).namespace(NAMESPACE).node(node).build()
 }
 
 fn is_running(p: &Pod) -> bool {

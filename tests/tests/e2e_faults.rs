@@ -29,20 +29,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
-use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions, ServiceKind, StreamTiming};
+use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions, ServiceKind, StreamTiming, run_scenario};
 use kuryr_tests::kubelet::PodPhase;
 use kuryr_tests::metrics::Scrape;
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
-use kuryr_vif_allocator::crd::PodVif;
+use kuryr_vif_allocator::k8s::crd::PodVif;
 
 const NAMESPACE: &str = "faults";
 /// Pods created at once for the service crashes.
 const BURST: usize = 40;
-/// VIFs recorded (in PodVif status) when the service is killed: the burst is under way, some
+/// VIFs recorded (in their PodVifs) when the service is killed: the burst is under way, some
 /// pods done, others part-way (finalizer only, PodVif without a VIF, addresses taken but not yet
 /// recorded), others not yet seen.
 const KILL_AFTER: usize = 5;
@@ -107,20 +108,7 @@ async fn with_cluster_options(
     scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>,
 ) {
     let _turn = ONE_AT_A_TIME.lock().await;
-    let t = Instant::now();
-    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("{name}: cluster up in {:?}", cluster.started_in());
-    let outcome = scenario(&mut cluster).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-    }
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{name}: {e:#}"));
-    let took = shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
-    eprintln!("{name}: cluster down in {took:?}; {:?} in all", t.elapsed());
+    run_scenario(name, opts, scenario).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// A burst of pods across both nodes; `kind` killed with SIGKILL once some of them have PodVifs;
@@ -138,7 +126,7 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
     // the allocator is (all at once, a quick allocator could record all of them between two
     // looks).
     let creating = tokio::spawn(create_paced(pods.clone(), burst.clone(), created.clone(), BURST_PACE));
-    let with_vif = |list: &[PodVif]| list.iter().filter(|v| v.status.as_ref().is_some_and(|s| s.vif.is_some())).count();
+    let with_vif = |list: &[PodVif]| list.iter().filter(|v| v.vif().is_some()).count();
     let before_kill = wait_until("the first VIFs of the burst", CONVERGE_TIMEOUT, || async {
         let list = vifs.list(&ListParams::default()).await?.items;
         ensure!(with_vif(&list) >= KILL_AFTER, "{} PodVifs, {} with a VIF", list.len(), with_vif(&list));
@@ -181,8 +169,7 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
     converged(cluster, &running).await?;
     // What was recorded before the crash was kept, not allocated again.
     for v in &before_kill {
-        let (name, vif) =
-            (v.metadata.name.as_deref().unwrap_or_default(), v.status.as_ref().and_then(|s| s.vif.as_ref()));
+        let (name, vif) = (v.metadata.name.as_deref().unwrap_or_default(), v.vif());
         let (Some(vif), Some(pod)) = (vif, running.iter().find(|p| p.name == name)) else { continue };
         let had: Vec<String> =
             vif.ips.iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect();
@@ -492,13 +479,5 @@ async fn create_namespace(client: &kube::Client) -> Result<()> {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).namespace(NAMESPACE).node(node).build()
 }

@@ -28,8 +28,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::svc::{table_has, wait_tables};
-use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, run_scenario};
 use kuryr_tests::echo::{self, Answer, EchoServer, Proto};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use serde_json::json;
 
@@ -47,20 +48,11 @@ const CONVERGE: Duration = Duration::from_secs(30);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn node_ports_traffic_policies_type_changes_and_host_ports_without_kube_proxy() {
     let opts = ClusterOptions { nodes: 2, run_containers: true, services: true, ..ClusterOptions::default() };
-    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("cluster up in {:?}", cluster.started_in());
-    let mut servers = Vec::new();
-    let outcome = scenario(&mut cluster, &mut servers).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-    }
-    drop(servers);
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{e:#}"));
-    shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    let run = async |c: &mut Cluster| {
+        let mut servers = Vec::new();
+        scenario(c, &mut servers).await
+    };
+    run_scenario("node ports", opts, run).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 fn v4(ips: &[IpAddr]) -> IpAddr {
@@ -68,21 +60,11 @@ fn v4(ips: &[IpAddr]) -> IpAddr {
 }
 
 fn pod(name: &str, node: &str, app: &str, host_port: Option<u16>) -> Pod {
-    let ports = host_port.map(|hp| {
-        ["TCP", "UDP"]
-            .iter()
-            .map(|proto| json!({"containerPort": TARGET_PORT, "hostPort": hp, "protocol": proto}))
-            .collect::<Vec<_>>()
-    });
-    serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"app": app}},
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "1000000"], "ports": ports}],
-        },
-    }))
-    .unwrap()
+    let mut p = objects::pod(name).node(node).label("app", app).grace(1).sleeping();
+    if let Some(hp) = host_port {
+        p = p.port(None, "TCP", TARGET_PORT, Some(hp)).port(None, "UDP", TARGET_PORT, Some(hp));
+    }
+    p.build()
 }
 
 /// The node ports of the Service, by protocol.

@@ -14,13 +14,14 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams};
 use kuryr_proto::service_names;
 use kuryr_tests::cluster::checks;
-use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, StreamTiming, signal, svc};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, StreamTiming, run_scenario, signal, svc};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -45,18 +46,7 @@ fn options(services: bool) -> ClusterOptions {
 
 async fn with_cluster(name: &str, services: bool, scenario: impl AsyncFnOnce(&mut Cluster) -> Result<()>) {
     let _turn = ONE_AT_A_TIME.lock().await;
-    let mut cluster = Cluster::start(options(services)).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("{name}: cluster up in {:?}", cluster.started_in());
-    let outcome = scenario(&mut cluster).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-    }
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{name}: {e:#}"));
-    shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    run_scenario(name, options(services), scenario).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// The health of `service` at `target` (`HOST:PORT` or `unix:/path`): serving or not.
@@ -220,21 +210,7 @@ async fn create_namespace(client: &kube::Client) -> Result<()> {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NAMESPACE.into()),
-            labels: Some([("app".to_string(), "partition".to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            termination_grace_period_seconds: Some(1),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).namespace(NAMESPACE).node(node).label("app", "partition").grace(1).build()
 }
 
 fn service(name: &str) -> Service {

@@ -21,17 +21,16 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Pod, PodSpec, Service, ServiceAccount, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServiceAccount, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::svc::{self, nft_table, table_has, wait_tables};
-use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind};
+use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, run_scenario};
 use kuryr_tests::metrics::Scrape;
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 
 const NAMESPACE: &str = "svc";
@@ -49,26 +48,7 @@ const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn services_answer_from_both_nodes_follow_endpoints_and_survive_restarts() {
     let opts = ClusterOptions { nodes: 2, run_containers: true, services: true, ..ClusterOptions::default() };
-    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("cluster up in {:?}", cluster.started_in());
-    let outcome = scenario(&mut cluster).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-        if let Some(kcm) = cluster.controller_manager() {
-            let logs = kcm.logs();
-            let tail: Vec<&str> = logs.lines().rev().take(80).collect();
-            eprintln!(
-                "==== kube-controller-manager (last lines)\n{}",
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-    }
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{e:#}"));
-    shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    run_scenario("services", opts, async |c| scenario(c).await).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// The test's view of the workload: pods by name.
@@ -409,27 +389,13 @@ async fn restart_binder(cluster: &mut Cluster, node: &str) -> Result<()> {
 }
 
 fn pod(name: &str, node: &str, backend: bool) -> Pod {
-    let command = if backend { svc::echo_command(TARGET_PORT) } else { vec!["sleep".into(), "1000000".into()] };
-    let app = if backend { "echo" } else { "client" };
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some([("app".to_string(), app.to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            termination_grace_period_seconds: Some(1),
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("busybox".into()),
-                command: Some(command),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
+    let p = objects::pod(name).node(node).grace(1);
+    if backend {
+        p.label("app", "echo").command(svc::echo_command(TARGET_PORT))
+    } else {
+        p.label("app", "client").sleeping()
     }
+    .build()
 }
 
 fn service() -> Service {

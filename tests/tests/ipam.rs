@@ -8,16 +8,12 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions};
 use kuryr_tests::kube::KubeEnv;
-use kuryr_tests::util::repo_root;
-use kuryr_vif_allocator::crd::{self, AddressBlock, PodNetwork, PodNetworkSpec, RouteSpec};
-use kuryr_vif_allocator::ipam::store::{Allocation, IpamStore, PodKey, StoreError};
+use kuryr_vif_allocator::backend::ipam::{Allocation, IpamStore, StoreError};
+use kuryr_vif_allocator::core::PodKey;
+use kuryr_vif_allocator::k8s::crd::{self, AddressBlock, PodNetwork, PodNetworkSpec, RouteSpec};
 
-/// Bound on waiting for the CRDs to be served; normally well under a second.
-const CRD_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bound on a whole phase of API calls; a loaded 2-core machine needs a few seconds.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -25,16 +21,9 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 /// each is Established.
 async fn cluster() -> (KubeEnv, kube::Client) {
     let env = KubeEnv::start().await.unwrap();
-    env.apply_file(&repo_root().join("deploy/crds")).await.unwrap();
+    let names: Vec<String> = crd::crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
+    env.install_crds(&names).await.unwrap();
     let client = env.client().await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, crd) in crd::crds() {
-        let name = crd.metadata.name.unwrap();
-        tokio::time::timeout(CRD_TIMEOUT, await_condition(crds.clone(), &name, conditions::is_crd_established()))
-            .await
-            .unwrap_or_else(|_| panic!("CRD {name} not Established within {CRD_TIMEOUT:?}"))
-            .unwrap();
-    }
     (env, client)
 }
 

@@ -9,33 +9,20 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use futures::future::join_all;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::Api;
-use kube::runtime::wait::{await_condition, conditions};
 use kuryr_tests::kube::KubeEnv;
-use kuryr_tests::util::repo_root;
-use kuryr_vif_allocator::crd::{self, AddressBlock, PodNetworkSpec};
-use kuryr_vif_allocator::ipam::store::{IpamStore, PodKey, StoreConfig};
+use kuryr_vif_allocator::backend::ipam::{IpamStore, StoreConfig};
+use kuryr_vif_allocator::core::PodKey;
+use kuryr_vif_allocator::k8s::crd::{self, AddressBlock, PodNetworkSpec};
 
-/// Bound on waiting for the CRDs to be served; normally well under a second.
-const CRD_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bound on a phase of API calls on a loaded machine.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 
 async fn cluster() -> (KubeEnv, kube::Client) {
     let env = KubeEnv::start().await.unwrap();
-    for (file, _) in crd::crds() {
-        env.apply_file(&repo_root().join("deploy/crds").join(file)).await.unwrap();
-    }
+    let names: Vec<String> = crd::crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
+    env.install_crds(&names).await.unwrap();
     let client = env.client().await.unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, crd) in crd::crds() {
-        let name = crd.metadata.name.unwrap();
-        tokio::time::timeout(CRD_TIMEOUT, await_condition(crds.clone(), &name, conditions::is_crd_established()))
-            .await
-            .unwrap_or_else(|_| panic!("CRD {name} not Established within {CRD_TIMEOUT:?}"))
-            .unwrap();
-    }
     (env, client)
 }
 

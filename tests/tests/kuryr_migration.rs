@@ -17,20 +17,18 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::core::ApiResource;
 use kuryr_openstack::Filter;
+use kuryr_tests::kuryr_controller::{self, KuryrConfig, KuryrController, Migrate};
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster};
-use kuryr_tests::services::{bin_path, wait_until};
-use kuryr_tests::util::{free_port, repo_root};
-use kuryr_vif_allocator::crd::{PodVif, VifState};
+use kuryr_tests::services::wait_until;
+use kuryr_vif_allocator::k8s::crd::{PodVif, VifState};
 
 const NS: &str = "legacy";
 /// Bound on what goes through Neutron and its agent, or through Kuryr (a loaded machine).
@@ -38,169 +36,21 @@ const SLOW: Duration = Duration::from_secs(240);
 const QUICK: Duration = Duration::from_secs(60);
 const CLUSTER_ID: &str = "migrated";
 
-fn kuryr_venv() -> PathBuf {
-    let cache = std::env::var_os("KURYR_OPENSTACK_CACHE")
-        .map_or_else(|| PathBuf::from("/var/cache/kuryr-rs/openstack"), PathBuf::from);
-    cache.join("kuryr")
-}
-
-/// Builds (or finds up to date) Kuryr's venv and CRD manifests.
-fn setup_kuryr() {
-    let out = std::process::Command::new("bash")
-        .arg(repo_root().join("tests/env/openstack/setup.sh"))
-        .arg("kuryr")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "setup.sh kuryr failed: {}", String::from_utf8_lossy(&out.stderr));
-}
-
 fn kuryr_port_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("openstack.org", "v1", "KuryrPort"), "kuryrports")
+    kuryr_controller::resource("KuryrPort", "kuryrports")
 }
 
-/// Kuryr's controller, stopped (its whole process group) when dropped.
-struct KuryrController {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl KuryrController {
-    async fn start(c: &NeutronCluster, dir: &Path) -> KuryrController {
-        let ks = c.os.keystone().unwrap();
-        let pki = c.kube.state_dir().join("pki");
-        let sg = default_security_group(c, &ks.project_id).await;
-        let (health, metrics) = (free_port().unwrap(), free_port().unwrap());
-        let conf = format!(
-            "[DEFAULT]\ndebug = true\nuse_stderr = true\nlock_path = {locks}\n\n\
-             [kubernetes]\napi_root = {api}\nssl_client_crt_file = {pki}/admin.crt\nssl_client_key_file = {pki}/admin.key\n\
-             ssl_ca_crt_file = {pki}/ca.crt\nssl_verify_server_crt = true\ntoken_file =\n\
-             pod_vif_driver = neutron-vif\nvif_pool_driver = neutron\nenabled_handlers = vif,kuryrport\n\
-             pod_subnets_driver = default\npod_security_groups_driver = default\nport_debug = true\n\
-             controller_ha = false\nwatch_reconcile_period = 0\n\n\
-             [neutron]\nauth_type = password\nauth_url = {auth}\nusername = {user}\npassword = {pass}\n\
-             project_name = {project}\nuser_domain_name = Default\nproject_domain_name = Default\nregion_name = {region}\n\n\
-             [neutron_defaults]\nproject = {project_id}\npod_subnet = {subnet}\npod_security_groups = {sg}\n\
-             ovs_bridge = br-int\n\n\
-             [vif_pool]\nports_pool_min = 2\nports_pool_batch = 3\nports_pool_max = 0\nports_pool_update_frequency = 5\n\n\
-             [health_server]\nport = {health}\n\n[prometheus_exporter]\ncontroller_exporter_port = {metrics}\n",
-            locks = dir.join("locks").display(),
-            api = c.kube.apiserver_url(),
-            pki = pki.display(),
-            auth = ks.auth_url,
-            user = ks.username,
-            pass = ks.password,
-            project = ks.project_name,
-            region = ks.region,
-            project_id = ks.project_id,
-            subnet = c.net.subnet_v4_id,
-        );
-        std::fs::create_dir_all(dir.join("locks")).unwrap();
-        let conf_path = dir.join("kuryr.conf");
-        std::fs::write(&conf_path, conf).unwrap();
-        let log = dir.join("kuryr-controller.log");
-        let file = std::fs::File::create(&log).unwrap();
-        use std::os::unix::process::CommandExt as _;
-        let child = std::process::Command::new(kuryr_venv().join("bin/kuryr-k8s-controller"))
-            .arg("--config-file")
-            .arg(&conf_path)
-            // requests lets these override the CA Kuryr sets on its session: the apiserver's
-            // certificate would then fail verification.
-            .env_remove("REQUESTS_CA_BUNDLE")
-            .env_remove("CURL_CA_BUNDLE")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        KuryrController { child, log }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().filter(|l| !l.contains(" DEBUG ")).collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-
-    fn stop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        let pgid = self.child.id().to_string();
-        let _ = std::process::Command::new("kill").args(["-KILL", "--", &format!("-{pgid}")]).status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for KuryrController {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// The project's `default` security group (Neutron makes it when the project first asks).
-async fn default_security_group(c: &NeutronCluster, project: &str) -> String {
-    let url = format!("{}/v2.0/security-groups?project_id={project}&name=default", c.neutron_url);
-    let resp = reqwest::Client::new().get(&url).header("X-Project-Id", project).send().await.unwrap();
-    let body: serde_json::Value = resp.error_for_status().unwrap().json().await.unwrap();
-    body["security_groups"][0]["id"].as_str().unwrap().to_string()
-}
-
-/// Seconds since the epoch, now.
-fn epoch_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
-}
-
-/// `POST /v2.0/ports` requests the Neutron API received after `since` (seconds since the epoch),
-/// from its uWSGI request log, whose lines carry the time each request started (a request is
-/// logged when it completes: one Kuryr sent before it was stopped may be logged later).
+/// `POST /v2.0/ports` requests the Neutron API received after `since` (seconds since the epoch).
 fn port_posts_since(c: &NeutronCluster, since: u64) -> Vec<String> {
-    let log = std::fs::read_to_string(c.os.state_dir().join("logs/neutron-api.log")).unwrap();
-    log.lines()
-        .filter(|l| l.contains("] POST /v2.0/ports "))
-        .filter(|l| {
-            let started = l.split("} [").nth(1).and_then(|r| r.split("] POST").next()).unwrap();
-            let out = std::process::Command::new("date").args(["-d", started, "+%s"]).output().unwrap();
-            String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().unwrap() > since
-        })
-        .map(str::to_string)
-        .collect()
+    let log = c.os.state_dir().join("logs/neutron-api.log");
+    kuryr_controller::requests_since(&log, "POST", "/v2.0/ports ", since).unwrap()
 }
 
-struct Migrate {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Migrate {
-    fn last_line(&self) -> &str {
-        self.stdout.lines().last().unwrap_or_default()
-    }
-}
-
+/// `kuryr-migrate` with this suite's cluster flags and `extra`.
 fn migrate(c: &NeutronCluster, extra: &[&str], crash_after: Option<usize>) -> Migrate {
-    let mut cmd = std::process::Command::new(bin_path("kuryr-migrate").unwrap());
-    cmd.arg("--kubeconfig")
-        .arg(c.kube.kubeconfig_path())
-        .arg("--clouds-yaml")
-        .arg(c.os.clouds_yaml())
-        .args(["--os-cloud", "kuryr", "--pod-network-id", &c.net.network_id])
-        .args(["--pod-subnet-ids", &format!("{},{}", c.net.subnet_v4_id, c.net.subnet_v6_id)])
-        .args(["--cluster-id", CLUSTER_ID])
-        .args(extra)
-        .env_remove("KURYR_MIGRATE_CRASH_AFTER");
-    if let Some(k) = crash_after {
-        cmd.env("KURYR_MIGRATE_CRASH_AFTER", k.to_string());
-    }
-    let out = cmd.output().unwrap();
-    let m = Migrate {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    };
-    eprintln!("kuryr-migrate {extra:?} (crash after {crash_after:?}) → {}\n{}", m.code, m.stdout);
-    m
+    let mut args = vec!["--cluster-id", CLUSTER_ID];
+    args.extend_from_slice(extra);
+    kuryr_controller::migrate(c, &args, crash_after).unwrap()
 }
 
 /// What Kuryr recorded for a pod: (port id, MAC, IPv4 address), once it has.
@@ -232,17 +82,15 @@ async fn ping(from: &Netns, to: &str) {
 
 #[tokio::test]
 async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
-    setup_kuryr();
+    kuryr_controller::setup().unwrap();
     let c = NeutronCluster::start(&[NS]).await.unwrap();
-    for entry in std::fs::read_dir(kuryr_venv().join("share/kuryr-crds")).unwrap() {
-        c.kube.apply_file(&entry.unwrap().path()).await.unwrap();
-    }
+    kuryr_controller::apply_crds(&c).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(c.admin.clone(), NS);
     let kps: Api<DynamicObject> = Api::namespaced_with(c.admin.clone(), NS, &kuryr_port_resource());
     let vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), NS);
 
     // 1. Kuryr networks two pods.
-    let mut kuryr = KuryrController::start(&c, c.dir.path()).await;
+    let mut kuryr = KuryrController::start(&c, c.dir.path(), &KuryrConfig::default()).await.unwrap();
     let mut old = Vec::new();
     for name in ["old-a", "old-b"] {
         let made = pods.create(&PostParams::default(), &c.pod(name)).await.unwrap();
@@ -274,7 +122,7 @@ async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}\nKuryr's log:\n{}", kuryr.log_tail()));
     kuryr.stop();
-    let stopped = epoch_now();
+    let stopped = kuryr_controller::epoch_now();
     // Kuryr may have been part-way through a bulk create when stopped: settle on what exists.
     let before: BTreeSet<String> =
         c.neutron.list_ports(&pool_filter).await.unwrap().into_iter().map(|p| p.id).collect();
@@ -320,7 +168,7 @@ async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
         assert!(!fin.iter().any(|f| f == "kuryr.openstack.org/pod-finalizer"), "{name}: {fin:?}");
         let pv = vifs.get(name).await.unwrap();
         assert_eq!(&pv.spec.pod_uid, uid);
-        let rec = pv.status.unwrap().vif.unwrap();
+        let rec = pv.vif().unwrap();
         assert_eq!((&rec.vif_id, &rec.mac), (port_id, mac), "{name}");
         assert_eq!(rec.ips[0].address.split('/').next().unwrap(), ip, "{name}");
         assert!(c.neutron.get_port(port_id).await.unwrap().tags.contains(&tag), "{name}'s port is not tagged");
@@ -355,8 +203,8 @@ async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
         .find_map(|i| i["mac"].as_str().filter(|_| i["sandbox"].is_string()));
     assert_eq!(mac, Some(kuryr_ports[0].1.as_str()), "the migrated pod kept its MAC: {result}");
     assert_eq!(c.neutron.get_port(&kuryr_ports[0].0).await.unwrap().status, "ACTIVE");
-    let pv = vifs.get(old[0].0).await.unwrap().status.unwrap();
-    assert_eq!((pv.vif.unwrap().vif_id, pv.state), (kuryr_ports[0].0.clone(), Some(VifState::Ready)));
+    let pv = vifs.get(old[0].0).await.unwrap();
+    assert_eq!((pv.vif().unwrap().vif_id.clone(), pv.state()), (kuryr_ports[0].0.clone(), VifState::Ready));
 
     let made = pods.create(&PostParams::default(), &c.pod("fresh")).await.unwrap();
     let fresh = CniPod {
@@ -371,7 +219,7 @@ async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
     };
     assert_eq!(add.code, 0, "ADD of a new pod: {} {}\n{}", add.stdout, add.stderr, binder.logs());
     let fresh_ip = ipv4_of(&add.json().unwrap());
-    let fresh_pv = vifs.get("fresh").await.unwrap().status.unwrap().vif.unwrap();
+    let fresh_pv = vifs.get("fresh").await.unwrap().spec.vif.unwrap();
     assert!(
         kuryr_pool.contains(&fresh_pv.vif_id),
         "the new pod got port {} rather than one of Kuryr's pool {kuryr_pool:?}",

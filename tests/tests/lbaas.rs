@@ -23,7 +23,7 @@ use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kuryr_lbaas::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec};
+use kuryr_lbaas::k8s::crd::{ServiceLoadBalancer, ServiceLoadBalancerSpec};
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{
     GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, Listener, LoadBalancerSpec, Protocol, TrafficPolicy,

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kuryr_lbaas::crd::ServiceLoadBalancer;
+use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_openstack::neutron::{ExternalGateway, NetworkCreate, RouterCreate, RouterInterface, SubnetCreate};
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, Metrics};
 use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;

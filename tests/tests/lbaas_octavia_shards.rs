@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{DeleteParams, ListParams};
-use kuryr_lbaas::crd::ServiceLoadBalancer;
+use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
 use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};

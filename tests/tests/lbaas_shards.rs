@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{DeleteParams, ListParams};
-use kuryr_lbaas::crd::ServiceLoadBalancer;
+use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
 use kuryr_proto::service_names::LOAD_BALANCERS;
@@ -88,12 +88,15 @@ async fn wait_split(c: &ControlPlane, replicas: &[&Sut]) -> BTreeMap<u32, (Strin
     .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(replicas)))
 }
 
-/// Every record in the namespace, by Service name, as (spec as streamed, finalizer check
-/// done separately); waits until each is PROGRAMMED at its generation and `names` are all
-/// there (and nothing else).
+/// Every record in the namespace, by Service name, as streamed; waits until `names` are all
+/// there (and nothing else), each PROGRAMMED at its generation, with the finalizer on its
+/// Service, and `svc-<i>` with the members `want(i)`. A record PROGRAMMED at its generation may
+/// still be the one from before the Service's EndpointSlice (or its change) reached lbaas, so the
+/// members are waited for too: only an update that never arrives fails.
 async fn converged(
     c: &ControlPlane,
     names: &BTreeSet<String>,
+    want: impl Fn(usize) -> Vec<String>,
     replicas: &[&Sut],
 ) -> BTreeMap<String, LoadBalancerSpec> {
     wait_until("every Service's record PROGRAMMED at its generation, with the finalizer", PHASE_TIMEOUT, || async {
@@ -107,7 +110,17 @@ async fn converged(
                 st.provisioning_status.as_deref() == Some("PROGRAMMED") && st.observed_generation == Some(generation),
                 "{name}: {st:?} at generation {generation}"
             );
-            out.insert(name.clone(), r.spec.to_proto(NS, &name, u64::try_from(generation)?));
+            let spec = r.spec.to_proto(NS, &name, u64::try_from(generation)?);
+            if let Some(i) = name.strip_prefix("svc-").and_then(|i| i.parse::<usize>().ok()) {
+                let addrs: Vec<String> = spec
+                    .listeners
+                    .iter()
+                    .filter_map(|l| l.pool.as_ref())
+                    .flat_map(|p| p.members.iter().map(|m| m.address.clone()))
+                    .collect();
+                anyhow::ensure!(addrs == want(i), "{name} has members {addrs:?}, want {:?}", want(i));
+            }
+            out.insert(name.clone(), spec);
         }
         let have: BTreeSet<String> = out.keys().cloned().collect();
         anyhow::ensure!(have == *names, "records of {} Services, want {}", have.len(), names.len());
@@ -275,7 +288,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     let started = Instant::now();
     create_burst(c, 0..BURST).await;
     let mut names: BTreeSet<String> = (0..BURST).map(|i| format!("svc-{i}")).collect();
-    let recorded = converged(c, &names, &[&a, &b]).await;
+    let recorded = converged(c, &names, |i| members(i, 0), &[&a, &b]).await;
     eprintln!("burst of {BURST} Services recorded and PROGRAMMED in {:?}", started.elapsed());
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
@@ -317,7 +330,7 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         "takeover took {takeover:?}, more than the Lease duration {LEASE:?} + one renewal {TICK:?} (+{SLACK:?})"
     );
     names.extend((BURST..2 * BURST).map(|i| format!("svc-{i}")));
-    let recorded = converged(c, &names, &[&b]).await;
+    let recorded = converged(c, &names, |i| members(i, 0), &[&b]).await;
     eprintln!("second burst converged {:?} after the kill", killed.elapsed());
     stream_matches(&wb, "lb-b", &recorded, &[&b]).await;
     assert!(wa.lock().unwrap().ended.is_some(), "lb-a's stream outlived it");
@@ -358,21 +371,8 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
         async move { c.put_web_members(&format!("svc-{i}"), &members(i, 1)).await.unwrap() }
     }))
     .await;
-    // Records that are PROGRAMMED at their generation may still be the ones from before the
-    // change (lbaas has not seen the slices yet): wait for the new members, so that only an
-    // update that never arrives fails.
-    let recorded = wait_until("the endpoint changes recorded", PHASE_TIMEOUT, || async {
-        let recorded = converged(c, &names, &[&a, &b]).await;
-        for &i in &changed {
-            let spec = &recorded[&format!("svc-{i}")];
-            let addrs: Vec<&str> =
-                spec.listeners[0].pool.as_ref().unwrap().members.iter().map(|m| m.address.as_str()).collect();
-            anyhow::ensure!(addrs == members(i, 1), "svc-{i} has members {addrs:?}, want {:?}", members(i, 1));
-        }
-        Ok(recorded)
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
+    let round = |i: usize| if changed.contains(&i) { 1 } else { 0 };
+    let recorded = converged(c, &names, |i| members(i, round(i)), &[&a, &b]).await;
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
 

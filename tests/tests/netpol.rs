@@ -32,19 +32,18 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, Namespace, Pod, PodSpec, Service, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
-use kuryr_tests::cluster::svc::{self, nft_table};
-use kuryr_tests::cluster::{Cluster, ClusterOptions};
+use kuryr_tests::cluster::svc;
+use kuryr_tests::cluster::{Cluster, ClusterOptions, run_scenario};
 use kuryr_tests::echo::{self, EchoServer, Proto};
 use kuryr_tests::metrics::Scrape;
+use kuryr_tests::objects;
 use kuryr_tests::services::grpcurl;
 
 const NS_A: &str = "np-a";
@@ -68,23 +67,11 @@ async fn network_policies_are_enforced_on_real_traffic() {
         ipv4_block_prefix: Some(28),
         ..ClusterOptions::default()
     };
-    let mut cluster = Cluster::start(opts).await.unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    eprintln!("cluster up in {:?}", cluster.started_in());
-    let mut world = World::default();
-    let outcome = scenario(&mut cluster, &mut world).await;
-    if outcome.is_err() {
-        eprintln!("{}", cluster.logs());
-        for n in cluster.nodes() {
-            eprintln!("==== table inet kuryr on {}\n{}", n.name, nft_table(n).await);
-        }
-    }
-    drop(world);
-    let manifest = cluster.manifest().clone();
-    let shutdown = cluster.shutdown().await;
-    outcome.unwrap_or_else(|e| panic!("{e:#}"));
-    shutdown.unwrap_or_else(|e| panic!("{e:#}"));
-    let left = manifest.leftovers();
-    assert!(left.is_empty(), "left behind after shutdown: {left:?}");
+    let run = async |c: &mut Cluster| {
+        let mut world = World::default();
+        scenario(c, &mut world).await
+    };
+    run_scenario("netpol", opts, run).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// SCTP on live traffic: a policy admitting SCTP on the echo port from `client` only. Needs the
@@ -237,31 +224,13 @@ async fn expect_at(netns: &std::path::Path, addr: IpAddr, proto: Proto, port: u1
 }
 
 fn pod(name: &str, node: &str, app: &str) -> Pod {
-    let port = |name: &str, protocol: &str, n: u16| ContainerPort {
-        name: Some(name.into()),
-        container_port: i32::from(n),
-        protocol: Some(protocol.into()),
-        ..ContainerPort::default()
-    };
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some([("app".to_string(), app.to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            termination_grace_period_seconds: Some(1),
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("busybox".into()),
-                ports: Some(vec![port("http", "TCP", PORT), port("echo-udp", "UDP", PORT)]),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name)
+        .node(node)
+        .label("app", app)
+        .grace(1)
+        .port(Some("http"), "TCP", PORT, None)
+        .port(Some("echo-udp"), "UDP", PORT, None)
+        .build()
 }
 
 fn policy(json: serde_json::Value) -> NetworkPolicy {

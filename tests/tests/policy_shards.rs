@@ -16,33 +16,24 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kuryr_proto::policy::v1::policies_client::PoliciesClient;
 use kuryr_proto::policy::v1::{GetNodePolicyRequest, PolicyEventType, WatchPoliciesRequest};
 use kuryr_proto::service_names::POLICIES;
-use kuryr_tests::control::{ControlPlane, Served};
-use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::util::free_port;
+use kuryr_tests::control::{ControlPlane, Served, shard_holders};
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::{self, Sut};
 use serde_json::json;
 
 const NS: &str = "pshards";
 const NODES: usize = 8;
 const SHARDS: u32 = 8;
 const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Lines of each replica's log in a failure message.
+const LOG_LINES: usize = 200;
 const OWNER_METADATA: &str = "kuryr-shard-owner";
-
-struct Replica {
-    proc: ServiceProcess,
-    id: String,
-    addr: String,
-}
-
-fn logs(a: &Replica, b: &Replica) -> String {
-    format!("==== {}\n{}\n==== {}\n{}", a.id, a.proc.logs(), b.id, b.proc.logs())
-}
 
 fn node_name(i: usize) -> String {
     format!("node-{i}")
@@ -50,24 +41,6 @@ fn node_name(i: usize) -> String {
 
 fn pod_ip(i: usize) -> String {
     format!("10.244.{i}.5")
-}
-
-/// Shard → holder identity and endpoint, as the Lease objects say (held Leases only).
-async fn shard_holders(admin: &kube::Client) -> BTreeMap<u32, (String, String)> {
-    let leases: Api<Lease> = Api::namespaced(admin.clone(), "kuryr-system");
-    let list = leases.list(&ListParams::default().labels("kuryr.openstack.org/shard-set=kuryr-policy")).await.unwrap();
-    let mut out = BTreeMap::new();
-    for l in list.items {
-        let name = l.metadata.name.clone().unwrap();
-        let Some(i) = name.strip_prefix("kuryr-policy-shard-").and_then(|i| i.parse().ok()) else { continue };
-        let spec = l.spec.unwrap_or_default();
-        if let Some(h) = spec.holder_identity.filter(|h| !h.is_empty()) {
-            let endpoint =
-                l.metadata.annotations.and_then(|a| a.get("kuryr.openstack.org/endpoint").cloned()).unwrap_or_default();
-            out.insert(i, (h, endpoint));
-        }
-    }
-    out
 }
 
 /// GetNodePolicy from `addr`: the node's isolated addresses, or the refusal.
@@ -101,55 +74,29 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     Api::<NetworkPolicy>::namespaced(admin.clone(), NS).create(&PostParams::default(), &deny).await.unwrap();
 
     let replica = |id: &str| {
-        let (port, mport) = (free_port().unwrap(), free_port().unwrap());
-        let addr = format!("127.0.0.1:{port}");
-        let args: Vec<String> = [
-            "--kubeconfig",
-            &kc.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--listen",
-            &addr,
-            "--metrics-listen",
-            &format!("127.0.0.1:{mport}"),
-            "--instance",
-            id,
-            "--replica-id",
-            id,
-            "--shards",
-            &SHARDS.to_string(),
-            "--lease-duration",
-            "3s",
-            "--shutdown-grace",
-            "3s",
-            "--log",
-            "info,kuryr_shard=debug",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        let proc = ServiceProcess::spawn("kuryr-policy", &args, c.dir.path()).unwrap();
-        Replica { proc, id: id.into(), addr }
+        let mut args: Vec<String> =
+            ["--kubeconfig", &kc.display().to_string(), "--watcher", &watcher.addr, "--log", "info,kuryr_shard=debug"]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+        args.extend(sut::replica_args(id, SHARDS, "3s"));
+        Sut::spawn("kuryr-policy", &args, c.dir.path(), id).unwrap()
     };
     let a = replica("policy-a");
     let mut b = replica("policy-b");
     for r in [&a, &b] {
-        wait_until(&format!("{} SERVING", r.id), PHASE_TIMEOUT, || async {
-            kuryr_runtime::client::check_serving(kuryr_runtime::client::channel(&r.addr)?, POLICIES).await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", r.proc.logs()));
+        r.wait_serving(POLICIES, PHASE_TIMEOUT).await.unwrap();
     }
 
     // 1. Both own shards, every shard is held, and the Leases carry the holders' endpoints.
     let holders = wait_until("every shard held, by both replicas", PHASE_TIMEOUT, || async {
-        let h = shard_holders(&admin).await;
+        let h = shard_holders(&admin, "kuryr-policy").await?;
         let by: BTreeSet<&str> = h.values().map(|(id, _)| id.as_str()).collect();
         anyhow::ensure!(h.len() == SHARDS as usize && by.len() == 2, "{h:?}");
         Ok(h)
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", sut::logs(&[&a, &b], LOG_LINES)));
     let addr_of = |id: &str| if id == a.id { a.addr.clone() } else { b.addr.clone() };
     for (i, (id, ep)) in &holders {
         assert_eq!(*ep, addr_of(id), "shard {i}: the Lease's endpoint");
@@ -166,7 +113,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         // answers "no owner right now" (UNAVAILABLE too). Retry as a binder would, reading the
         // holder again each time (on a loaded machine a shard may still move).
         let (owner, refused) = wait_until(&format!("a refusal naming the owner of {node}"), PHASE_TIMEOUT, || async {
-            let h = shard_holders(&admin).await;
+            let h = shard_holders(&admin, "kuryr-policy").await?;
             let owner = h.get(&shard_of(&node)).map(|(id, _)| id.clone()).unwrap_or_default();
             let other = if owner == a.id { &b } else { &a };
             let e = match isolated(&other.addr, &token, &node).await {
@@ -179,7 +126,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
             Ok((owner, e))
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", sut::logs(&[&a, &b], LOG_LINES)));
         *served_by.entry(owner.clone()).or_default() += 1;
         let named = refused.metadata().get(OWNER_METADATA).unwrap().to_str().unwrap().to_string();
         // Following redirects as a binder does (on a loaded machine a shard may move again).
@@ -199,7 +146,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
             Ok(got)
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", sut::logs(&[&a, &b], LOG_LINES)));
         assert_eq!(got, BTreeSet::from([pod_ip(i)]), "{node}");
     }
     // (Both replicas hold shards, checked above; which of them the eight nodes' shards fall to
@@ -208,7 +155,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
 
     // A WatchPolicies stream from the owner of node-0 carries its isolation.
     let node = node_name(0);
-    let owner = addr_of(&shard_holders(&admin).await[&shard_of(&node)].0);
+    let owner = addr_of(&shard_holders(&admin, "kuryr-policy").await.unwrap()[&shard_of(&node)].0);
     let mut client = PoliciesClient::new(kuryr_tests::auth::channel(&owner, &token).unwrap());
     let req = WatchPoliciesRequest { node_name: node.clone(), resume_from: String::new(), subscriber: "test".into() };
     let mut stream = client.watch_policies(req).await.unwrap().into_inner();
@@ -230,19 +177,19 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let killed = Instant::now();
     b.proc.kill().await.unwrap();
     wait_until("every shard held by a", PHASE_TIMEOUT, || async {
-        let h = shard_holders(&admin).await;
+        let h = shard_holders(&admin, "kuryr-policy").await?;
         anyhow::ensure!(h.len() == SHARDS as usize && h.values().all(|(id, _)| *id == a.id), "{h:?}");
         Ok(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", sut::logs(&[&a, &b], LOG_LINES)));
     for i in 0..NODES {
         let node = node_name(i);
         let got = wait_until(&format!("a answering for {node}"), PHASE_TIMEOUT, || async {
             Ok(isolated(&a.addr, &token, &node).await?)
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", sut::logs(&[&a, &b], LOG_LINES)));
         assert_eq!(got, BTreeSet::from([pod_ip(i)]), "{node} after the takeover");
     }
     eprintln!("a serves every node {:?} after the kill", killed.elapsed());

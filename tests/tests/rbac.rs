@@ -199,6 +199,13 @@ async fn the_controllers_may_change_finalizers_and_nothing_else() {
     refused(pods.patch("p", &jp, &label).await.map(drop), "the allocator labelling a pod");
     let annotation = Patch::Merge(json!({"metadata": {"annotations": {"a": "x"}}}));
     refused(pods.patch("p", &jp, &annotation).await.map(drop), "the allocator annotating a pod");
+    // Its report of a pod's interfaces, yes, but not with another annotation alongside.
+    let status = Patch::Merge(json!({"metadata": {"annotations": {"k8s.v1.cni.cncf.io/network-status": "[]"}}}));
+    pods.patch("p", &jp, &status).await.unwrap();
+    let both = Patch::Merge(
+        json!({"metadata": {"annotations": {"k8s.v1.cni.cncf.io/network-status": "[{}]", "k8s.v1.cni.cncf.io/networks": "x"}}}),
+    );
+    refused(pods.patch("p", &jp, &both).await.map(drop), "the allocator asking for networks with the status");
     pods.patch("p", &jp, &remove_finalizer()).await.unwrap();
 
     // lbaas: its finalizer on a Service, yes; the Service's selector, no.

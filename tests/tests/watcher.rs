@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -20,7 +20,9 @@ use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Filter, Kind, Object, SubscribeRequest, SubscribeResponse};
 use kuryr_runtime::auth::client::{Credentials, PeerChannel, with_credentials};
 use kuryr_tests::kube::KubeEnv;
-use kuryr_tests::services::{ServiceProcess, wait_until};
+use kuryr_tests::objects;
+use kuryr_tests::services::wait_until;
+use kuryr_tests::sut::Sut;
 use kuryr_tests::util::{free_port, repo_root, unique_id};
 use serde_json::json;
 use tonic::Streaming;
@@ -32,12 +34,25 @@ const QUIET: Duration = Duration::from_millis(1500);
 const ALL_KINDS: [Kind; 6] =
     [Kind::Pod, Kind::Service, Kind::EndpointSlice, Kind::Namespace, Kind::NetworkPolicy, Kind::Node];
 
+/// A watcher process ([`Sut`]) and what the test's Subscribe calls send: a subscriber
+/// account's token (or nothing).
 struct Watcher {
-    proc: ServiceProcess,
-    addr: String,
-    metrics_url: String,
-    /// What the test's Subscribe calls send: a subscriber account's token (or nothing).
+    sut: Sut,
     token: Option<String>,
+}
+
+impl std::ops::Deref for Watcher {
+    type Target = Sut;
+
+    fn deref(&self) -> &Sut {
+        &self.sut
+    }
+}
+
+impl std::ops::DerefMut for Watcher {
+    fn deref_mut(&mut self) -> &mut Sut {
+        &mut self.sut
+    }
 }
 
 fn start_watcher(kubeconfig: &Path, dir: &Path) -> Watcher {
@@ -45,23 +60,13 @@ fn start_watcher(kubeconfig: &Path, dir: &Path) -> Watcher {
 }
 
 fn start_watcher_with(kubeconfig: &Path, dir: &Path, extra: &[&str]) -> Watcher {
-    let (port, mport) = (free_port().unwrap(), free_port().unwrap());
-    let addr = format!("127.0.0.1:{port}");
-    let args = [
-        "--listen".to_string(),
-        addr.clone(),
-        "--metrics-listen".to_string(),
-        format!("127.0.0.1:{mport}"),
-        "--kubeconfig".to_string(),
-        kubeconfig.display().to_string(),
-        "--shutdown-grace".to_string(),
-        "3s".to_string(),
-        "--log".to_string(),
-        "info,kuryr_watcher=debug".to_string(),
-    ];
-    let args: Vec<String> = args.into_iter().chain(extra.iter().map(ToString::to_string)).collect();
-    let proc = ServiceProcess::spawn("kuryr-watcher", &args, dir).unwrap();
-    Watcher { proc, addr, metrics_url: format!("http://127.0.0.1:{mport}/metrics"), token: None }
+    let args = ["--kubeconfig", &kubeconfig.display().to_string(), "--shutdown-grace", "3s"]
+        .into_iter()
+        .chain(["--log", "info,kuryr_watcher=debug"])
+        .chain(extra.iter().copied())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>();
+    Watcher { sut: Sut::spawn("kuryr-watcher", &args, dir, "kuryr-watcher").unwrap(), token: None }
 }
 
 impl Watcher {
@@ -78,15 +83,11 @@ impl Watcher {
     }
 
     async fn wait_serving(&self) {
-        wait_until("kuryr-watcher SERVING", Duration::from_secs(30), || self.health())
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", self.proc.logs()));
+        self.sut.wait_serving(WATCHER, Duration::from_secs(30)).await.unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     async fn metrics(&self) -> String {
-        let out = tokio::process::Command::new("curl").args(["-sf", &self.metrics_url]).output().await.unwrap();
-        assert!(out.status.success(), "GET {} failed", self.metrics_url);
-        String::from_utf8(out.stdout).unwrap()
+        self.sut.metrics_text().await.unwrap()
     }
 
     async fn subscribe(
@@ -168,16 +169,7 @@ fn meta(ns: Option<&str>, name: &str) -> ObjectMeta {
 }
 
 fn pod(name: &str, node: &str, host_network: bool) -> Pod {
-    Pod {
-        metadata: meta(None, name),
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            host_network: Some(host_network),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Default::default() }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::pod(name).node(node).host_network(host_network).build()
 }
 
 fn node(name: &str) -> Node {

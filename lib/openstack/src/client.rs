@@ -201,21 +201,6 @@ impl Client {
             }
         }
     }
-
-    /// Keystone's own API.
-    pub fn identity(&self) -> crate::identity::Identity {
-        crate::identity::Identity::new(self.clone())
-    }
-
-    /// Neutron.
-    pub fn network(&self) -> crate::neutron::Neutron {
-        crate::neutron::Neutron::new(self.clone())
-    }
-
-    /// Octavia.
-    pub fn load_balancer(&self) -> crate::octavia::Octavia {
-        crate::octavia::Octavia::new(self.clone())
-    }
 }
 
 fn http_client(tls: &TlsConfig, options: &ClientOptions) -> Result<reqwest::Client, Error> {

@@ -26,6 +26,13 @@ pub struct Identity {
     client: Client,
 }
 
+impl Client {
+    /// Keystone's own API.
+    pub fn identity(&self) -> Identity {
+        Identity::new(self.clone())
+    }
+}
+
 impl Identity {
     pub(crate) fn new(client: Client) -> Self {
         Self { client }

@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use super::*;
 use crate::allowed::Traffic;
 use crate::model::{ContainerPort, LabelSelector, Peer, PortRef, PortRule, Protocol, Rule};
+use crate::state::NodePolicy;
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod plan;
 pub mod refusal;
+pub mod served;
 
 pub use config::{ShardArgs, ShardConfig};
 pub use hash::shard_of;
@@ -37,3 +38,4 @@ pub use lease::{ENDPOINT_ANNOTATION, ShardHandle, start};
 pub use metrics::ShardMetrics;
 pub use ownership::{Owner, Ownership};
 pub use refusal::{OWNER_METADATA, refusal};
+pub use served::Served;

@@ -194,6 +194,15 @@ impl<S: Source> Follower<S> {
         &self.source
     }
 
+    /// [`Follower::next`] raced against `stop` (a shutdown signal): `None` once `stop` has
+    /// completed first, which is the consumer's cue to return.
+    pub async fn next_or(&mut self, stop: impl Future<Output = ()>) -> Option<Followed<S::Event>> {
+        tokio::select! {
+            next = self.next() => Some(next),
+            () = stop => None,
+        }
+    }
+
     /// The next event, or news that the stream is down. Opens (and after a failure, reopens
     /// after the backoff) as needed; never ends by itself: select it against shutdown.
     pub async fn next(&mut self) -> Followed<S::Event> {

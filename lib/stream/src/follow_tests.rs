@@ -220,3 +220,24 @@ async fn a_source_that_was_redirected_reconnects_at_once() {
     let times = script.open_times();
     assert_eq!(times[1] - times[0], Duration::ZERO, "no backoff after a redirect");
 }
+
+#[tokio::test(start_paused = true)]
+async fn next_or_hands_over_events_until_the_stop_signal_wins() {
+    let (mut f, script) = follower(false);
+    let s = script.accept();
+    s.send(Ok(ev(Mark::SnapshotComplete, "e-0", "complete"))).unwrap();
+    let got = f.next_or(std::future::pending()).await.map(name);
+    assert_eq!(got.as_deref(), Some("complete"));
+    // Nothing more comes: the stop signal ends the wait, and the stream stays open.
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let stop = async move {
+        let _ = stop_rx.await;
+    };
+    let waiting = tokio::spawn(async move { (f.next_or(stop).await.map(name), f) });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_tx.send(()).unwrap();
+    let (got, f) = waiting.await.unwrap();
+    assert_eq!(got, None);
+    assert!(f.is_live());
+    assert_eq!(script.opened_from(), [""]);
+}

@@ -39,7 +39,7 @@ pub struct Attachment {
     pub pod_namespace: String,
     pub pod_name: String,
     pub vif_id: String,
-    /// "bridge" or "ovs".
+    /// "bridge", "ovs" or "vlan" (then `bridge` is the uplink).
     pub driver: String,
     /// The bridge the host end is attached to.
     pub bridge: String,
@@ -56,6 +56,10 @@ pub struct Attachment {
     pub host_mac: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sandbox_mac: String,
+    /// For a further interface of the pod (`k8s.v1.cni.cncf.io/networks`), the interface name of
+    /// the primary attachment it was plugged with: it lives and goes with that one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub primary: Option<String>,
 }
 
 impl Attachment {
@@ -137,8 +141,10 @@ impl Attachments {
         live: impl Fn(&Attachment) -> bool,
     ) -> Result<Vec<Attachment>, Box<Attachment>> {
         let mut map = self.lock();
+        // The pod's further interfaces plugged with `a` are part of `a`, not others.
+        let part_of_a = |o: &Attachment| o.container_id == a.container_id && o.primary.as_ref() == Some(&a.ifname);
         let others: Vec<Attachment> =
-            map.values().filter(|o| o.pod_uid == a.pod_uid && o.key() != a.key()).cloned().collect();
+            map.values().filter(|o| o.pod_uid == a.pod_uid && o.key() != a.key() && !part_of_a(o)).cloned().collect();
         if let Some(l) = others.iter().find(|o| live(o)) {
             return Err(Box::new(l.clone()));
         }
@@ -249,6 +255,7 @@ mod tests {
             state: State::Ready,
             host_mac: String::new(),
             sandbox_mac: String::new(),
+            primary: None,
         }
     }
 

@@ -113,8 +113,11 @@ pub struct Config {
     #[arg(long, env = "KURYR_NODE_NAME")]
     pub node_name: Option<String>,
 
-    /// Where attachment records are kept across restarts.
-    #[arg(long, env = "KURYR_BINDER_STATE_DIR", default_value = "/var/lib/kuryr/binder")]
+    /// Where the binder's records (attachments, the NetworkPolicy rules programmed) are kept
+    /// across its restarts. They describe kernel state (veths, namespaces, nftables) that does
+    /// not survive a reboot either, so a tmpfs is their home: under `/run` they go with the
+    /// reboot, and each ADD's two record writes cost ~0.04 ms instead of ~1 ms on ext4.
+    #[arg(long, env = "KURYR_BINDER_STATE_DIR", default_value = "/run/kuryr/binder")]
     pub state_dir: PathBuf,
 
     /// How long ADD waits for the pod's VIF to appear, and again for it to become ready, before
@@ -139,6 +142,10 @@ pub struct Config {
     /// unix:/run/openvswitch/db.sock; ovs-vsctl's default when unset.
     #[arg(long, env = "KURYR_OVS_DB")]
     pub ovs_db: Option<String>,
+
+    /// Nested pods (VIFs on a VLAN of the VM's uplink).
+    #[command(flatten)]
+    pub nested: plug::vlan::NestedArgs,
 
     /// How the VIF and load balancer streams are read.
     #[command(flatten)]
@@ -249,6 +256,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         allocator,
         vif_wait: config.vif_wait_timeout,
         ovs_db: config.ovs_db.clone(),
+        nested: config.nested.plug(),
         metrics: metrics::CniMetrics::register(rt.registry()),
         bridges_ready: Default::default(),
         locks: Default::default(),

@@ -172,10 +172,7 @@ impl VifCache {
     ) {
         health.register(service).await;
         loop {
-            let next = tokio::select! {
-                next = follower.next() => next,
-                () = shutdown.clone().wait() => return,
-            };
+            let Some(next) = follower.next_or(shutdown.clone().wait()).await else { return };
             match next {
                 Followed::Event(ev) => {
                     let was_live = self.is_live();
@@ -287,6 +284,11 @@ impl Source for VifSource {
 /// Whether a VIF can be plugged (allocated and not failed).
 pub fn pluggable(v: &Vif) -> bool {
     matches!(v.state(), VifState::Allocated | VifState::Plugged | VifState::Ready)
+}
+
+/// Whether the allocator failed the pod's VIF (`message` says why): ADD fails with the reason.
+pub fn failed(v: &Vif) -> bool {
+    v.state() == VifState::Failed
 }
 
 /// Whether a VIF is ready for ADD to return.

@@ -94,6 +94,7 @@ fn service(dir: &std::path::Path) -> CniService {
         allocator: Allocator::new(channel, Credentials::None),
         vif_wait: Duration::from_millis(20),
         ovs_db: Some("unix:/nonexistent/kuryr-fuzz/db.sock".into()),
+        nested: Default::default(),
         metrics: CniMetrics::register(&mut registry),
         bridges_ready: Default::default(),
         locks: Default::default(),

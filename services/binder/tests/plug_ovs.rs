@@ -245,6 +245,7 @@ fn spec(pod: &Netns, n: u8, db_bridge: &str) -> PlugSpec {
             iface_id: format!("port-{n}"),
             attached_mac: format!("fa:16:3e:{:02x}:00:{n:02x}", pid % 256),
             vm_uuid: format!("pod-uid-{n}"),
+            vlan: None,
         },
     }
 }

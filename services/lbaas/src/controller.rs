@@ -1,6 +1,6 @@
 //! The reconcile loop: per Service key, serially (the [`WorkQueue`]), bring the record, the
 //! backend and the Service's finalizer in line with what the Service should have
-//! ([`crate::spec::desired`]), reading its latest state from the [`View`] when the run starts.
+//! ([`crate::core::spec::desired`]), reading its latest state from the [`crate::core::view::View`] when the run starts.
 //!
 //! **Apply** (a ClusterIP or LoadBalancer Service with cluster IPs, not being deleted), each
 //! step idempotent:
@@ -25,7 +25,7 @@
 //! converges it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio::sync::Notify;
@@ -37,12 +37,14 @@ use kuryr_stream::{Outcome, WorkQueue};
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, BackendError, Maintenance, Observed};
-use crate::crd::{ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
-use crate::k8s::{Kube, KubeError, Record};
+use crate::core::spec::{Desired, REASON_SKIPPED, ServiceRef, desired};
+use crate::core::view::{FINALIZER, ServiceEntry, SharedView, split};
+use crate::core::{chain, locked};
+use crate::k8s::api::Kube;
+use crate::k8s::crd::{ServiceLoadBalancerSpec, ServiceLoadBalancerStatus};
+use crate::k8s::{Cluster, ClusterError, Record, Records};
 use crate::metrics::{Metrics, ResultLabels};
 use crate::shards::Shards;
-use crate::spec::{Desired, REASON_SKIPPED, ServiceRef, desired};
-use crate::view::{FINALIZER, ServiceEntry, View, split};
 
 /// Event reasons, as `kubectl describe service` shows them.
 pub const REASON_FAILED: &str = "LoadBalancerFailed";
@@ -55,23 +57,12 @@ pub const ELSEWHERE: &str = "elsewhere";
 /// Reads and patches of the finalizer before a conflict counts as a failure.
 const FINALIZER_ATTEMPTS: u32 = 3;
 
-/// The view shared by the watcher follower and the workers.
-pub type SharedView = Arc<Mutex<View>>;
-
-/// The records by Service key: what Get/List answer, and what reconciles compare against.
-pub type Records = Arc<Mutex<BTreeMap<String, Record>>>;
-
-/// Locks a mutex of plain collections; a panic elsewhere cannot leave them inconsistent.
-pub fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// What failed underneath.
 #[derive(Debug, thiserror::Error)]
 pub enum Cause {
     /// The Kubernetes API.
     #[error(transparent)]
-    Kube(#[from] KubeError),
+    Kube(#[from] ClusterError),
     /// The backend.
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -107,18 +98,6 @@ impl ReconcileError {
     }
 }
 
-/// An error and its causes on one line, for logs and Events.
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 /// The LoadBalancer message of a record.
 pub fn load_balancer(key: &str, r: &Record) -> LoadBalancer {
     let (ns, name) = split(key);
@@ -134,10 +113,11 @@ pub fn load_balancer(key: &str, r: &Record) -> LoadBalancer {
     }
 }
 
-/// The controller.
+/// The controller: reconciles through `backend` and writes to Kubernetes through `kube` (the
+/// API server by default; the unit tests give it an in-memory cluster).
 #[derive(Debug)]
-pub struct Controller<B> {
-    kube: Kube,
+pub struct Controller<B, C = Kube> {
+    kube: C,
     backend: B,
     view: SharedView,
     records: Records,
@@ -185,9 +165,9 @@ impl FinalizerPolicy {
     }
 }
 
-impl<B: Backend> Controller<B> {
+impl<B: Backend, C: Cluster> Controller<B, C> {
     /// A controller writing through `kube` and programming `backend`.
-    pub fn new(kube: Kube, backend: B, view: SharedView, records: Records, metrics: Metrics) -> Self {
+    pub fn new(kube: C, backend: B, view: SharedView, records: Records, metrics: Metrics) -> Self {
         Self {
             kube,
             backend,
@@ -379,7 +359,7 @@ impl<B: Backend> Controller<B> {
         };
         let (namespace, name) = split(key);
         let slices: Vec<&EndpointSlice> = slices.iter().map(AsRef::as_ref).collect();
-        let service = crate::spec::effective(&entry.service, self.lb_class.as_deref());
+        let service = crate::core::spec::effective(&entry.service, self.lb_class.as_deref());
         let svc = ServiceRef { namespace, name, uid: &entry.uid, service: &service };
         match desired(&svc, &slices) {
             Desired::Lb(spec) => {
@@ -472,7 +452,7 @@ impl<B: Backend> Controller<B> {
             }
             if let Err(e) = self.kube.write_status(key, &status).await {
                 // Deleted behind our back: forget it, so that the retry creates it again.
-                if matches!(e, KubeError::NotFound(_)) {
+                if matches!(e, ClusterError::NotFound(_)) {
                     locked(&self.records).remove(key);
                 }
                 return Err(fail("writing the status")(e.into()));
@@ -512,14 +492,14 @@ impl<B: Backend> Controller<B> {
     }
 
     /// The record of `key` holding `want`: created, or its spec replaced; kept in `records`.
-    async fn ensure_record(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, KubeError> {
+    async fn ensure_record(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, ClusterError> {
         let cached = locked(&self.records).get(key).cloned();
         let record = match cached {
             Some(r) if r.spec == *want => return Ok(r),
             Some(r) => match self.kube.replace_spec(key, &r.uid, want).await {
                 Ok(r) => r,
                 // Deleted or re-created behind our back: start from what the API holds.
-                Err(KubeError::NotFound(_) | KubeError::Conflict(_)) => {
+                Err(ClusterError::NotFound(_) | ClusterError::Conflict(_)) => {
                     locked(&self.records).remove(key);
                     self.create_or_update(key, want).await?
                 }
@@ -531,7 +511,7 @@ impl<B: Backend> Controller<B> {
         Ok(record)
     }
 
-    async fn create_or_update(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, KubeError> {
+    async fn create_or_update(&self, key: &str, want: &ServiceLoadBalancerSpec) -> Result<Record, ClusterError> {
         let r = self.kube.create_record(key, want).await?;
         if r.spec == *want { Ok(r) } else { self.kube.replace_spec(key, &r.uid, want).await }
     }
@@ -539,7 +519,7 @@ impl<B: Backend> Controller<B> {
     /// Puts our finalizer on the Service unless it is there. Returns false when the Service is
     /// gone, re-created or being deleted (its next event says so; no finalizer may be added
     /// then). A conflict is settled by reading again at once rather than after a backoff.
-    async fn ensure_finalizer(&self, key: &str, uid: &str) -> Result<bool, KubeError> {
+    async fn ensure_finalizer(&self, key: &str, uid: &str) -> Result<bool, ClusterError> {
         let mut attempts = 0;
         loop {
             let Some(meta) = self.kube.service(key).await?.filter(|m| m.uid == uid) else { return Ok(false) };
@@ -552,7 +532,7 @@ impl<B: Backend> Controller<B> {
             attempts += 1;
             match self.kube.add_finalizer(key, uid, &meta.finalizers).await {
                 Ok(()) => return Ok(true),
-                Err(KubeError::Conflict(_)) if attempts < FINALIZER_ATTEMPTS => {}
+                Err(ClusterError::Conflict(_)) if attempts < FINALIZER_ATTEMPTS => {}
                 Err(e) => return Err(e),
             }
         }
@@ -585,3 +565,7 @@ impl<B: Backend> Controller<B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "controller_tests.rs"]
+mod tests;

@@ -1,11 +1,11 @@
 //! kuryr-lbaas: turns Kubernetes Services and their EndpointSlices into load balancers.
 //!
-//! **Watches** Services and EndpointSlices through the watcher's Subscribe stream ([`follow`])
-//! into a view ([`view`]); nothing else.
+//! **Watches** Services and EndpointSlices through the watcher's Subscribe stream
+//! ([`grpc::follow`]) into a view ([`core::view`]); nothing else.
 //!
 //! **Owns** per Service (ClusterIP, NodePort and LoadBalancer types with cluster IPs): the finalizer
-//! `kuryr.openstack.org/lbaas` and a ServiceLoadBalancer record ([`crd`]) whose spec is the
-//! desired load balancer ([`spec`]) and whose status is what the backend observed. A keyed queue
+//! `kuryr.openstack.org/lbaas` and a ServiceLoadBalancer record ([`k8s::crd`]) whose spec is the
+//! desired load balancer ([`core::spec`]) and whose status is what the backend observed. A keyed queue
 //! reconciles Services one key at a time, many keys at once ([`controller`]). ExternalName
 //! Services get an Event saying why they have no load balancer; headless ones are ignored.
 //!
@@ -30,24 +30,29 @@
 //! (not down, not silent for longer than `--stream-idle-timeout`) and (sharded) the other
 //! shards' records are followed. WatchLoadBalancers answers UNAVAILABLE
 //! until the first complete view.
+//!
+//! **Layers** (each depends only on those above it):
+//! - [`core`]: pure logic — the desired load balancer of a Service and the view it is computed
+//!   from; no Kubernetes client, no gRPC server, no backend.
+//! - [`k8s`]: what the controller needs of the Kubernetes API as a trait ([`k8s::Cluster`]),
+//!   its implementation against the API server ([`k8s::api`]) and the record CRD ([`k8s::crd`]).
+//! - [`backend`]: the [`backend::Backend`] trait, the node backend and Octavia.
+//! - [`shards`]: which Services this replica serves.
+//! - [`controller`]: the reconcile loop over the three above (unit-tested with an in-memory
+//!   cluster and backend).
+//! - the edges that drive it: [`grpc`] (the API served, and the watcher followed),
+//!   [`handover`] (shards gained and lost), [`mirror`] (the other shards' records), [`ready`].
 
 pub mod backend;
 pub mod controller;
-pub mod crd;
-pub mod follow;
+pub mod core;
 pub mod grpc;
+pub mod handover;
 pub mod k8s;
 pub mod metrics;
 pub mod mirror;
-pub mod octavia;
-pub mod octavia_fip;
-pub mod octavia_metrics;
-pub mod octavia_plan;
-pub mod octavia_poll;
 pub mod ready;
 pub mod shards;
-pub mod spec;
-pub mod view;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,12 +71,15 @@ use kuryr_stream::{Epoch, Log};
 use tokio::sync::watch;
 use tracing::Instrument as _;
 
+use crate::backend::octavia::OctaviaBackend;
 use crate::backend::{Backend, LbLog, NodeBackend};
-use crate::controller::{Controller, Records, SharedView, locked};
+use crate::controller::Controller;
+use crate::core::locked;
+use crate::core::view::SharedView;
 use crate::grpc::LbService;
-use crate::k8s::Kube;
+use crate::k8s::Records;
+use crate::k8s::api::Kube;
 use crate::metrics::Metrics;
-use crate::octavia::OctaviaBackend;
 use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 
@@ -142,7 +150,7 @@ pub struct Config {
 
     /// The Octavia backend's settings (with --backend octavia).
     #[command(flatten)]
-    pub octavia: octavia::OctaviaArgs,
+    pub octavia: backend::octavia::OctaviaArgs,
 
     /// How replicas split the Services (by `namespace/name`) between them.
     #[command(flatten)]
@@ -318,7 +326,7 @@ impl<B: Backend> Start<B> {
             .iter()
             .filter(|(_, r)| r.spec.backend == backend.name())
             .map(|(k, r)| {
-                let (ns, name) = view::split(k);
+                let (ns, name) = core::view::split(k);
                 (k.clone(), r.spec.to_proto(ns, name, r.generation))
             })
             .collect();
@@ -339,7 +347,7 @@ impl<B: Backend> Start<B> {
         controller.spawn_workers(config.workers, shutdown.clone());
         controller.start_maintenance(shutdown.clone());
         let (synced, synced_rx) = watch::channel(false);
-        let shard_follower = shards::Follower {
+        let shard_follower = handover::Follower {
             shards: shards.clone(),
             controller: controller.clone(),
             kube,
@@ -357,7 +365,7 @@ impl<B: Backend> Start<B> {
             };
             tokio::spawn(mirror.run(shutdown.clone()).instrument(tracing::info_span!("records")));
         }
-        let follower = follow::Follower {
+        let follower = grpc::follow::Follower {
             channel: watcher,
             controller,
             log,

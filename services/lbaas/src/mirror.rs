@@ -27,13 +27,14 @@ use kube::runtime::watcher::{self, Event};
 use kuryr_runtime::Shutdown;
 
 use crate::backend::Backend;
-use crate::controller::{Controller, locked};
-use crate::crd::ServiceLoadBalancer;
+use crate::controller::Controller;
+use crate::core::locked;
+use crate::core::view::{key, split};
 use crate::k8s::Record;
+use crate::k8s::crd::ServiceLoadBalancer;
 use crate::metrics::Metrics;
 use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
-use crate::view::{key, split};
 
 /// What the mirror works with.
 pub struct Mirror<B> {

@@ -16,46 +16,50 @@
 //! - **Unsharded** (`--shards 0`): everything is served from the start.
 
 use std::collections::BTreeSet;
+use std::ops::Deref;
 use std::sync::Arc;
 
-use kuryr_runtime::Shutdown;
-use kuryr_shard::Ownership;
+use kuryr_shard::{Ownership, Served};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 
-use crate::backend::Backend;
-use crate::controller::{Controller, locked};
-use crate::k8s::Kube;
+/// The name refusals give this service.
+pub const SERVICE: &str = "kuryr-lbaas";
 
-/// What this replica serves; shared by the controller, the backend, the records mirror and the
-/// shard follower; cheap to clone.
+/// What this replica serves ([`Served`]: Services whose shard is owned and whose records are
+/// loaded), with the hand-over's gauges; shared by the controller, the backend, the records
+/// mirror and the shard follower; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Shards {
-    ownership: watch::Receiver<Arc<Ownership>>,
-    /// Owned shards whose records were loaded after gaining them: the ones served.
-    loaded: Arc<watch::Sender<BTreeSet<u32>>>,
+    served: Served,
     /// Shards served now.
-    served: Gauge,
+    served_now: Gauge,
     /// Shards gained (loaded and queued).
     gains: Counter,
+}
+
+impl Deref for Shards {
+    type Target = Served;
+    fn deref(&self) -> &Served {
+        &self.served
+    }
 }
 
 impl Shards {
     /// Serving every Service: no sharding.
     pub fn all() -> Self {
-        Self::new(kuryr_shard::ShardHandle::unsharded("all").ownership())
+        Self::serving(Served::all(SERVICE))
     }
 
     /// Following `ownership`; a sharded replica serves nothing until the follower loads a shard.
     pub fn new(ownership: watch::Receiver<Arc<Ownership>>) -> Self {
-        Self {
-            ownership,
-            loaded: Arc::new(watch::Sender::new(BTreeSet::new())),
-            served: Gauge::default(),
-            gains: Counter::default(),
-        }
+        Self::serving(Served::after_loading(SERVICE, ownership))
+    }
+
+    fn serving(served: Served) -> Self {
+        Self { served, served_now: Gauge::default(), gains: Counter::default() }
     }
 
     /// Registers `kuryr_lbaas_shards_served` and `kuryr_lbaas_shard_gains_total`.
@@ -63,7 +67,7 @@ impl Shards {
         registry.register(
             "kuryr_lbaas_shards_served",
             "Shards whose Services this replica reconciles (owned and loaded)",
-            self.served.clone(),
+            self.served_now.clone(),
         );
         registry.register(
             "kuryr_lbaas_shard_gains",
@@ -72,127 +76,15 @@ impl Shards {
         );
     }
 
-    /// The ownership now.
-    pub fn ownership(&self) -> Arc<Ownership> {
-        self.ownership.borrow().clone()
+    /// Marks `loaded` as the served shards ([`crate::handover`] does, once their records are read).
+    pub(crate) fn set_loaded(&self, loaded: BTreeSet<u32>) {
+        self.served_now.set(i64::try_from(loaded.len()).unwrap_or(i64::MAX));
+        self.served.set_loaded(loaded);
     }
 
-    /// Whether the replica is sharded at all.
-    pub fn sharded(&self) -> bool {
-        self.ownership.borrow().sharded()
-    }
-
-    /// Whether this replica reconciles the Service `key` now: its shard is owned and loaded.
-    pub fn serves(&self, key: &str) -> bool {
-        let own = self.ownership.borrow();
-        match own.shard_of(key) {
-            None => true,
-            Some(i) => own.owned.contains(&i) && self.loaded.borrow().contains(&i),
-        }
-    }
-
-    /// Whether `key` is in one of `shards`.
-    pub fn in_shards(&self, key: &str, shards: &BTreeSet<u32>) -> bool {
-        self.ownership.borrow().shard_of(key).is_some_and(|i| shards.contains(&i))
-    }
-
-    fn set_loaded(&self, loaded: BTreeSet<u32>) {
-        self.served.set(i64::try_from(loaded.len()).unwrap_or(i64::MAX));
-        self.loaded.send_replace(loaded);
-    }
-}
-
-/// What the shard follower works with.
-pub struct Follower<B> {
-    /// The served set, updated here.
-    pub shards: Shards,
-    /// Queues the Services of gained shards.
-    pub controller: Arc<Controller<B>>,
-    /// Reads the records of gained shards.
-    pub kube: Kube,
-    /// Set once the watcher's first snapshot is complete: before, the view is partial and a
-    /// record whose Service it does not hold yet must not be taken for an orphan.
-    pub synced: watch::Receiver<bool>,
-    /// Wakes the backend's maintenance for the gained shards.
-    pub kick: Arc<Notify>,
-}
-
-impl<B> std::fmt::Debug for Follower<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Follower").finish_non_exhaustive()
-    }
-}
-
-impl<B: Backend> Follower<B> {
-    /// Follows the ownership until shutdown.
-    pub async fn run(mut self, shutdown: Shutdown) {
-        if !self.shards.sharded() {
-            self.shards.set_loaded(BTreeSet::new());
-            return;
-        }
-        let mut rx = self.shards.ownership.clone();
-        let mut loaded: BTreeSet<u32> = BTreeSet::new();
-        loop {
-            let own = rx.borrow_and_update().clone();
-            let lost: BTreeSet<u32> = loaded.difference(&own.owned).copied().collect();
-            if !lost.is_empty() {
-                loaded.retain(|i| !lost.contains(i));
-                // Work stops first; what the backend remembers of them is stale from now on.
-                self.shards.set_loaded(loaded.clone());
-                self.controller.backend().forget(&|key| self.shards.in_shards(key, &lost));
-                tracing::info!(shards = ?lost, served = ?loaded, "shards lost: their Services are reconciled elsewhere now");
-            }
-            let gained: BTreeSet<u32> = own.owned.difference(&loaded).copied().collect();
-            if !gained.is_empty() {
-                if !self.wait_synced(&shutdown).await || !self.load(&gained, &shutdown).await {
-                    return;
-                }
-                // Still owned? One lost meanwhile is dropped on the next pass.
-                loaded.extend(gained.iter().copied());
-                self.shards.set_loaded(loaded.clone());
-                self.shards.gains.inc_by(gained.len() as u64);
-                let queued = self.controller.enqueue_where(|key| self.shards.in_shards(key, &gained));
-                self.kick.notify_one();
-                tracing::info!(shards = ?gained, served = ?loaded, queued, "shards gained: their Services are queued");
-                continue;
-            }
-            tokio::select! {
-                r = rx.changed() => if r.is_err() { return },
-                () = shutdown.clone().wait() => return,
-            }
-        }
-    }
-
-    async fn wait_synced(&mut self, shutdown: &Shutdown) -> bool {
-        tokio::select! {
-            r = self.synced.wait_for(|s| *s) => r.is_ok(),
-            () = shutdown.clone().wait() => false,
-        }
-    }
-
-    /// Replaces what is known of the records of `gained` by what the API holds; false at
-    /// shutdown.
-    async fn load(&self, gained: &BTreeSet<u32>, shutdown: &Shutdown) -> bool {
-        let Some(found) = kuryr_runtime::retry("loading the ServiceLoadBalancers of gained shards", shutdown, || {
-            self.kube.list_records()
-        })
-        .await
-        else {
-            return false;
-        };
-        self.controller.backend().forget(&|key| self.shards.in_shards(key, gained));
-        let in_gained = |key: &str| self.shards.in_shards(key, gained);
-        let mut n = 0;
-        {
-            let mut records = locked(self.controller.records());
-            records.retain(|k, _| !in_gained(k));
-            for (k, r) in found.into_iter().filter(|(k, _)| in_gained(k)) {
-                records.insert(k, r);
-                n += 1;
-            }
-        }
-        tracing::debug!(shards = ?gained, records = n, "read the records of the gained shards");
-        true
+    /// Counts `n` shards gained.
+    pub(crate) fn count_gains(&self, n: usize) {
+        self.gains.inc_by(u64::try_from(n).unwrap_or(u64::MAX));
     }
 }
 

@@ -1,13 +1,13 @@
 //! kuryr-policy: NetworkPolicy compiled per node and streamed to the binders.
 //!
 //! **Watches** pods, namespaces and NetworkPolicies through the watcher's Subscribe stream
-//! ([`follow`], the one follower of [`kuryr_stream::follow`]), nothing else; it reads the
+//! ([`grpc::follow`], the one follower of [`kuryr_stream::follow`]), nothing else; it reads the
 //! Kubernetes API only to find a `k8s:` watcher target and to review callers' tokens.
 //!
 //! **Compiles** them with [`kuryr_policy_core`] (pure, incremental) into each node's state: the
 //! local pod addresses some policy isolates and the groups of peers they may talk with
-//! ([`publish`]). The watcher's objects are converted at the edge ([`convert`]); parts it cannot
-//! read match nothing.
+//! ([`core::publish`]). The watcher's objects are converted at the edge ([`grpc::convert`]);
+//! parts it cannot read match nothing.
 //!
 //! **Streams** each node's state over `WatchPolicies(node)` ([`grpc`]): a snapshot,
 //! SNAPSHOT_COMPLETE, then deltas, with resume points `"<epoch>-<revision>"`
@@ -20,7 +20,7 @@
 //! its own token (`--auth-token-file`).
 //!
 //! **Neutron** (`--backend neutron`): besides the stream, NetworkPolicies are enforced by
-//! Neutron security groups on the pods' ports, one group per policy ([`neutron`]).
+//! Neutron security groups on the pods' ports, one group per policy ([`backend::neutron`]).
 //!
 //! Readiness: NOT_SERVING until the watcher's first snapshot is compiled, and while its stream
 //! is down or silent for longer than `--stream-idle-timeout` (the state already streamed stays
@@ -30,14 +30,12 @@
 //! replicas split the nodes, each streaming only its nodes' policy and redirecting binders of
 //! the others to their owner, as the allocator does.
 
-pub mod convert;
-pub mod follow;
+pub mod backend;
+pub mod core;
 pub mod grpc;
+pub mod k8s;
 pub mod metrics;
-pub mod neutron;
-pub mod publish;
 pub mod shards;
-pub mod status;
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -54,10 +52,11 @@ use kuryr_stream::{Epoch, Log};
 use tokio::sync::watch;
 use tracing::Instrument as _;
 
-use crate::follow::Readiness;
+use crate::backend::neutron;
+use crate::core::publish::{PolicyLog, Publisher};
 use crate::grpc::PolicyService;
+use crate::grpc::follow::{self, Readiness};
 use crate::metrics::Metrics;
-use crate::publish::{PolicyLog, Publisher};
 use crate::shards::Shards;
 
 /// Deltas kept for resuming WatchPolicies: a binder that reconnects within this many changes
@@ -162,7 +161,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let (shards, shard_handle) = start_shards(&config, &mut rt)?;
     let mut publisher = Publisher::new(log.clone(), metrics.clone());
     if config.backend == BackendKind::Neutron {
-        publisher = publisher.with_neutron(neutron::start(&config, &mut rt, shards.watch()).await?);
+        let enforcer = neutron::start(&config, &mut rt, shards.ownership_changes()).await?;
+        publisher = publisher.with_enforcer(Box::new(enforcer));
     }
     let status = config.status_events.then(|| status_events(&config, &metrics, &rt));
     let follower = follow::Follower {
@@ -195,11 +195,11 @@ fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Ar
     let shard_metrics = ShardMetrics::register(rt.registry());
     let handle_slot: Arc<OnceLock<ShardHandle>> = Arc::default();
     if shard_config.shards == 0 {
-        return Ok((Shards::all(), handle_slot));
+        return Ok((Shards::all(crate::shards::SERVICE), handle_slot));
     }
     let (tx, rx) = watch::channel(Arc::new(Ownership::pending(&shard_config.identity, shard_config.shards)));
-    let shards = Shards::new(rx);
-    shards.register(rt.registry());
+    let shards = Shards::at_once(crate::shards::SERVICE, rx);
+    shards.register_redirects(rt.registry(), "kuryr_policy_redirects");
     let (kubeconfig, shutdown, slot) = (config.kubeconfig.clone(), rt.shutdown(), handle_slot.clone());
     tokio::spawn(async move {
         let client =
@@ -223,7 +223,7 @@ fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Ar
 
 /// Starts the task writing the policies' status Events (its Kubernetes client built with
 /// retries); returns where to send them.
-fn status_events(config: &Config, metrics: &Metrics, rt: &Runtime) -> status::ReportSender {
+fn status_events(config: &Config, metrics: &Metrics, rt: &Runtime) -> k8s::ReportSender {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let (kubeconfig, instance, metrics, shutdown) =
         (config.kubeconfig.clone(), config.instance_name(), metrics.clone(), rt.shutdown());
@@ -233,7 +233,7 @@ fn status_events(config: &Config, metrics: &Metrics, rt: &Runtime) -> status::Re
         })
         .await;
         if let Some(client) = client {
-            status::EventSink::new(client, instance, metrics).run(rx).await;
+            k8s::EventSink::new(client, instance, metrics).run(rx).await;
         }
     });
     tx

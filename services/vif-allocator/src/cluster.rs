@@ -1,16 +1,22 @@
-//! What the controller needs from the Kubernetes API and the VIF backend, as a trait: the
-//! reconcile logic ([`crate::controller`]) stays free of kube, and its tests run against an
-//! in-memory fake. [`crate::k8s::KubeCluster`] is the real thing, with the backend of
-//! [`crate::backend`] (the embedded IPAM or Neutron).
+//! What the controller needs from the Kubernetes API, as a trait, and the VIF backend
+//! ([`crate::backend::VifBackend`]) it hands out directly ([`Cluster::backend`]): the reconcile
+//! logic ([`crate::controller`]) stays free of kube, and its tests run against an in-memory fake.
+//! [`crate::k8s::api::KubeCluster`] is the real thing, with the backend of [`crate::backend`] (the
+//! embedded IPAM or Neutron).
 //!
 //! Every operation is idempotent, and every write that could hit another pod of the same name
 //! carries the pod's uid as a precondition.
 
-use std::error::Error as StdError;
 use std::future::Future;
 
-use crate::crd::{VifRecord, VifState};
-use crate::ipam::store::{PodKey, StoreError};
+use crate::backend::VifBackend;
+use crate::core::{AttachedRecord, PodKey, VifRecord, VifState};
+use crate::error::ClusterError;
+
+/// Event reasons, as `kubectl describe pod` shows them.
+pub const REASON_ALLOCATION_FAILED: &str = "VifAllocationFailed";
+/// See [`REASON_ALLOCATION_FAILED`].
+pub const REASON_RELEASE_FAILED: &str = "VifReleaseFailed";
 
 /// The pod's metadata as the API holds it now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -21,120 +27,33 @@ pub struct PodMeta {
     pub deleting: bool,
 }
 
-/// What a PodVif's status holds.
+/// The VIF a PodVif records and its state.
 pub type Recorded = Option<(VifRecord, VifState)>;
 
 /// A pod's PodVif as [`Cluster::ensure_pod_vif`] found or made it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Ensured {
-    /// What its status holds.
+    /// The VIF it records (`spec.vif`, or an earlier version's `status.vif`) and its state.
     pub recorded: Recorded,
     /// Its resourceVersion then: [`Cluster::record_vif`] writes only over that version, so that
     /// of two allocators racing for one pod exactly one records its VIF.
     pub version: String,
     /// Its metadata.uid: [`Cluster::delete_pod_vif`] deletes exactly this object.
     pub uid: String,
-}
-
-/// Why a cluster operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    /// The PodVif named after the pod belongs to an earlier pod of that name whose cleanup has
-    /// not run yet.
-    #[error("PodVif {namespace}/{name} belongs to an earlier pod (uid {other_uid}) that is being cleaned up")]
-    StalePodVif {
-        /// The namespace.
-        namespace: String,
-        /// The pod's (and PodVif's) name.
-        name: String,
-        /// The earlier pod's uid.
-        other_uid: String,
-        /// The earlier pod's node.
-        node: String,
-    },
-    /// The object changed since it was read, or no longer holds what a precondition expected.
-    #[error("{0}")]
-    Conflict(String),
-    /// The object does not exist.
-    #[error("{0}")]
-    NotFound(String),
-    /// The IPAM refused or failed.
-    #[error("IPAM")]
-    Ipam(#[source] StoreError),
-    /// A Neutron call failed.
-    #[error("{action}")]
-    Neutron {
-        /// What was being done.
-        action: String,
-        /// The client's error (quota, unavailable, ...); boxed, it is large.
-        #[source]
-        source: Box<kuryr_openstack::Error>,
-    },
-    /// Neutron could not bind the pod's port to the node; the port was deleted.
-    #[error(
-        "Neutron could not bind port {port} to host {host} (binding_failed; is an L2 agent running there?); \
-         the port was deleted and another is tried"
-    )]
-    BindingFailed {
-        /// The port.
-        port: String,
-        /// Its `binding:host_id`: the pod's node.
-        host: String,
-    },
-    /// The backend is not ready to allocate yet (recovering).
-    #[error("{0}")]
-    NotReady(String),
-    /// A Kubernetes API call failed.
-    #[error("{action}")]
-    Api {
-        /// What was being done.
-        action: String,
-        /// The client's error.
-        #[source]
-        source: Box<dyn StdError + Send + Sync>,
-    },
-}
-
-impl ClusterError {
-    /// A short, bounded label for metrics.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            ClusterError::StalePodVif { .. } => "stale_podvif",
-            ClusterError::Conflict(_) => "conflict",
-            ClusterError::NotFound(_) => "not_found",
-            ClusterError::Ipam(e) => match e {
-                StoreError::NetworkNotFound(_) => "network_not_found",
-                StoreError::InvalidNetwork { .. } => "invalid_network",
-                StoreError::Exhausted { .. } => "ipam_exhausted",
-                StoreError::Contention { .. } => "ipam_contention",
-                StoreError::Kube { .. } => "api",
-                _ => "ipam",
-            },
-            ClusterError::Neutron { source, .. } => match &**source {
-                kuryr_openstack::Error::QuotaExceeded(_) => "neutron_quota_exceeded",
-                e if e.is_transient() => "neutron_unavailable",
-                _ => "neutron",
-            },
-            ClusterError::BindingFailed { .. } => "binding_failed",
-            ClusterError::NotReady(_) => "not_ready",
-            ClusterError::Api { .. } => "api",
-        }
-    }
-
-    /// The reason of the Warning Event for this failure when it deserves its own (the pod's
-    /// users can act on it), `None` for the generic one.
-    pub fn event_reason(&self) -> Option<&'static str> {
-        match self.reason() {
-            "neutron_quota_exceeded" => Some("NeutronQuotaExceeded"),
-            "neutron_unavailable" => Some("NeutronUnavailable"),
-            "binding_failed" => Some("PortBindingFailed"),
-            _ => None,
-        }
-    }
+    /// Its status holds something a new record must clear first: a state other than
+    /// `Allocated`, or the VIF of a PodVif written by an earlier version.
+    pub status_set: bool,
 }
 
 /// The cluster operations of the controller. Implementations are cheap to share.
 pub trait Cluster: Send + Sync + 'static {
+    /// The VIF backend the cluster was built with: the controller allocates, releases and
+    /// watches VIFs through it directly.
+    type Backend: VifBackend;
+
+    /// See [`Cluster::Backend`].
+    fn backend(&self) -> &Self::Backend;
+
     /// The pod's current metadata; `None` when no pod of that name and uid exists.
     fn pod(&self, pod: &PodKey) -> impl Future<Output = Result<Option<PodMeta>, ClusterError>> + Send;
 
@@ -149,18 +68,25 @@ pub trait Cluster: Send + Sync + 'static {
         current: &[String],
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
-    /// Creates the pod's PodVif (spec only) unless it exists; returns what its status holds and
-    /// its version. [`ClusterError::StalePodVif`] when the name is held by an earlier pod.
-    fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<Ensured, ClusterError>> + Send;
+    /// Creates the pod's PodVif recording `vif` (in the spec: one request) unless it exists;
+    /// returns what it records and its version — `vif`, `Allocated`, for one this call created.
+    /// [`ClusterError::StalePodVif`] when the name is held by an earlier pod.
+    fn ensure_pod_vif(
+        &self,
+        pod: &PodKey,
+        node: &str,
+        vif: &VifRecord,
+    ) -> impl Future<Output = Result<Ensured, ClusterError>> + Send;
 
-    /// Writes the PodVif's status (the VIF and its state), provided the PodVif is still at
-    /// `version` ([`ClusterError::Conflict`] otherwise).
+    /// Records `record` (state `Allocated`) in the PodVif found as `found`, provided it is still
+    /// at `found.version` ([`ClusterError::Conflict`] otherwise): the status is cleared first
+    /// when `found.status_set`, so that a state never stands beside a VIF it was not written
+    /// for.
     fn record_vif(
         &self,
         pod: &PodKey,
         record: &VifRecord,
-        state: VifState,
-        version: &str,
+        found: &Ensured,
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Writes only the state, provided the PodVif still records `vif_id`
@@ -181,51 +107,39 @@ pub trait Cluster: Send + Sync + 'static {
         known: Option<&str>,
     ) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
-    /// Allocates the pod's addresses on `node` (idempotent per pod uid).
-    fn allocate(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<VifRecord, ClusterError>> + Send;
-
-    /// Releases every address the pod holds (searching `node`'s blocks when given); returns
-    /// whether anything was released.
-    fn release(&self, pod: &PodKey, node: &str) -> impl Future<Output = Result<bool, ClusterError>> + Send;
-
-    /// Whether the pod still holds what `record` describes in the backend (a read made now).
-    fn holds(
+    /// Allocates the pod's further interfaces on `node`, one per network its
+    /// `k8s.v1.cni.cncf.io/networks` annotation (`networks`) names (idempotent per pod uid and
+    /// network). All or nothing: on an error, what this call allocated is given back.
+    fn attach(
         &self,
-        pod: &PodKey,
-        node: &str,
-        record: &VifRecord,
-    ) -> impl Future<Output = Result<bool, ClusterError>> + Send;
-
-    /// Gives back what `ours` holds for the pod and `keep` does not.
-    fn discard(
-        &self,
-        pod: &PodKey,
-        node: &str,
-        ours: &VifRecord,
-        keep: &VifRecord,
-    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
-
-    /// Whether a VIF the binder reports plugged is READY at once (the embedded backend) or only
-    /// once the backend confirms it (Neutron: port ACTIVE), see [`Cluster::watch_ready`].
-    fn ready_when_plugged(&self) -> bool {
-        true
+        _pod: &PodKey,
+        _node: &str,
+        _networks: &str,
+    ) -> impl Future<Output = Result<Vec<AttachedRecord>, ClusterError>> + Send {
+        std::future::ready(Err(ClusterError::Attachment("further interfaces are not supported here".into())))
     }
 
-    /// Starts (`watch`) or stops watching a plugged VIF's readiness in the backend.
-    fn watch_ready(&self, _pod_uid: &str, _vif_id: &str, _watch: bool) {}
+    /// Gives back the pod's addresses on the further networks `networks` (PodNetwork names).
+    fn detach(
+        &self,
+        _pod: &PodKey,
+        _node: &str,
+        _networks: &[String],
+    ) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// The PodNetworks the `networks` annotation resolves to now, as far as they resolve (for
+    /// cleanup: never an error).
+    fn attached_networks(&self, _pod: &PodKey, _networks: &str) -> impl Future<Output = Vec<String>> + Send {
+        std::future::ready(Vec::new())
+    }
+
+    /// Writes the pod's `k8s.v1.cni.cncf.io/network-status` annotation.
+    fn network_status(&self, _pod: &PodKey, _value: &str) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        std::future::ready(Ok(()))
+    }
 
     /// Tells the pod's users why its VIF is late (a Warning Event); best effort.
     fn warn(&self, pod: &PodKey, reason: &'static str, note: String) -> impl Future<Output = ()> + Send;
-}
-
-/// An error and its causes on one line, for logs and Events.
-pub fn chain(e: &(dyn StdError + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

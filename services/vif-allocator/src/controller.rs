@@ -3,14 +3,19 @@
 //! from the [`PodView`] when the run starts.
 //!
 //! **Apply** (scheduled, not host network, not deleting, not finished), each step idempotent:
-//! 1. our finalizer on the pod, first — from then on the pod cannot disappear before cleanup;
-//! 2. the PodVif (named after the pod, owned by it, spec only) and, at the same time,
-//! 3. the addresses from the IPAM (idempotent per pod uid; neither step needs the other, and
-//!    the finalizer already guarantees the addresses are released whatever happens next);
-//! 4. the PodVif status `{vif, state}` — the record, written only over the PodVif's version as
-//!    read in step 2, so that of two allocators racing for a pod exactly one records its VIF; a
-//!    VIF already on record that the backend still holds is kept, and ours given back;
-//! 5. only then the VIF into the index, which streams VIF_APPLIED to the pod's node.
+//! 1. our finalizer on the pod, first — from then on the pod cannot disappear before cleanup,
+//!    so whatever the next steps leave behind (a kill -9 between any two) is released by it;
+//! 2. the addresses from the backend (idempotent per pod uid) and the further networks';
+//! 3. the PodVif (named after the pod, owned by it) created with the VIF in its spec: the record,
+//!    in one request, and atomic — of two allocators racing for a pod exactly one creates it.
+//!    When it exists already (a retry, a race, a PodVif of an earlier version), a VIF on record
+//!    that the backend still holds is kept and ours given back; any other record is replaced,
+//!    only over the PodVif's version as read;
+//! 4. only then the VIF into the index, which streams VIF_APPLIED to the pod's node.
+//!
+//! Per new pod that is three API writes: the finalizer, the AddressBlock status (shared by the
+//! pods of a node's batch, [`crate::backend::ipam`]) and the PodVif create. The status
+//! subresource is written only when the state moves (plug reports, readiness).
 //!
 //! **Cleanup** (being deleted, gone, or finished), tolerating any step never having run:
 //! VIF_DELETED to the node, release the addresses, delete the PodVif, then remove the finalizer.
@@ -28,25 +33,21 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kuryr_proto::allocator::v1::Vif;
 use kuryr_runtime::Shutdown;
 use kuryr_stream::{Outcome, WorkQueue};
 use tokio::sync::OwnedMutexGuard;
 use tracing::Instrument as _;
 
-use crate::cluster::{Cluster, ClusterError, chain};
-use crate::convert::{state_from_proto, state_to_proto, to_proto};
-use crate::crd::VifState;
+use crate::backend::VifBackend as _;
+use crate::cluster::Cluster;
+use crate::core::{PodKey, Vif, VifState};
+use crate::error::{ClusterError, PlugError, ReconcileError, chain};
 use crate::index::{SharedIndex, lock, vif_node};
-use crate::ipam::store::PodKey;
 use crate::metrics::Metrics;
 use crate::pods::{Desired, FINALIZER, PodEntry, PodView};
 use crate::shards::Shards;
 
-/// Event reasons, as `kubectl describe pod` shows them.
-pub const REASON_ALLOCATION_FAILED: &str = "VifAllocationFailed";
-/// See [`REASON_ALLOCATION_FAILED`].
-pub const REASON_RELEASE_FAILED: &str = "VifReleaseFailed";
+pub use crate::cluster::{REASON_ALLOCATION_FAILED, REASON_RELEASE_FAILED};
 
 /// Reads and patches of the finalizer before a conflict counts as a failure.
 const FINALIZER_ATTEMPTS: u32 = 3;
@@ -57,37 +58,6 @@ pub type SharedView = Arc<Mutex<PodView>>;
 /// Locks the pod view; it holds plain collections, so a poisoned lock is still consistent.
 pub fn view_lock(view: &SharedView) -> MutexGuard<'_, PodView> {
     view.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// A failed reconcile.
-#[derive(Debug, thiserror::Error)]
-#[error("{op} of pod {}/{} failed while {step}", pod.namespace, pod.name)]
-pub struct ReconcileError {
-    /// `apply` or `cleanup`.
-    pub op: &'static str,
-    /// What was being done.
-    pub step: &'static str,
-    /// The pod.
-    pub pod: PodKey,
-    /// The pod is gone from the API (no Event can be shown on it).
-    pub gone: bool,
-    /// Why.
-    #[source]
-    pub source: ClusterError,
-}
-
-/// Why a ReportPlugged was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum PlugError {
-    /// No VIF for the pod.
-    #[error("{0}")]
-    NotFound(String),
-    /// The report names another VIF or node than the pod's.
-    #[error("{0}")]
-    FailedPrecondition(String),
-    /// The state could not be recorded; try again.
-    #[error("{0}")]
-    Unavailable(String),
 }
 
 /// Per pod uid async locks, dropped when nobody holds or waits for them.
@@ -129,6 +99,10 @@ pub struct Controller<C> {
     metrics: Metrics,
     /// The nodes this replica works on.
     shards: Shards,
+    /// Per pod uid, further networks whose addresses a failed cleanup still has to give back
+    /// (the VIF that listed them is out of the index by then; after a restart its PodVif, deleted
+    /// only once they are back, lists them again).
+    detaching: Mutex<HashMap<String, Vec<String>>>,
 }
 
 impl<C: Cluster> Controller<C> {
@@ -142,7 +116,17 @@ impl<C: Cluster> Controller<C> {
         metrics: Metrics,
     ) -> Self {
         let locks = PodLocks::default();
-        Self { cluster, network: network.to_string(), view, index, queue, locks, metrics, shards: Shards::all() }
+        Self {
+            cluster,
+            network: network.to_string(),
+            view,
+            index,
+            queue,
+            locks,
+            metrics,
+            shards: Shards::all(crate::shards::SERVICE),
+            detaching: Mutex::default(),
+        }
     }
 
     /// Works only on the nodes `shards` serves (every node by default).
@@ -265,16 +249,28 @@ impl<C: Cluster> Controller<C> {
             move |source| ReconcileError { op: "apply", step, pod: key.clone(), gone: false, source }
         };
         let current = lock(&self.index).get(&key.uid);
-        if entry.info.has_finalizer && current.as_ref().is_some_and(|v| vif_node(v) == node) {
+        let failed = current.as_ref().is_some_and(|v| v.state == VifState::Failed);
+        if entry.info.has_finalizer && !failed && current.as_ref().is_some_and(|v| vif_node(v) == node) {
             return Ok(());
         }
         if !entry.info.has_finalizer && !self.ensure_finalizer(key).await.map_err(fail("adding the finalizer"))? {
             return Ok(());
         }
-        // Two independent requests, so they go out together: one round trip less per pod.
-        let (ensured, allocated) =
-            tokio::join!(self.cluster.ensure_pod_vif(key, node), self.cluster.allocate(key, node));
-        let ensured = match ensured {
+        // The addresses first, then the PodVif created with them in its spec: one request records
+        // the VIF (a status could not be written by the create). The finalizer already guarantees
+        // that the addresses are released whatever happens next.
+        let mut mine = self.cluster.backend().allocate(key, node).await.map_err(fail("allocating addresses"))?;
+        if let Some(networks) = entry.info.networks.as_deref() {
+            match self.cluster.attach(key, node, networks).await {
+                Ok(attached) => mine.attachments = attached,
+                Err(e) => {
+                    // The binder fails the pod's CNI ADD with the reason instead of waiting.
+                    self.publish_failed(key, node, &chain(&e));
+                    return Err(fail("attaching further networks")(e));
+                }
+            }
+        }
+        let ensured = match self.cluster.ensure_pod_vif(key, node, &mine).await {
             Err(ClusterError::StalePodVif { namespace, name, other_uid, node: other_node }) => {
                 // Clean the earlier pod's up first; this pod is retried after.
                 let stale = PodKey::new(&namespace, &name, &other_uid);
@@ -287,7 +283,6 @@ impl<C: Cluster> Controller<C> {
         if entry.pod_vif.as_deref() != Some(ensured.uid.as_str()) {
             view_lock(&self.view).set_pod_vif(&key.uid, Some(ensured.uid.clone()));
         }
-        let mine = allocated.map_err(fail("allocating addresses"))?;
         // The VIF on record stays while the backend still holds it: another allocator (unsharded
         // replicas, a shard handover) may have recorded its own for the pod since or while this
         // one allocated. Ours is given back then. (The same allocation with other details, an
@@ -295,9 +290,18 @@ impl<C: Cluster> Controller<C> {
         let record = match &ensured.recorded {
             Some((r, _))
                 if (r.vif_id != mine.vif_id || r.ips != mine.ips)
-                    && self.cluster.holds(key, node, r).await.map_err(fail("checking the VIF on record"))? =>
+                    && self
+                        .cluster
+                        .backend()
+                        .holds(key, node, r)
+                        .await
+                        .map_err(fail("checking the VIF on record"))? =>
             {
-                self.cluster.discard(key, node, &mine, r).await.map_err(fail("giving back a VIF that lost"))?;
+                self.cluster
+                    .backend()
+                    .discard(key, node, &mine, r)
+                    .await
+                    .map_err(fail("giving back a VIF that lost"))?;
                 self.metrics.lost_races.inc();
                 tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = %key.uid, kept = %r.vif_id,
                     discarded = %mine.vif_id, "the PodVif records another VIF of the pod; keeping that one");
@@ -305,16 +309,24 @@ impl<C: Cluster> Controller<C> {
             }
             _ => mine,
         };
+        // The state on record stands for the VIF it was written with; a new record (or one on
+        // record as FAILED) starts ALLOCATED.
         let state = match &ensured.recorded {
             Some((r, s)) if *r == record && *s != VifState::Failed => *s,
             _ => VifState::Allocated,
         };
-        if ensured.recorded.as_ref().is_none_or(|(r, s)| *r != record || *s != state) {
+        let recording = ensured.recorded.as_ref().is_none_or(|(r, s)| *r != record || *s != state);
+        if recording {
             // Over the version read only: of two allocators racing for the pod, exactly one
             // records its VIF; the other sees a conflict and, retried, keeps the one on record.
-            self.cluster.record_vif(key, &record, state, &ensured.version).await.map_err(fail("recording the VIF"))?;
+            self.cluster.record_vif(key, &record, &ensured).await.map_err(fail("recording the VIF"))?;
         }
-        let vif = to_proto(key, node, &self.network, &record, state);
+        if entry.info.networks.is_some() && (recording || current.is_none() || failed) {
+            // Before the index: should this fail, the retry (the VIF not in the index yet) writes it.
+            let status = crate::core::attach::network_status(crate::core::attach::PRIMARY_NAME, &record);
+            self.cluster.network_status(key, &status).await.map_err(fail("writing the network-status annotation"))?;
+        }
+        let vif = Vif::recorded(key, node, &self.network, record.clone(), state);
         let fresh = {
             let mut idx = lock(&self.index);
             let fresh = idx.get(&key.uid).is_none();
@@ -334,6 +346,15 @@ impl<C: Cluster> Controller<C> {
                 ?ips, "VIF handed out");
         }
         Ok(())
+    }
+
+    /// Streams a FAILED VIF for the pod, carrying `message`, so that its binder answers the CNI
+    /// ADD with the reason at once; the next successful apply replaces it.
+    fn publish_failed(&self, key: &PodKey, node: &str, message: &str) {
+        let vif = Vif::failed(key, node, &self.network, message);
+        let mut idx = lock(&self.index);
+        idx.upsert_vif(vif);
+        self.metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
     }
 
     /// Puts our finalizer on the pod unless it is there. Returns false when the pod is gone or
@@ -374,8 +395,26 @@ impl<C: Cluster> Controller<C> {
         let gone = entry.gone;
         let fail =
             |step: &'static str| move |source| ReconcileError { op: "cleanup", step, pod: key.clone(), gone, source };
-        let had = lock(&self.index).get(&key.uid).is_some();
+        let held = lock(&self.index).get(&key.uid);
+        let had = held.is_some();
         if entry.info.has_finalizer || had || entry.orphan {
+            // The further networks as recorded, and those the annotation names now (what an
+            // apply that failed before recording may have taken).
+            let mut further: Vec<String> =
+                held.iter().flat_map(|v| v.record.attachments.iter().map(|a| a.network.clone())).collect();
+            let pending = self.detaching.lock().unwrap_or_else(PoisonError::into_inner).remove(&key.uid);
+            for n in pending.into_iter().flatten() {
+                if !further.contains(&n) {
+                    further.push(n);
+                }
+            }
+            if let Some(networks) = entry.info.networks.as_deref() {
+                for n in self.cluster.attached_networks(key, networks).await {
+                    if n != self.network && !further.contains(&n) {
+                        further.push(n);
+                    }
+                }
+            }
             // The binder hears first, so that it stops using the address before it is reused.
             {
                 let mut idx = lock(&self.index);
@@ -383,7 +422,13 @@ impl<C: Cluster> Controller<C> {
                 self.metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
             }
             let released =
-                self.cluster.release(key, &entry.info.node).await.map_err(fail("releasing the addresses"))?;
+                self.cluster.backend().release(key, &entry.info.node).await.map_err(fail("releasing the addresses"))?;
+            if !further.is_empty()
+                && let Err(e) = self.cluster.detach(key, &entry.info.node, &further).await
+            {
+                self.detaching.lock().unwrap_or_else(PoisonError::into_inner).insert(key.uid.clone(), further);
+                return Err(fail("releasing the further networks' addresses")(e));
+            }
             let known = entry.pod_vif.as_deref();
             self.cluster.delete_pod_vif(key, known).await.map_err(fail("deleting the PodVif"))?;
             view_lock(&self.view).set_pod_vif(&key.uid, None);
@@ -431,13 +476,12 @@ impl<C: Cluster> Controller<C> {
     pub async fn mark_ready(&self, pod_uid: &str, vif_id: &str) -> Result<bool, ClusterError> {
         let _guard = self.locks.lock(pod_uid).await;
         let Some(vif) = lock(&self.index).get(pod_uid) else { return Ok(false) };
-        if vif.vif_id != vif_id || state_from_proto(vif.state()) != Some(VifState::Plugged) {
+        if vif.vif_id() != vif_id || vif.state != VifState::Plugged {
             return Ok(false);
         }
-        let pod = vif.pod.clone().unwrap_or_default();
-        let key = PodKey::new(pod.namespace, pod.name, pod.uid);
+        let key = vif.pod.clone();
         self.cluster.record_state(&key, vif_id, VifState::Ready).await?;
-        lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(VifState::Ready));
+        lock(&self.index).set_state(pod_uid, vif_id, VifState::Ready);
         self.observe_ready(pod_uid);
         tracing::info!(pod = %format!("{}/{}", key.namespace, key.name), uid = pod_uid, vif = vif_id, "VIF ready");
         Ok(true)
@@ -471,8 +515,8 @@ impl<C: Cluster> Controller<C> {
         let Some(vif) = lock(&self.index).get(pod_uid) else {
             return Err(PlugError::NotFound(format!("no VIF for pod {pod_uid}")));
         };
-        if vif.vif_id != vif_id {
-            return Err(PlugError::FailedPrecondition(format!("pod {pod_uid} has VIF {}, not {vif_id}", vif.vif_id)));
+        if vif.vif_id() != vif_id {
+            return Err(PlugError::FailedPrecondition(format!("pod {pod_uid} has VIF {}, not {vif_id}", vif.vif_id())));
         }
         if vif_node(&vif) != node {
             return Err(PlugError::FailedPrecondition(format!(
@@ -480,28 +524,27 @@ impl<C: Cluster> Controller<C> {
                 vif_node(&vif)
             )));
         }
-        let immediate = self.cluster.ready_when_plugged();
+        let immediate = self.cluster.backend().ready_when_plugged();
         let want = match (plugged, immediate) {
             (false, _) => VifState::Allocated,
             (true, true) => VifState::Ready,
             // Already confirmed (a repeated report after READY) stays READY.
-            (true, false) if state_from_proto(vif.state()) == Some(VifState::Ready) => VifState::Ready,
+            (true, false) if vif.state == VifState::Ready => VifState::Ready,
             (true, false) => VifState::Plugged,
         };
         if !immediate {
-            self.cluster.watch_ready(pod_uid, vif_id, want == VifState::Plugged);
+            self.cluster.backend().watch_ready(pod_uid, vif_id, want == VifState::Plugged);
         }
-        if state_from_proto(vif.state()) == Some(want) {
+        if vif.state == want {
             return Ok(vif);
         }
-        let pod = vif.pod.clone().unwrap_or_default();
-        let key = PodKey::new(pod.namespace, pod.name, pod.uid);
+        let key = vif.pod.clone();
         self.cluster.record_state(&key, vif_id, want).await.map_err(|e| match e {
             ClusterError::NotFound(m) => PlugError::NotFound(m),
             ClusterError::Conflict(m) => PlugError::FailedPrecondition(m),
             other => PlugError::Unavailable(chain(&other)),
         })?;
-        let after = lock(&self.index).set_state(pod_uid, vif_id, state_to_proto(want));
+        let after = lock(&self.index).set_state(pod_uid, vif_id, want);
         if want == VifState::Ready && after.is_some() {
             self.observe_ready(pod_uid);
         }

@@ -11,8 +11,9 @@ use kuryr_proto::watcher::v1::object::Body;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, Pod, SubscribeResponse};
 
 use super::*;
+use crate::backend::VifBackend;
 use crate::cluster::{Ensured, PodMeta, Recorded};
-use crate::crd::{VifIp, VifRecord};
+use crate::core::{AttachedRecord, VifIp, VifRecord};
 use crate::index::{Change, VifIndex};
 use kuryr_stream::Epoch;
 
@@ -26,6 +27,8 @@ pub(crate) struct FakeState {
     versions: HashMap<(String, String), u64>,
     /// Another allocator records this VIF in the pod's PodVif just before our next write.
     records_first: Option<(PodKey, u32)>,
+    /// Another allocator creates the pod's PodVif with this VIF just before our create.
+    creates_first: Option<(PodKey, u32)>,
     /// uid → address index.
     allocations: HashMap<String, u32>,
     /// Further allocations held by pods (another allocator's), uid → address indexes.
@@ -40,6 +43,10 @@ pub(crate) struct FakeState {
     confirmed_readiness: bool,
     /// watch_ready calls: (vif id, watch).
     watches: Vec<(String, bool)>,
+    /// uid → the further networks it holds (`attach`: the annotation's names; "bad" fails).
+    attached: HashMap<String, Vec<String>>,
+    /// network-status annotations written.
+    statuses: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -88,6 +95,12 @@ fn record(i: u32) -> VifRecord {
 }
 
 impl Cluster for Fake {
+    type Backend = Fake;
+
+    fn backend(&self) -> &Fake {
+        self
+    }
+
     async fn pod(&self, pod: &PodKey) -> Result<Option<PodMeta>, ClusterError> {
         self.call("pod", pod)?;
         Ok(self.meta(&pod.uid))
@@ -126,14 +139,21 @@ impl Cluster for Fake {
         }
         Ok(())
     }
-    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str) -> Result<Ensured, ClusterError> {
+    async fn ensure_pod_vif(&self, pod: &PodKey, node: &str, vif: &VifRecord) -> Result<Ensured, ClusterError> {
         self.call("ensure_pod_vif", pod)?;
         let mut s = self.s();
         let name = (pod.namespace.clone(), pod.name.clone());
+        if let Some((other, i)) = s.creates_first.take_if(|(k, _)| *k == *pod) {
+            s.also_held.entry(other.uid.clone()).or_default().push(i);
+            let theirs = (other.uid.clone(), node.to_string(), Some((self::record(i), VifState::Allocated)));
+            s.podvifs.insert(name.clone(), theirs);
+            *s.versions.entry(name.clone()).or_default() += 1;
+        }
         let version = s.versions.get(&name).copied().unwrap_or_default().to_string();
         match s.podvifs.get(&name) {
             Some((uid, _, recorded)) if *uid == pod.uid => {
-                Ok(Ensured { recorded: recorded.clone(), version, uid: format!("podvif-{}", pod.uid) })
+                let status_set = recorded.as_ref().is_some_and(|(_, st)| *st != VifState::Allocated);
+                Ok(Ensured { recorded: recorded.clone(), version, uid: format!("podvif-{}", pod.uid), status_set })
             }
             Some((uid, node, _)) => Err(ClusterError::StalePodVif {
                 namespace: pod.namespace.clone(),
@@ -142,19 +162,15 @@ impl Cluster for Fake {
                 node: node.clone(),
             }),
             None => {
-                s.podvifs.insert(name, (pod.uid.clone(), node.to_string(), None));
-                Ok(Ensured { recorded: None, version, uid: format!("podvif-{}", pod.uid) })
+                let recorded = Some((vif.clone(), VifState::Allocated));
+                s.podvifs.insert(name, (pod.uid.clone(), node.to_string(), recorded.clone()));
+                Ok(Ensured { recorded, version, uid: format!("podvif-{}", pod.uid), status_set: false })
             }
         }
     }
-    async fn record_vif(
-        &self,
-        pod: &PodKey,
-        record: &VifRecord,
-        state: VifState,
-        version: &str,
-    ) -> Result<(), ClusterError> {
+    async fn record_vif(&self, pod: &PodKey, record: &VifRecord, found: &Ensured) -> Result<(), ClusterError> {
         self.call("record_vif", pod)?;
+        let version = found.version.as_str();
         let mut s = self.s();
         let name = (pod.namespace.clone(), pod.name.clone());
         if let Some((other, i)) = s.records_first.take_if(|(k, _)| *k == *pod) {
@@ -167,7 +183,7 @@ impl Cluster for Fake {
             return Err(ClusterError::Conflict(format!("PodVif at version {current}, not {version}")));
         }
         let (_, _, status) = s.podvifs.get_mut(&name).ok_or_else(|| ClusterError::NotFound("podvif".into()))?;
-        *status = Some((record.clone(), state));
+        *status = Some((record.clone(), VifState::Allocated));
         *s.versions.entry(name).or_default() += 1;
         Ok(())
     }
@@ -192,6 +208,52 @@ impl Cluster for Fake {
             s.podvifs.remove(&name);
         }
         Ok(())
+    }
+    async fn warn(&self, pod: &PodKey, reason: &'static str, _note: String) {
+        self.s().events.push((pod.uid.clone(), reason));
+    }
+    async fn attach(&self, pod: &PodKey, _node: &str, networks: &str) -> Result<Vec<AttachedRecord>, ClusterError> {
+        self.call("attach", pod)?;
+        let names: Vec<String> = networks.split(',').map(|n| n.trim().to_string()).collect();
+        if names.iter().any(|n| n == "bad") {
+            return Err(ClusterError::Attachment("NetworkAttachmentDefinition ns/bad does not exist".into()));
+        }
+        self.s().attached.insert(pod.uid.clone(), names.clone());
+        Ok(names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| AttachedRecord {
+                attachment: format!("ns/{n}"),
+                ifname: format!("net{}", i + 1),
+                network: n.clone(),
+                vif_id: format!("{n}/10.9.{i}.2"),
+                ips: vec![VifIp { address: format!("10.9.{i}.2/24"), gateway: Some(format!("10.9.{i}.1")) }],
+                bridge: format!("br-{n}"),
+                ..AttachedRecord::default()
+            })
+            .collect())
+    }
+    async fn detach(&self, pod: &PodKey, _node: &str, networks: &[String]) -> Result<(), ClusterError> {
+        self.call("detach", pod)?;
+        if let Some(held) = self.s().attached.get_mut(&pod.uid) {
+            held.retain(|n| !networks.contains(n));
+        }
+        Ok(())
+    }
+    async fn attached_networks(&self, _pod: &PodKey, networks: &str) -> Vec<String> {
+        networks.split(',').map(|n| n.trim().to_string()).filter(|n| n != "bad").collect()
+    }
+    async fn network_status(&self, pod: &PodKey, value: &str) -> Result<(), ClusterError> {
+        self.call("network_status", pod)?;
+        self.s().statuses.push(value.to_string());
+        Ok(())
+    }
+}
+
+/// The fake is its own backend: one call log, in order, for both.
+impl VifBackend for Fake {
+    fn name(&self) -> &'static str {
+        "fake"
     }
     async fn allocate(&self, pod: &PodKey, _node: &str) -> Result<VifRecord, ClusterError> {
         self.call("allocate", pod)?;
@@ -231,9 +293,6 @@ impl Cluster for Fake {
             }
         }
         Ok(())
-    }
-    async fn warn(&self, pod: &PodKey, reason: &'static str, _note: String) {
-        self.s().events.push((pod.uid.clone(), reason));
     }
     fn ready_when_plugged(&self) -> bool {
         !self.s().confirmed_readiness
@@ -285,7 +344,13 @@ pub(crate) fn see(ctl: &Controller<Fake>, fake: &Fake, name: &str, node: &str, p
         ..Default::default()
     };
     let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(obj) };
+    let ev = crate::grpc::follow::watched(&ev).unwrap();
     view_lock(ctl.view()).apply(&ev, Instant::now());
+}
+
+/// A VIF of the index as binders receive it.
+fn streamed(v: &Vif) -> kuryr_proto::allocator::v1::Vif {
+    crate::grpc::convert::vif_to_proto(v)
 }
 
 fn deltas(index: &SharedIndex) -> Vec<String> {
@@ -294,8 +359,8 @@ fn deltas(index: &SharedIndex) -> Vec<String> {
         .unwrap()
         .iter()
         .map(|d| match Change::of(&d.change) {
-            Change::VifApplied(v) => format!("+{} {:?}", v.pod.as_ref().unwrap().name, v.state()),
-            Change::VifDeleted(v) => format!("-{}", v.pod.as_ref().unwrap().name),
+            Change::VifApplied(v) => format!("+{} {:?}", v.pod.name, v.state),
+            Change::VifDeleted(v) => format!("-{}", v.pod.name),
             other => format!("{other:?}"),
         })
         .collect()
@@ -309,12 +374,18 @@ async fn apply_puts_the_finalizer_first_and_publishes_only_what_is_recorded() {
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(
         fake.calls(),
-        ["add_finalizer a", "ensure_pod_vif a", "allocate a", "record_vif a"],
-        "finalizer first (no read: the pod had none), VIF recorded before it is streamed"
+        ["add_finalizer a", "allocate a", "ensure_pod_vif a"],
+        "finalizer first (no read: the pod had none), then the addresses, then the PodVif created with \
+         them (no status write), all before the VIF is streamed"
     );
+    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    assert_eq!(recorded, Some((record(2), VifState::Allocated)), "the create recorded the VIF");
     assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
-    let vif = ctl.get_vif("uid-a").unwrap();
-    assert_eq!((vif.state(), vif.ips[0].address.as_str(), vif_node(&vif)), (PbState::Allocated, "10.0.0.2/24", "n1"));
+    let vif = streamed(&ctl.get_vif("uid-a").unwrap());
+    assert_eq!(
+        (vif.state(), vif.ips[0].address.as_str(), vif.pod.as_ref().unwrap().node_name.as_str()),
+        (PbState::Allocated, "10.0.0.2/24", "n1")
+    );
     assert_eq!(vif.binding.as_ref().unwrap().bridge, "kuryr0");
     assert_eq!(deltas(&index), ["+a Allocated"]);
     assert_eq!(metrics.allocations.get(), 1);
@@ -368,18 +439,19 @@ async fn a_failed_record_hands_nothing_out_and_a_retry_finishes_the_job() {
     let Setup { fake, ctl, index, .. } = setup();
     fake.add_pod(&key("a"));
     see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
-    fake.s().fail.insert("record_vif", 1);
+    fake.s().fail.insert("ensure_pod_vif", 1);
     let err = ctl.reconcile("uid-a").await.unwrap_err();
-    assert_eq!((err.op, err.step, err.source.reason()), ("apply", "recording the VIF", "api"));
+    assert_eq!((err.op, err.step, err.source.reason()), ("apply", "creating the PodVif", "api"));
     assert!(ctl.get_vif("uid-a").is_none(), "a VIF was streamed before it was recorded");
     assert!(deltas(&index).is_empty());
+    assert!(fake.s().allocations.contains_key("uid-a"), "held under the finalizer until the retry");
     fake.calls();
     ctl.reconcile("uid-a").await.unwrap();
     // The finalizer is there now (the blind attempt fails its precondition, the read finds
     // it: not added twice); same address.
-    assert_eq!(fake.calls(), ["add_finalizer a", "pod a", "ensure_pod_vif a", "allocate a", "record_vif a"]);
+    assert_eq!(fake.calls(), ["add_finalizer a", "pod a", "allocate a", "ensure_pod_vif a"]);
     assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
-    assert_eq!(ctl.get_vif("uid-a").unwrap().ips[0].address, "10.0.0.2/24");
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).ips[0].address, "10.0.0.2/24");
 }
 
 #[tokio::test]
@@ -449,7 +521,7 @@ async fn a_stale_pod_vif_of_the_same_name_is_cleaned_first() {
     assert!(fake.s().podvifs.is_empty());
     assert!(!fake.s().allocations.contains_key("uid-old"));
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Allocated);
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Allocated);
 }
 
 #[tokio::test]
@@ -464,8 +536,8 @@ async fn a_recorded_state_survives_a_re_apply() {
     fake.s().allocations.insert("uid-a".into(), 2);
     see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a"], "nothing to write");
-    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Ready);
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a"], "nothing to write");
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Ready);
 }
 
 /// A pod with our finalizer, seen scheduled on n1.
@@ -487,8 +559,8 @@ async fn the_vif_on_record_wins_over_a_racing_allocation_which_is_given_back() {
     fake.s().also_held.insert("uid-a".into(), vec![7]);
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "discard a"], "no write over the record");
-    let vif = ctl.get_vif("uid-a").unwrap();
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "discard a"], "no write over the record");
+    let vif = streamed(&ctl.get_vif("uid-a").unwrap());
     assert_eq!((vif.vif_id.as_str(), vif.state()), ("net/10.0.0.7", PbState::Plugged));
     assert_eq!(fake.s().allocations["uid-a"], 7, "ours given back, the recorded one kept");
     assert!(fake.s().also_held["uid-a"].is_empty());
@@ -504,10 +576,10 @@ async fn a_vif_on_record_the_backend_no_longer_holds_is_replaced() {
         .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(7), VifState::Ready))));
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "record_vif a"]);
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "record_vif a"]);
     let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
     assert_eq!(recorded, Some((record(2), VifState::Allocated)));
-    assert_eq!(ctl.get_vif("uid-a").unwrap().vif_id, "net/10.0.0.2");
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).vif_id, "net/10.0.0.2");
     assert_eq!(metrics.lost_races.get(), 0);
 }
 
@@ -520,17 +592,36 @@ async fn the_same_allocation_with_other_details_is_recorded_anew_without_a_race(
     fake.s().podvifs.insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((old, VifState::Ready))));
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "record_vif a"], "no race to settle");
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "record_vif a"], "no race to settle");
     let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
     assert_eq!(recorded, Some((record(2), VifState::Allocated)));
     assert_eq!(metrics.lost_races.get(), 0);
 }
 
 #[tokio::test]
-async fn of_two_allocators_racing_for_a_pod_exactly_one_records_and_the_other_follows() {
+async fn of_two_allocators_racing_for_a_pod_exactly_one_creates_and_the_other_follows() {
     let Setup { fake, ctl, metrics, .. } = setup();
     scheduled(&fake, &ctl, "a");
-    // The other allocator records VIF 7 between our read of the PodVif and our write.
+    // The other allocator creates the PodVif with its VIF 7 just before our create.
+    fake.s().creates_first = Some((key("a"), 7));
+    ctl.reconcile("uid-a").await.unwrap();
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "discard a"], "no write over theirs");
+    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    assert_eq!(recorded, Some((record(7), VifState::Allocated)), "their record stands");
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).vif_id, "net/10.0.0.7");
+    assert_eq!(fake.s().allocations["uid-a"], 7, "ours given back");
+    assert_eq!(metrics.lost_races.get(), 1);
+}
+
+#[tokio::test]
+async fn of_two_allocators_replacing_a_record_exactly_one_writes_and_the_other_follows() {
+    let Setup { fake, ctl, metrics, .. } = setup();
+    scheduled(&fake, &ctl, "a");
+    // A record the backend no longer holds, READY: both replace it; the other one writes VIF 7
+    // between our read of the PodVif and our write.
+    fake.s()
+        .podvifs
+        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(9), VifState::Ready))));
     fake.s().records_first = Some((key("a"), 7));
     let err = ctl.reconcile("uid-a").await.unwrap_err();
     assert_eq!(err.source.reason(), "conflict", "{err}");
@@ -540,8 +631,8 @@ async fn of_two_allocators_racing_for_a_pod_exactly_one_records_and_the_other_fo
     fake.calls();
     // Retried: the record is kept and our allocation given back.
     ctl.reconcile("uid-a").await.unwrap();
-    assert_eq!(fake.calls(), ["ensure_pod_vif a", "allocate a", "holds a", "discard a"]);
-    assert_eq!(ctl.get_vif("uid-a").unwrap().vif_id, "net/10.0.0.7");
+    assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "discard a"]);
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).vif_id, "net/10.0.0.7");
     assert_eq!(fake.s().allocations["uid-a"], 7);
     assert_eq!(metrics.lost_races.get(), 1);
 }
@@ -554,7 +645,7 @@ async fn plug_reports_are_checked_persisted_then_streamed() {
     fake.add_pod(&key("a"));
     see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
-    let id = ctl.get_vif("uid-a").unwrap().vif_id.clone();
+    let id = streamed(&ctl.get_vif("uid-a").unwrap()).vif_id.clone();
     let err = ctl.report_plugged("uid-a", "net/other", "n1", true).await.unwrap_err();
     assert!(matches!(err, PlugError::FailedPrecondition(_)), "{err:?}");
     let err = ctl.report_plugged("uid-a", &id, "n2", true).await.unwrap_err();
@@ -562,17 +653,17 @@ async fn plug_reports_are_checked_persisted_then_streamed() {
     fake.s().fail.insert("record_state", 1);
     let err = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap_err();
     assert!(matches!(err, PlugError::Unavailable(_)), "{err:?}");
-    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Allocated, "streamed before it was recorded");
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Allocated, "streamed before it was recorded");
 
-    let v = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    let v = streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
     assert_eq!(v.state(), PbState::Ready);
     assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
     // Again: nothing to do.
     fake.calls();
-    ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
     assert!(fake.calls().is_empty());
     // Unplugged: back to ALLOCATED, addresses kept.
-    let v = ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap();
+    let v = streamed(&ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap());
     assert_eq!(v.state(), PbState::Allocated);
     assert!(fake.s().allocations.contains_key("uid-a"));
     assert_eq!(deltas(&index), ["+a Allocated", "+a Ready", "+a Allocated"]);
@@ -585,23 +676,23 @@ async fn with_confirmed_readiness_a_plugged_vif_waits_for_the_backend() {
     fake.add_pod(&key("a"));
     see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
-    let id = ctl.get_vif("uid-a").unwrap().vif_id.clone();
+    let id = streamed(&ctl.get_vif("uid-a").unwrap()).vif_id.clone();
     assert!(!ctl.mark_ready("uid-a", &id).await.unwrap(), "not plugged yet: nothing to confirm");
 
-    let v = ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap();
+    let v = streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
     assert_eq!(v.state(), PbState::Plugged);
     assert_eq!(fake.s().watches, [(id.clone(), true)]);
     assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Plugged);
     assert!(!ctl.mark_ready("uid-a", "net/other").await.unwrap(), "another VIF");
     fake.s().fail.insert("record_state", 1);
     assert!(ctl.mark_ready("uid-a", &id).await.is_err(), "an unrecorded READY is not streamed");
-    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Plugged);
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Plugged);
     assert!(ctl.mark_ready("uid-a", &id).await.unwrap());
-    assert_eq!(ctl.get_vif("uid-a").unwrap().state(), PbState::Ready);
+    assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Ready);
     assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
     // A repeated plug report keeps READY; unplugging stops the watch.
-    assert_eq!(ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap().state(), PbState::Ready);
-    assert_eq!(ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap().state(), PbState::Allocated);
+    assert_eq!(streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap()).state(), PbState::Ready);
+    assert_eq!(streamed(&ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap()).state(), PbState::Allocated);
     assert_eq!(fake.s().watches.last(), Some(&(id.clone(), false)));
     assert_eq!(deltas(&index), ["+a Allocated", "+a Plugged", "+a Ready", "+a Allocated"]);
 }
@@ -659,4 +750,100 @@ async fn a_finalizer_removal_from_a_stale_view_falls_back_to_a_read() {
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(fake.calls(), ["release a", "delete_pod_vif a", "remove_finalizer a", "pod a", "remove_finalizer a"]);
     assert!(fake.meta("uid-a").is_none(), "the pod, unblocked, is gone");
+}
+
+/// Feeds the view a pod asking for further interfaces.
+fn see_networks(ctl: &Controller<Fake>, fake: &Fake, name: &str, networks: &str, t: EventType) {
+    let k = key(name);
+    let meta = fake.meta(&k.uid).unwrap_or_default();
+    let obj = Object {
+        kind: Kind::Pod as i32,
+        namespace: k.namespace.clone(),
+        name: k.name.clone(),
+        uid: k.uid.clone(),
+        deleting: meta.deleting,
+        body: Some(Body::Pod(Pod {
+            node_name: "n1".into(),
+            phase: "Pending".into(),
+            finalizers: meta.finalizers,
+            annotations: [(crate::core::attach::NETWORKS_ANNOTATION.to_string(), networks.to_string())].into(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(obj) };
+    let ev = crate::grpc::follow::watched(&ev).unwrap();
+    view_lock(ctl.view()).apply(&ev, Instant::now());
+}
+
+#[tokio::test]
+async fn further_interfaces_are_recorded_with_the_vif_reported_and_released_with_it() {
+    let Setup { fake, ctl, index, .. } = setup();
+    fake.add_pod(&key("m"));
+    see_networks(&ctl, &fake, "m", "blue, green", EventType::Applied);
+    ctl.reconcile("uid-m").await.unwrap();
+    assert_eq!(
+        fake.calls(),
+        ["add_finalizer m", "allocate m", "attach m", "ensure_pod_vif m", "network_status m"],
+        "the further interfaces are recorded with the VIF (the create) and reported before it is streamed"
+    );
+    let vif = streamed(&ctl.get_vif("uid-m").unwrap());
+    let got: Vec<(&str, &str, &str)> = vif
+        .attachments
+        .iter()
+        .map(|a| (a.attachment.as_str(), a.ifname.as_str(), a.vif.as_ref().unwrap().network_id.as_str()))
+        .collect();
+    assert_eq!(got, [("ns/blue", "net1", "blue"), ("ns/green", "net2", "green")]);
+    let status: serde_json::Value = serde_json::from_str(&fake.s().statuses[0]).unwrap();
+    assert_eq!(status[0]["interface"], "eth0");
+    assert_eq!(status[2]["interface"], "net2");
+    assert_eq!(deltas(&index), ["+m Allocated"]);
+
+    // Deleted: the further networks' addresses go back with the primary one.
+    fake.s().pods.get_mut("uid-m").unwrap().1.deleting = true;
+    see_networks(&ctl, &fake, "m", "blue, green", EventType::Deleted);
+    ctl.reconcile("uid-m").await.unwrap();
+    assert!(fake.calls().contains(&"detach m".to_string()));
+    assert_eq!(fake.s().attached["uid-m"], Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn a_bad_request_fails_the_vif_with_the_reason_until_it_is_fixed() {
+    let Setup { fake, ctl, index, .. } = setup();
+    fake.add_pod(&key("x"));
+    see_networks(&ctl, &fake, "x", "blue, bad", EventType::Applied);
+    let e = ctl.reconcile("uid-x").await.unwrap_err();
+    assert_eq!(
+        (e.step, e.source.reason(), e.source.event_reason()),
+        ("attaching further networks", "network_attachment", Some("NetworkAttachmentFailed"))
+    );
+    let vif = streamed(&ctl.get_vif("uid-x").unwrap());
+    assert_eq!(vif.state(), PbState::Failed);
+    assert!(vif.message.contains("ns/bad does not exist"), "{}", vif.message);
+    assert!(fake.s().statuses.is_empty() && !fake.calls().contains(&"ensure_pod_vif x".to_string()));
+    // Fixed: the next attempt records and streams a working VIF in place of the failed one.
+    see_networks(&ctl, &fake, "x", "blue", EventType::Applied);
+    ctl.reconcile("uid-x").await.unwrap();
+    let vif = streamed(&ctl.get_vif("uid-x").unwrap());
+    assert_eq!((vif.state(), vif.attachments.len()), (PbState::Allocated, 1));
+    assert_eq!(deltas(&index), ["+x Failed", "+x Allocated"]);
+}
+
+#[tokio::test]
+async fn further_addresses_a_failed_cleanup_kept_are_given_back_on_the_retry() {
+    let Setup { fake, ctl, .. } = setup();
+    fake.add_pod(&key("r"));
+    see_networks(&ctl, &fake, "r", "blue", EventType::Applied);
+    ctl.reconcile("uid-r").await.unwrap();
+    // Gone, as the watcher reports it without the annotation (an orphan, say): only the VIF in
+    // the index lists the further network, and the first attempt to give it back fails.
+    fake.s().pods.get_mut("uid-r").unwrap().1.deleting = true;
+    see(&ctl, &fake, "r", "n1", "Running", EventType::Deleted);
+    fake.s().fail.insert("detach", 1);
+    let e = ctl.reconcile("uid-r").await.unwrap_err();
+    assert_eq!(e.step, "releasing the further networks' addresses");
+    assert!(ctl.get_vif("uid-r").is_none());
+    assert_eq!(fake.s().attached["uid-r"], ["blue"]);
+    ctl.reconcile("uid-r").await.unwrap();
+    assert_eq!(fake.s().attached["uid-r"], Vec::<String>::new(), "the retry still knew the network");
 }

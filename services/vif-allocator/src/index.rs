@@ -2,8 +2,9 @@
 //! [`kuryr_stream::Log`] whose history `WatchVifs` streams read ([`crate::grpc`], with the shared
 //! core of [`kuryr_stream::feed`]), plus what the routes are derived from.
 //!
-//! Free of kube and tonic: the controller and the recovery feed it, the gRPC streams read it, and
-//! tests apply changes directly.
+//! Free of kube, tonic and protobuf: it holds the domain's [`Vif`]s and [`NodeRoutes`]; the
+//! controller and the recovery feed it, the gRPC streams read it (and encode at their edge,
+//! [`crate::grpc::convert`]), and tests apply changes directly.
 //!
 //! - A VIF enters the index only after it was recorded in its PodVif status (the controller's
 //!   job), so a binder is never handed a VIF the API does not hold.
@@ -20,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kuryr_proto::allocator::v1::{NodeRoutes, Vif, VifState};
+use crate::core::{NodeRoutes, Vif, VifState};
 use kuryr_stream::log::{Delta, Lagged, Log};
 use kuryr_stream::{Epoch, NotReady, Start};
 use tokio::sync::watch;
@@ -126,12 +127,12 @@ pub fn lock(index: &SharedIndex) -> MutexGuard<'_, VifIndex> {
 
 /// The node a VIF is on.
 pub fn vif_node(v: &Vif) -> &str {
-    v.pod.as_ref().map_or("", |p| p.node_name.as_str())
+    &v.node
 }
 
 /// The pod uid a VIF belongs to.
 pub fn vif_uid(v: &Vif) -> &str {
-    v.pod.as_ref().map_or("", |p| p.uid.as_str())
+    &v.pod.uid
 }
 
 impl VifIndex {
@@ -232,14 +233,14 @@ impl VifIndex {
     /// Changes the state of a pod's VIF if it is still `vif_id`; returns the VIF after.
     pub fn set_state(&mut self, pod_uid: &str, vif_id: &str, state: VifState) -> Option<Arc<Vif>> {
         let old = self.get(pod_uid)?;
-        if old.vif_id != vif_id {
+        if old.vif_id() != vif_id {
             return None;
         }
-        if old.state() == state {
+        if old.state == state {
             return Some(old);
         }
         let mut vif = Vif::clone(&old);
-        vif.set_state(state);
+        vif.state = state;
         self.upsert_vif(vif);
         self.get(pod_uid)
     }
@@ -265,6 +266,11 @@ impl VifIndex {
     }
 
     /// Sets a node's InternalIPs (empty: unknown, or the Node is gone).
+    /// The InternalIPs of every node, as the watcher sent them.
+    pub fn node_ips(&self) -> &BTreeMap<String, Vec<String>> {
+        &self.node_ips
+    }
+
     pub fn set_node_ips(&mut self, node: &str, mut ips: Vec<String>) {
         ips.sort();
         ips.dedup();
@@ -332,22 +338,12 @@ impl VifIndex {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_proto::allocator::v1::PodRef;
-
     use super::*;
+    use crate::core::{PodKey, VifRecord};
 
     pub(crate) fn vif(uid: &str, node: &str, state: VifState) -> Vif {
-        Vif {
-            pod: Some(PodRef {
-                namespace: "ns".into(),
-                name: format!("p-{uid}"),
-                uid: uid.into(),
-                node_name: node.into(),
-            }),
-            vif_id: format!("net/{uid}"),
-            state: state as i32,
-            ..Default::default()
-        }
+        let record = VifRecord { vif_id: format!("net/{uid}"), ..VifRecord::default() };
+        Vif::recorded(&PodKey::new("ns", format!("p-{uid}"), uid), node, "net", record, state)
     }
 
     fn ready() -> VifIndex {
@@ -361,7 +357,7 @@ mod tests {
             .unwrap()
             .iter()
             .map(|d| match Change::of(&d.change) {
-                Change::VifApplied(v) => format!("+vif {} {:?}", vif_uid(v), v.state()),
+                Change::VifApplied(v) => format!("+vif {} {:?}", vif_uid(v), v.state),
                 Change::VifDeleted(v) => format!("-vif {}", vif_uid(v)),
                 Change::RoutesApplied(r) => format!("+routes {} {:?} {:?}", r.node_name, r.node_ips, r.cidrs),
                 Change::RoutesDeleted(r) => format!("-routes {}", r.node_name),
@@ -387,7 +383,7 @@ mod tests {
         assert!(!idx.upsert_vif(vif("a", "n1", VifState::Allocated)), "same VIF again");
         assert!(idx.set_state("a", "net/a", VifState::Ready).is_some());
         assert!(idx.set_state("a", "net/other", VifState::Allocated).is_none(), "another VIF id");
-        assert_eq!(idx.set_state("a", "net/a", VifState::Ready).unwrap().state(), VifState::Ready);
+        assert_eq!(idx.set_state("a", "net/a", VifState::Ready).unwrap().state, VifState::Ready);
         assert!(idx.remove_vif("a").is_some());
         assert!(idx.remove_vif("a").is_none());
         assert_eq!(kinds(&idx, 0), ["+vif a Allocated", "+vif a Ready", "-vif a"]);

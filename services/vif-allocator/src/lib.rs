@@ -1,12 +1,12 @@
 //! kuryr-vif-allocator: gives every scheduled pod that is not on the host network a VIF from its
-//! backend ([`backend`]: the embedded IPAM, or Neutron ports with pools — [`neutron`]), records
+//! backend ([`backend`]: the embedded IPAM, or Neutron ports with pools — [`backend::neutron`]), records
 //! pod → VIF in the Kubernetes API, and streams each node's VIFs to that node's binder.
 //!
-//! **Watches** pods and nodes through the watcher's Subscribe stream ([`follow`]), the network's
+//! **Watches** pods and nodes through the watcher's Subscribe stream ([`grpc::follow`]), the network's
 //! AddressBlocks (metadata only, for node routes) and nothing else.
 //!
 //! **Owns** per pod: the finalizer `kuryr.openstack.org/vif`, a PodVif (spec + status) and the
-//! pod's addresses in the AddressBlocks ([`ipam`]). A keyed queue ([`WorkQueue`]) reconciles pods
+//! pod's addresses in the AddressBlocks ([`backend::ipam`]). A keyed queue ([`WorkQueue`]) reconciles pods
 //! one uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
 //! before the VIF is handed out.
 //!
@@ -23,31 +23,56 @@
 //! With `--backend neutron`, recovery also rebuilds the port pools and who holds which port from
 //! Neutron (the ports tagged for the cluster) before anything is served, VIFs recorded as
 //! PLUGGED are watched for ACTIVE again, and ports held by pods that no longer exist are handed
-//! to cleanup once the watcher's snapshot is in (and every `--orphan-gc-interval` after).
+//! to cleanup once the watcher's snapshot is in (and every `--orphan-gc-interval` after). With
+//! several replicas, each does this for the nodes of its shards only, and reads a gained shard's
+//! ports from Neutron before serving it ([`backend::neutron::shards`]).
 //!
 //! Readiness ([`ready`]): NOT_SERVING until the pod network exists (the PodNetwork, or the
 //! Neutron network), the PodVifs (and Neutron ports) were loaded and the watcher's stream is
 //! live; and again whenever that stream is down or silent for longer than
 //! `--stream-idle-timeout`.
+//!
+//! **Layers** (each depends only on those above it):
+//! - [`core`]: pure domain types and logic — a pod and its VIF ([`core::VifRecord`],
+//!   [`core::VifState`], [`core::PodKey`]; [`core::Vif`] and [`core::NodeRoutes`] as the index
+//!   holds and streams them), the IPAM's carving and address choice ([`core::ipam`]), the
+//!   attachment annotations ([`core::attach`]); no Kubernetes client, no gRPC, no protobuf.
+//! - [`error`]: why a cluster, backend, reconcile or plug operation failed.
+//! - [`backend`]: the [`backend::VifBackend`] trait and its implementations: the embedded IPAM
+//!   ([`backend::embedded`] over the AddressBlock store [`backend::ipam`]) and Neutron
+//!   ([`backend::neutron`]); [`backend::any`] is the one an allocator runs with.
+//! - [`k8s`]: the custom resources ([`k8s::crd`], whose stored types convert to and from the
+//!   core's), the [`cluster::Cluster`] against the API server ([`k8s::api`]) and the
+//!   NetworkAttachmentDefinitions of further interfaces ([`k8s::attach`]).
+//! - [`cluster`]: what the controller needs of the API, as a trait; its backend is reached
+//!   directly through [`cluster::Cluster::backend`].
+//! - [`pods`], [`index`], [`shards`]: the view of pods and nodes (fed [`pods::Watched`] events),
+//!   the per-node VIF streams' index (of [`core::Vif`]s), which nodes this replica serves; none
+//!   of them sees a protobuf message.
+//! - [`controller`]: the reconcile loop (unit-tested with an in-memory cluster that is its own
+//!   backend).
+//! - the edges that drive it: [`grpc`] (the API served, conversion to `kuryr.allocator.v1`
+//!   ([`grpc::convert`]) as each response is sent, the pool API ([`grpc::pool_api`]) and the
+//!   watcher followed ([`grpc::follow`], which makes its events [`pods::Watched`])),
+//!   [`handover`] (shards gained and lost), [`ready`], and the start-up sequence that wires them
+//!   (`start.rs`).
 
 pub mod backend;
 pub mod cluster;
 pub mod controller;
-pub mod convert;
-pub mod crd;
-pub mod follow;
+pub mod core;
+pub mod error;
 pub mod grpc;
+pub mod handover;
 pub mod index;
-pub mod ipam;
 pub mod k8s;
 pub mod metrics;
-pub mod neutron;
 pub mod pods;
-pub mod pool_api;
 pub mod ready;
 pub mod shards;
+mod start;
+mod tasks;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,28 +81,24 @@ use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
 use kuryr_proto::service_names;
-use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
-use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
-use kuryr_stream::WorkQueue;
+use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 use tracing::Instrument as _;
 
-use crate::backend::{AnyBackend, EmbeddedBackend, VifBackend as _};
-use crate::controller::{Controller, SharedView, view_lock};
-use crate::crd::{PodNetworkSpec, VifState};
+use crate::backend::neutron::config::NeutronArgs;
+use crate::backend::neutron::metrics::NeutronMetrics;
+use crate::core::ipam;
+use crate::grpc::pool_api::{self, BackendCell, PoolApi};
 use crate::grpc::{AllocatorService, ControllerCell};
-use crate::index::{SharedIndex, VifIndex, lock};
-use crate::ipam::store::IpamStore;
-use crate::k8s::KubeCluster;
+use crate::index::VifIndex;
+use crate::k8s::api::KubeCluster;
+use crate::k8s::crd::PodNetworkSpec;
 use crate::metrics::Metrics;
-use crate::neutron::config::NeutronArgs;
-use crate::neutron::metrics::NeutronMetrics;
-use crate::neutron::namespaces::k8s::NamespaceKube;
-use crate::neutron::{Channels, NeutronBackend};
-use crate::pool_api::{BackendCell, PoolApi};
-use crate::ready::{Condition, Readiness};
+use crate::ready::Readiness;
 use crate::shards::Shards;
+use crate::start::Start;
 
 /// The largest request accepted: every request is a few names, ids and a resume point.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -210,7 +231,7 @@ impl Config {
     pub fn network_spec(&self) -> anyhow::Result<Option<PodNetworkSpec>> {
         anyhow::ensure!(
             !self.network.is_empty()
-                && self.network.len() <= ipam::store::MAX_NETWORK_NAME
+                && self.network.len() <= crate::backend::ipam::MAX_NETWORK_NAME
                 && self.network.split('.').all(|l| {
                     !l.is_empty()
                         && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
@@ -219,7 +240,7 @@ impl Config {
                 }),
             "--network {:?}: not a valid object name (lower-case DNS subdomain of at most {} characters)",
             self.network,
-            ipam::store::MAX_NETWORK_NAME
+            crate::backend::ipam::MAX_NETWORK_NAME
         );
         if self.network_cidrs.is_empty() {
             return Ok(None);
@@ -258,8 +279,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     } else {
         kuryr_shard::Ownership::pending(&shard_config.identity, shard_config.shards)
     }));
-    let shards = Shards::new(ownership);
-    shards.register(rt.registry());
+    let shards = Shards::after_loading(crate::shards::SERVICE, ownership);
+    shards.register_redirects(rt.registry(), "kuryr_allocator_redirects");
     let shard_handle = Arc::new(std::sync::OnceLock::new());
     // The Neutron side is checked before any port is bound: a bad flag fails the start.
     let neutron = match config.backend {
@@ -314,292 +335,4 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(6), kuryr_shard::ShardHandle::stopped(h)).await;
     }
     served
-}
-
-/// Copies the shard set's ownership into the channel the server was built with.
-async fn forward(
-    mut from: tokio::sync::watch::Receiver<Arc<kuryr_shard::Ownership>>,
-    to: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
-) {
-    loop {
-        to.send_replace(from.borrow_and_update().clone());
-        if from.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
-/// The start-up sequence, in the background while the server already answers (NOT_SERVING).
-struct Start {
-    config: Config,
-    spec: Option<PodNetworkSpec>,
-    watcher: PeerChannel,
-    index: SharedIndex,
-    readiness: Readiness,
-    metrics: Metrics,
-    cell: ControllerCell<KubeCluster>,
-    /// The OpenStack client and the backend's metrics, with `--backend neutron`.
-    neutron: Option<(kuryr_openstack::Client, NeutronMetrics)>,
-    pools: BackendCell,
-    /// What this replica serves.
-    shards: Shards,
-    shard_config: kuryr_shard::ShardConfig,
-    shard_metrics: kuryr_shard::ShardMetrics,
-    /// Where the shard set's ownership is copied to (what `shards` follows).
-    ownership_tx: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
-    /// The running shard set, for the release at shutdown.
-    shard_handle: Arc<std::sync::OnceLock<kuryr_shard::ShardHandle>>,
-}
-
-/// What the backend-specific part of the start hands on.
-struct Prepared {
-    backend: AnyBackend,
-    /// The network PodVifs name: the PodNetwork, or the Neutron network id.
-    network: String,
-    found: Vec<k8s::Found>,
-    /// The embedded IPAM's store (node routes follow its blocks).
-    store: Option<Arc<IpamStore>>,
-    /// VIFs the Neutron backend found ACTIVE.
-    ready: Option<tokio::sync::mpsc::UnboundedReceiver<neutron::ReadyVif>>,
-}
-
-impl Start {
-    async fn run(self, shutdown: Shutdown) {
-        let kubeconfig = self.config.kubeconfig.clone();
-        let Some(client) = kuryr_runtime::retry("building a Kubernetes client", &shutdown, || {
-            kuryr_runtime::kube_client(kubeconfig.as_deref())
-        })
-        .await
-        else {
-            return;
-        };
-        // The first round of Leases runs while the network is prepared.
-        if self.shard_config.shards > 0 {
-            let handle = kuryr_shard::start(
-                client.clone(),
-                self.shard_config.clone(),
-                self.shard_metrics.clone(),
-                shutdown.clone(),
-            );
-            tokio::spawn(forward(handle.ownership(), self.ownership_tx.clone()));
-            let _ = self.shard_handle.set(handle);
-        }
-        let prepared = match self.neutron.clone() {
-            None => self.prepare_embedded(&client, &shutdown).await,
-            Some((os, nm)) => self.prepare_neutron(&client, os, nm, &shutdown).await,
-        };
-        let Some(Prepared { backend, network, found, store, ready }) = prepared else { return };
-        let Start { config, watcher, index, readiness, metrics, cell, shards, .. } = self;
-
-        // Which shards are this replica's, before anything is loaded.
-        let mut ownership = shards.ownership_receiver();
-        let own = tokio::select! {
-            o = ownership.wait_for(|o| o.ready) => match o { Ok(o) => o.clone(), Err(_) => return },
-            () = shutdown.clone().wait() => return,
-        };
-        // Recovery: every recorded VIF of this replica's nodes into the index before any stream
-        // is served.
-        let held = {
-            let mut idx = lock(&index);
-            for f in found.iter().filter(|f| own.owns(&f.node)) {
-                if let Some((record, state)) = &f.recorded {
-                    idx.upsert_vif(convert::to_proto(&f.pod, &f.node, &network, record, *state));
-                }
-            }
-            idx.set_ready();
-            metrics.vifs.set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
-            idx.len()
-        };
-        if !backend.ready_when_plugged() {
-            // Plugged before the restart and not yet confirmed: watch them again.
-            for f in found.iter().filter(|f| own.owns(&f.node)) {
-                if let Some((record, VifState::Plugged)) = &f.recorded {
-                    backend.watch_ready(&f.pod.uid, &record.vif_id, true);
-                }
-            }
-        }
-        shards.set_loaded(own.owned.clone());
-        tracing::info!(podvifs = found.len(), vifs = held, "recovered the recorded VIFs; serving WatchVifs");
-        readiness.set(Condition::Recovered, true);
-
-        let instance = config.instance_name();
-        let cluster = KubeCluster::new(client.clone(), backend.clone(), &network, Some(instance.clone()));
-        let queue = Arc::new(WorkQueue::default());
-        let view = SharedView::default();
-        let controller = Arc::new(
-            Controller::new(cluster, &network, view, index.clone(), queue, metrics.clone()).with_shards(shards.clone()),
-        );
-        let _ = cell.set(controller.clone());
-        controller.spawn_workers(config.workers, shutdown.clone());
-        let follower = shards::Follower {
-            shards: shards.clone(),
-            controller: controller.clone(),
-            client: client.clone(),
-            network: network.clone(),
-            index: index.clone(),
-            backend: backend.clone(),
-            readiness: readiness.clone(),
-            metrics: metrics.clone(),
-            recovered: own.owned.clone(),
-        };
-        tokio::spawn(follower.run(shutdown.clone()).instrument(tracing::info_span!("shards")));
-        if let Some(store) = store {
-            let blocks = k8s::follow_blocks(client, store, network, index.clone(), shutdown.clone());
-            tokio::spawn(blocks.instrument(tracing::info_span!("address-blocks")));
-        }
-        if let (AnyBackend::Neutron(b), Some(rx)) = (&backend, ready) {
-            let ready = mark_ready(controller.clone(), b.clone(), rx, shutdown.clone());
-            tokio::spawn(ready.instrument(tracing::info_span!("ready")));
-            let gc = collect_orphans(
-                controller.clone(),
-                b.clone(),
-                readiness.clone(),
-                config.orphan_gc_interval,
-                shutdown.clone(),
-            );
-            tokio::spawn(gc.instrument(tracing::info_span!("orphans")));
-            if b.namespace_networks().is_some() {
-                let subscriber = format!("kuryr-vif-allocator/{instance}/namespaces");
-                let follow = config.follow.config();
-                let ns =
-                    neutron::namespaces::follow::run(b.clone(), watcher.clone(), subscriber, follow, shutdown.clone());
-                tokio::spawn(ns.instrument(tracing::info_span!("namespaces")));
-            }
-        }
-        let follower = follow::Follower {
-            channel: watcher,
-            controller,
-            index,
-            recovered: found.into_iter().map(|f| (f.pod, f.node)).collect(),
-            readiness,
-            metrics,
-            subscriber: format!("kuryr-vif-allocator/{instance}"),
-            follow: config.follow.config(),
-        };
-        follower.run(shutdown).instrument(tracing::info_span!("watcher")).await;
-    }
-
-    async fn prepare_embedded(&self, client: &kube::Client, shutdown: &Shutdown) -> Option<Prepared> {
-        let network = self.config.network.clone();
-        let store = Arc::new(IpamStore::new(client.clone()).with_metrics(self.metrics.ipam.clone()));
-        kuryr_runtime::retry("looking up the PodNetwork", shutdown, || {
-            k8s::ensure_network(client, &store, &network, self.spec.as_ref())
-        })
-        .await?;
-        self.readiness.set(Condition::Network, true);
-        let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
-        let backend = AnyBackend::Embedded(EmbeddedBackend::new(store.clone(), &network));
-        Some(Prepared { backend, network, found, store: Some(store), ready: None })
-    }
-
-    async fn prepare_neutron(
-        &self,
-        client: &kube::Client,
-        os: kuryr_openstack::Client,
-        nm: NeutronMetrics,
-        shutdown: &Shutdown,
-    ) -> Option<Prepared> {
-        let args = &self.config.neutron;
-        let ns_kube = NamespaceKube::new(client.clone(), Some(self.config.instance_name()));
-        let instance = self.config.instance_name();
-        let (backend, Channels { ready, refill }) =
-            kuryr_runtime::retry("reading the pod network from Neutron", shutdown, || {
-                NeutronBackend::connect(args, os.clone(), nm.clone(), ns_kube.clone(), &instance)
-            })
-            .await?;
-        let backend = Arc::new(backend);
-        if let Some(nn) = backend.namespace_networks() {
-            let loaded =
-                kuryr_runtime::retry("loading the namespace networks", shutdown, || async { Ok(nn.load().await?) })
-                    .await?;
-            tracing::info!(loaded, "namespace networks loaded");
-        }
-        self.readiness.set(Condition::Network, true);
-        let network = backend.network_id().to_string();
-        let found = kuryr_runtime::retry("loading PodVifs", shutdown, || k8s::list_pod_vifs(client, &network)).await?;
-        let recorded: HashMap<String, String> = found
-            .iter()
-            .filter_map(|f| f.recorded.as_ref().map(|(r, _)| (f.pod.uid.clone(), r.vif_id.clone())))
-            .collect();
-        let summary = kuryr_runtime::retry("recovering the cluster's Neutron ports", shutdown, || async {
-            Ok(backend.recover(&recorded).await?)
-        })
-        .await?;
-        tracing::info!(
-            in_use = summary.in_use,
-            free = summary.free,
-            recycling = summary.recycling,
-            deleted = summary.deleted,
-            "recovered the Neutron ports and pools"
-        );
-        backend.spawn(refill, shutdown.clone());
-        let _ = self.pools.set(backend.clone());
-        Some(Prepared { backend: AnyBackend::Neutron(backend), network, found, store: None, ready: Some(ready) })
-    }
-}
-
-/// Marks VIFs READY as the status poller finds their ports ACTIVE; a VIF whose state could not
-/// be recorded is watched again (and so retried).
-async fn mark_ready(
-    controller: Arc<Controller<KubeCluster>>,
-    backend: Arc<NeutronBackend>,
-    mut ready: tokio::sync::mpsc::UnboundedReceiver<neutron::ReadyVif>,
-    shutdown: Shutdown,
-) {
-    loop {
-        let r = tokio::select! {
-            r = ready.recv() => match r { Some(r) => r, None => return },
-            () = shutdown.clone().wait() => return,
-        };
-        let (ctl, b) = (controller.clone(), backend.clone());
-        tokio::spawn(async move {
-            if let Err(e) = ctl.mark_ready(&r.pod_uid, &r.vif_id).await {
-                tracing::warn!(uid = %r.pod_uid, vif = %r.vif_id, error = %cluster::chain(&e),
-                    "could not record READY; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                b.watch_ready(&r.pod_uid, &r.vif_id, true);
-            }
-        });
-    }
-}
-
-/// Hands ports held by pods the allocator does not know (deleted while no allocator ran, or
-/// before their PodVif existed) to the controller's cleanup, once the watcher's snapshot is in
-/// and then every `interval`.
-async fn collect_orphans(
-    controller: Arc<Controller<KubeCluster>>,
-    backend: Arc<NeutronBackend>,
-    readiness: Readiness,
-    interval: Duration,
-    shutdown: Shutdown,
-) {
-    let mut ran_once = false;
-    loop {
-        let wait = if ran_once { interval } else { Duration::from_secs(1) };
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            () = shutdown.clone().wait() => return,
-        }
-        if !readiness.holds(Condition::Watcher) {
-            continue;
-        }
-        ran_once = true;
-        let orphans: Vec<_> = {
-            let holders = backend.holders();
-            let view = view_lock(controller.view());
-            // Only on this replica's nodes: the others' owners collect theirs.
-            holders.into_iter().filter(|(k, node)| view.get(&k.uid).is_none() && controller.serves(node)).collect()
-        };
-        for (key, node) in orphans {
-            tracing::info!(uid = %key.uid, pod = %format!("{}/{}", key.namespace, key.name), node,
-                "port held by a pod that no longer exists; cleaning up");
-            if key.name.is_empty() {
-                if let Err(e) = backend.release(&key, &node).await {
-                    tracing::warn!(uid = %key.uid, error = %cluster::chain(&e), "releasing an orphaned port failed");
-                }
-            } else {
-                controller.adopt_orphan(key, &node);
-            }
-        }
-    }
 }

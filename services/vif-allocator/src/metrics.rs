@@ -9,7 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::ipam::store::IpamMetrics;
+use crate::backend::ipam::IpamMetrics;
 
 /// Why a reconcile failed.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

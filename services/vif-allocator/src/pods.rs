@@ -1,7 +1,8 @@
 //! The allocator's view of pods and nodes, fed by the watcher's Subscribe stream, and what each
 //! pod should have.
 //!
-//! Free of kube and tonic (it reads the watcher's reduced `Object`s). Keyed by pod uid: a pod
+//! Free of kube, tonic and protobuf: it reads [`Watched`] events, which the follower
+//! ([`crate::grpc::follow`]) makes of the watcher's `SubscribeResponse`s at its edge. Keyed by pod uid: a pod
 //! deleted and re-created under the same name is two pods, each with its own VIF. A pod that
 //! disappears stays in the view as a tombstone until its cleanup has run, so the worker knows
 //! its namespace, name and node.
@@ -12,10 +13,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
-use kuryr_proto::watcher::v1::object::Body;
-use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeResponse};
-
-use crate::ipam::store::PodKey;
+use crate::core::PodKey;
 
 /// The finalizer the allocator puts on every pod it gives a VIF: the pod cannot disappear before
 /// its address is released.
@@ -39,6 +37,26 @@ pub struct PodInfo {
     /// Every finalizer on the pod, in order (as last seen): enough to remove ours without
     /// reading the pod first.
     pub finalizers: Vec<String>,
+    /// The `k8s.v1.cni.cncf.io/networks` annotation: further interfaces (see [`crate::core::attach`]).
+    pub networks: Option<String>,
+}
+
+/// One event of the watcher's stream, as the view reads it. Events that concern neither a pod
+/// nor a node (heartbeats, other kinds, objects without a body) are not made into one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Watched {
+    /// RESET: a new snapshot follows.
+    Reset,
+    /// The snapshot is complete; live changes follow.
+    SnapshotComplete,
+    /// A pod appeared or changed.
+    PodApplied(PodInfo),
+    /// A pod was deleted: its uid, and the pod as the deletion carried it (if it did).
+    PodDeleted(String, Option<PodInfo>),
+    /// A node appeared or changed: its name and InternalIPs.
+    NodeApplied(String, Vec<String>),
+    /// A node was deleted.
+    NodeDeleted(String),
 }
 
 /// What a pod should have.
@@ -54,20 +72,6 @@ pub enum Desired {
 }
 
 impl PodInfo {
-    /// Reads a pod object of the watcher; `None` for other kinds.
-    pub fn from_object(o: &Object) -> Option<PodInfo> {
-        let Some(Body::Pod(p)) = &o.body else { return None };
-        Some(PodInfo {
-            key: PodKey::new(&o.namespace, &o.name, &o.uid),
-            node: p.node_name.clone(),
-            phase: p.phase.clone(),
-            deleting: o.deleting,
-            host_network: p.host_network,
-            has_finalizer: p.finalizers.iter().any(|f| f == FINALIZER),
-            finalizers: p.finalizers.clone(),
-        })
-    }
-
     /// What the pod should have while it exists.
     pub fn desired(&self) -> Desired {
         let finished = matches!(self.phase.as_str(), "Succeeded" | "Failed");
@@ -189,6 +193,7 @@ impl PodView {
             host_network: false,
             has_finalizer: false,
             finalizers: Vec::new(),
+            networks: None,
         };
         let entry = PodEntry { info, gone: true, orphan: true, first_scheduled: None, pod_vif: None };
         self.pods.insert(key.uid, entry);
@@ -196,13 +201,13 @@ impl PodView {
     }
 
     /// Applies one event of the watcher's stream.
-    pub fn apply(&mut self, ev: &SubscribeResponse, now: Instant) -> Vec<Effect> {
-        match ev.r#type() {
-            EventType::Reset => {
+    pub fn apply(&mut self, ev: &Watched, now: Instant) -> Vec<Effect> {
+        match ev {
+            Watched::Reset => {
                 self.resync = Some(Default::default());
                 vec![Effect::Resync]
             }
-            EventType::SnapshotComplete => {
+            Watched::SnapshotComplete => {
                 let mut effects = Vec::new();
                 if let Some((pods, nodes)) = self.resync.take() {
                     for (uid, e) in &mut self.pods {
@@ -220,71 +225,65 @@ impl PodView {
                 effects.push(Effect::Live);
                 effects
             }
-            EventType::Applied => ev.object.as_ref().map(|o| self.applied(o, now)).unwrap_or_default(),
-            EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
-            EventType::Unspecified | EventType::Heartbeat => Vec::new(),
-        }
-    }
-
-    fn applied(&mut self, o: &Object, now: Instant) -> Vec<Effect> {
-        match o.kind() {
-            Kind::Pod => {
-                let Some(info) = PodInfo::from_object(o) else { return Vec::new() };
-                if let Some((pods, _)) = &mut self.resync {
-                    pods.insert(info.key.uid.clone());
-                }
-                let uid = info.key.uid.clone();
-                let scheduled = (!info.node.is_empty()).then_some(now);
-                match self.pods.get_mut(&uid) {
-                    Some(e) if !e.gone && e.info == info => return Vec::new(),
-                    Some(e) => {
-                        e.first_scheduled = e.first_scheduled.or(scheduled);
-                        e.info = info;
-                        e.gone = false;
-                    }
-                    None => {
-                        let entry =
-                            PodEntry { info, gone: false, orphan: false, first_scheduled: scheduled, pod_vif: None };
-                        self.pods.insert(uid.clone(), entry);
-                    }
-                }
-                vec![Effect::Pod(uid)]
-            }
-            Kind::Node => {
-                let Some(Body::Node(n)) = &o.body else { return Vec::new() };
-                if let Some((_, nodes)) = &mut self.resync {
-                    nodes.insert(o.name.clone());
-                }
-                let mut ips = n.internal_ips.clone();
-                ips.sort();
-                if self.nodes.get(&o.name) == Some(&ips) {
-                    return Vec::new();
-                }
-                self.nodes.insert(o.name.clone(), ips.clone());
-                vec![Effect::NodeIps(o.name.clone(), ips)]
-            }
-            _ => Vec::new(),
-        }
-    }
-
-    fn deleted(&mut self, o: &Object) -> Vec<Effect> {
-        match o.kind() {
-            Kind::Pod => {
-                let Some(e) = self.pods.get_mut(&o.uid) else {
-                    return Vec::new();
-                };
-                if let Some(info) = PodInfo::from_object(o) {
-                    e.info = info;
-                }
-                e.gone = true;
-                vec![Effect::Pod(o.uid.clone())]
-            }
-            Kind::Node => match self.nodes.remove(&o.name) {
-                Some(_) => vec![Effect::NodeIps(o.name.clone(), Vec::new())],
+            Watched::PodApplied(info) => self.pod_applied(info, now),
+            Watched::PodDeleted(uid, info) => self.pod_deleted(uid, info.as_ref()),
+            Watched::NodeApplied(name, ips) => self.node_applied(name, ips),
+            Watched::NodeDeleted(name) => match self.nodes.remove(name) {
+                Some(_) => vec![Effect::NodeIps(name.clone(), Vec::new())],
                 None => Vec::new(),
             },
-            _ => Vec::new(),
         }
+    }
+
+    fn pod_applied(&mut self, info: &PodInfo, now: Instant) -> Vec<Effect> {
+        if let Some((pods, _)) = &mut self.resync {
+            pods.insert(info.key.uid.clone());
+        }
+        let uid = info.key.uid.clone();
+        let scheduled = (!info.node.is_empty()).then_some(now);
+        match self.pods.get_mut(&uid) {
+            Some(e) if !e.gone && e.info == *info => return Vec::new(),
+            Some(e) => {
+                e.first_scheduled = e.first_scheduled.or(scheduled);
+                e.info = info.clone();
+                e.gone = false;
+            }
+            None => {
+                let entry = PodEntry {
+                    info: info.clone(),
+                    gone: false,
+                    orphan: false,
+                    first_scheduled: scheduled,
+                    pod_vif: None,
+                };
+                self.pods.insert(uid.clone(), entry);
+            }
+        }
+        vec![Effect::Pod(uid)]
+    }
+
+    fn pod_deleted(&mut self, uid: &str, info: Option<&PodInfo>) -> Vec<Effect> {
+        let Some(e) = self.pods.get_mut(uid) else {
+            return Vec::new();
+        };
+        if let Some(info) = info {
+            e.info = info.clone();
+        }
+        e.gone = true;
+        vec![Effect::Pod(uid.to_string())]
+    }
+
+    fn node_applied(&mut self, name: &str, ips: &[String]) -> Vec<Effect> {
+        if let Some((_, nodes)) = &mut self.resync {
+            nodes.insert(name.to_string());
+        }
+        let mut ips = ips.to_vec();
+        ips.sort();
+        if self.nodes.get(name) == Some(&ips) {
+            return Vec::new();
+        }
+        self.nodes.insert(name.to_string(), ips.clone());
+        vec![Effect::NodeIps(name.to_string(), ips)]
     }
 }
 
@@ -292,37 +291,36 @@ impl PodView {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_proto::watcher::v1::{Node, Pod};
-
     use super::*;
 
-    fn pod(name: &str, node: &str, phase: &str) -> Object {
-        Object {
-            kind: Kind::Pod as i32,
-            namespace: "ns".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            body: Some(Body::Pod(Pod { node_name: node.into(), phase: phase.into(), ..Default::default() })),
-            ..Default::default()
+    fn info(name: &str, node: &str, phase: &str) -> PodInfo {
+        PodInfo {
+            key: PodKey::new("ns", name, format!("uid-{name}")),
+            node: node.into(),
+            phase: phase.into(),
+            deleting: false,
+            host_network: false,
+            has_finalizer: false,
+            finalizers: Vec::new(),
+            networks: None,
         }
     }
 
-    fn node(name: &str, ip: &str) -> Object {
-        Object {
-            kind: Kind::Node as i32,
-            name: name.into(),
-            body: Some(Body::Node(Node { internal_ips: vec![ip.into()], ..Default::default() })),
-            ..Default::default()
-        }
+    fn applied(name: &str, node: &str, phase: &str) -> Watched {
+        Watched::PodApplied(info(name, node, phase))
     }
 
-    fn ev(t: EventType, o: Option<Object>) -> SubscribeResponse {
-        SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: o }
+    fn deleted(name: &str, node: &str, phase: &str) -> Watched {
+        Watched::PodDeleted(format!("uid-{name}"), Some(info(name, node, phase)))
+    }
+
+    fn node(name: &str, ip: &str) -> Watched {
+        Watched::NodeApplied(name.into(), vec![ip.into()])
     }
 
     #[test]
     fn what_a_pod_should_have() {
-        let base = PodInfo::from_object(&pod("a", "n1", "Pending")).unwrap();
+        let base = info("a", "n1", "Pending");
         assert_eq!(base.desired(), Desired::Vif { node: "n1".into() });
         for (change, why) in [
             (PodInfo { node: String::new(), ..base.clone() }, "unscheduled"),
@@ -334,37 +332,26 @@ mod tests {
             assert_eq!(change.desired(), Desired::NoVif, "{why}");
         }
         assert_eq!(PodInfo { phase: "Running".into(), ..base }.desired(), Desired::Vif { node: "n1".into() });
-        let mut with = pod("b", "n1", "");
-        if let Some(Body::Pod(p)) = &mut with.body {
-            p.finalizers = vec!["other".into(), FINALIZER.into()];
-        }
-        assert!(PodInfo::from_object(&with).unwrap().has_finalizer);
     }
 
     #[test]
     fn changes_reconcile_and_snapshots_relist() {
         let now = Instant::now();
         let mut v = PodView::default();
+        assert_eq!(v.apply(&applied("a", "n1", "Pending"), now), [Effect::Pod("uid-a".into())]);
+        assert_eq!(v.apply(&applied("b", "", "Pending"), now), [Effect::Pod("uid-b".into())]);
         assert_eq!(
-            v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), now),
-            [Effect::Pod("uid-a".into())]
-        );
-        assert_eq!(v.apply(&ev(EventType::Applied, Some(pod("b", "", "Pending"))), now), [Effect::Pod("uid-b".into())]);
-        assert_eq!(
-            v.apply(&ev(EventType::Applied, Some(node("n1", "192.168.0.1"))), now),
+            v.apply(&node("n1", "192.168.0.1"), now),
             [Effect::NodeIps("n1".into(), vec!["192.168.0.1".into()])]
         );
-        assert_eq!(v.apply(&ev(EventType::SnapshotComplete, None), now), [Effect::Live]);
+        assert_eq!(v.apply(&Watched::SnapshotComplete, now), [Effect::Live]);
         assert!(v.get("uid-a").unwrap().first_scheduled.is_some());
         assert!(v.get("uid-b").unwrap().first_scheduled.is_none());
         // The same content again is no work.
-        assert!(v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), now).is_empty());
-        assert_eq!(
-            v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Running"))), now),
-            [Effect::Pod("uid-a".into())]
-        );
+        assert!(v.apply(&applied("a", "n1", "Pending"), now).is_empty());
+        assert_eq!(v.apply(&applied("a", "n1", "Running"), now), [Effect::Pod("uid-a".into())]);
         // Deletion keeps a tombstone until cleanup.
-        assert_eq!(v.apply(&ev(EventType::Deleted, Some(pod("b", "", "Pending"))), now), [Effect::Pod("uid-b".into())]);
+        assert_eq!(v.apply(&deleted("b", "", "Pending"), now), [Effect::Pod("uid-b".into())]);
         assert!(v.get("uid-b").unwrap().gone);
         v.forget("uid-b");
         v.forget("uid-a");
@@ -372,9 +359,9 @@ mod tests {
         assert!(v.get("uid-a").is_some(), "only tombstones are forgotten");
 
         // RESET + a snapshot that no longer names a nor n1: both are gone.
-        assert_eq!(v.apply(&ev(EventType::Reset, None), now), [Effect::Resync]);
-        v.apply(&ev(EventType::Applied, Some(pod("c", "n2", "Pending"))), now);
-        let effects = v.apply(&ev(EventType::SnapshotComplete, None), now);
+        assert_eq!(v.apply(&Watched::Reset, now), [Effect::Resync]);
+        v.apply(&applied("c", "n2", "Pending"), now);
+        let effects = v.apply(&Watched::SnapshotComplete, now);
         assert_eq!(effects, [Effect::Pod("uid-a".into()), Effect::NodeIps("n1".into(), Vec::new()), Effect::Live]);
         assert_eq!(v.get("uid-a").unwrap().desired(), Desired::NoVif);
     }
@@ -382,7 +369,7 @@ mod tests {
     #[test]
     fn orphans_from_recovery() {
         let mut v = PodView::default();
-        v.apply(&ev(EventType::Applied, Some(pod("a", "n1", "Pending"))), Instant::now());
+        v.apply(&applied("a", "n1", "Pending"), Instant::now());
         assert!(!v.adopt_orphan(PodKey::new("ns", "a", "uid-a"), "n1"), "a exists");
         assert!(v.adopt_orphan(PodKey::new("ns", "old", "uid-old"), "n1"));
         let e = v.get("uid-old").unwrap();

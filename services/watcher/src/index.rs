@@ -3,7 +3,7 @@
 //! watches need on top: which kinds have listed once, and what a re-list has named so far.
 //!
 //! Free of kube and tonic: the watch tasks ([`crate::k8s`]) feed it [`Update`]s holding objects
-//! already reduced by [`crate::convert`], and the Subscribe streams ([`crate::grpc`]) read its log
+//! already reduced by [`crate::k8s::convert`], and the Subscribe streams ([`crate::grpc`]) read its log
 //! through [`kuryr_stream::feed`]. Tests apply updates directly.
 //!
 //! - A delta is recorded only when the reduced object changed (resourceVersion aside): status

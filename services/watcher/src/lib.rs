@@ -4,7 +4,8 @@
 //! network policies (networking.k8s.io/v1) and nodes in all namespaces, with kube-runtime
 //! watchers that re-list after 410 Gone and reconnect with backoff.
 //!
-//! **Owns** an in-memory [`index`] of each object reduced to what consumers read ([`convert`]),
+//! **Owns** an in-memory [`index`] of each object reduced to what consumers read
+//! ([`k8s::convert`]),
 //! and a bounded history of the changes, numbered by revision. A change is recorded only when
 //! the reduced object changed, so resourceVersion-only churn (node heartbeats, status details
 //! nobody reads) costs the streams nothing.
@@ -30,8 +31,16 @@
 //! by value and dropped as they arrive; no kube `Store`/reflector keeps them, and list pages are
 //! at most 500 objects. A stream holds a cursor into the history, not a queue of its own, and at
 //! most 128 responses queued for its client; a snapshot in flight is a vector of `Arc`s.
+//!
+//! # Layers
+//!
+//! `k8s/` (the watches, and `k8s/convert.rs`: a Kubernetes object reduced to the wire's
+//! `Object`), [`index`] and [`selector`] (the log of reduced objects and what a subscriber
+//! asked for: pure, no Kubernetes client, no gRPC server), `grpc/` (the Subscribe service). The
+//! index keeps the reduced objects in their wire form on purpose: a watcher's product is that
+//! message, streamed to every subscriber as it is, so a domain type in between would only add a
+//! conversion per object and subscriber.
 
-pub mod convert;
 pub mod grpc;
 pub mod index;
 pub mod k8s;

@@ -41,6 +41,18 @@ if [[ -f "$PIDS/ovs-vswitchd.pid" && -n "$netns" ]]; then
     "${ovs[@]}" ovs-appctl --timeout=5 -t ovs-vswitchd dpctl/del-dp netdev@ovs-netdev >/dev/null 2>&1 || true
 fi
 
+# The extra nodes' Open vSwitch likewise.
+while read -r i ns; do
+    [[ -f "$PIDS/ovs-vswitchd-$i.pid" ]] || continue
+    ovs=(nsenter --net="/var/run/netns/$ns" env OVS_RUNDIR="$STATE/ovs-$i/run" OVS_DBDIR="$STATE/ovs-$i/db"
+        OVS_LOGDIR="$STATE/ovs-$i/log" OVS_SYSCONFDIR="$STATE/ovs-$i/etc")
+    stop "neutron-agent-$i"
+    for br in $("${ovs[@]}" ovs-vsctl --timeout=5 list-br 2>/dev/null); do
+        "${ovs[@]}" ovs-vsctl --timeout=5 --if-exists del-br "$br" || true
+    done
+    "${ovs[@]}" ovs-appctl --timeout=5 -t ovs-vswitchd dpctl/del-dp netdev@ovs-netdev >/dev/null 2>&1 || true
+done < <(cat "$STATE/extra-netns" 2>/dev/null || true)
+
 # Everything else, newest first.
 if [[ -f "$STATE/start-order" ]]; then
     for name in $(tac "$STATE/start-order"); do stop "$name"; done
@@ -53,7 +65,10 @@ if [[ -n "$netns" ]]; then
     ip netns del "$netns" 2>/dev/null || true
     rm -f "$STATE/netns"
 fi
-rm -f "$STATE/start-order"
+while read -r _ ns; do
+    ip netns del "$ns" 2>/dev/null || true
+done < <(cat "$STATE/extra-netns" 2>/dev/null || true)
+rm -f "$STATE/start-order" "$STATE/extra-netns"
 if [[ $purge -eq 1 ]]; then
     rm -rf "$STATE"
 fi

@@ -28,6 +28,9 @@ agent_alive() {
         json_get "'yes' if any(a['alive'] for a in d['agents']) else sys.exit(1)"
 }
 
+# host_agent_alive HOST: agent_alive for another host.
+host_agent_alive() { AGENT_HOST="$1" agent_alive; }
+
 start_neutron() {
     local n="$STATE/neutron" venv port files
     venv="$(venv_dir neutron)"
@@ -113,6 +116,11 @@ EOF
         "$venv/bin/uwsgi" --ini "$n/uwsgi.ini"
     start neutron-rpc env PATH="$venv/bin:$PATH" "$venv/bin/neutron-rpc-server" "${files[@]}"
     start_node
+    local i=2 h
+    for h in ${NEUTRON_EXTRA_AGENT_HOSTS:+${NEUTRON_EXTRA_AGENT_HOSTS//,/ }}; do
+        start_extra_node "$h" "$i"
+        i=$((i + 1))
+    done
 }
 ready_neutron() {
     wait_ready neutron-api curl -sf --max-time 5 "$NEUTRON_URL/v2.0/networks"
@@ -120,6 +128,13 @@ ready_neutron() {
     # The agent is up once the RPC server has recorded its first report.
     wait_ready neutron-agent agent_alive
     took "Neutron agent alive on host $AGENT_HOST"
+    local i=2 h
+    for h in ${NEUTRON_EXTRA_AGENT_HOSTS:+${NEUTRON_EXTRA_AGENT_HOSTS//,/ }}; do
+        wait_ready "neutron-agent-$i" host_agent_alive "$h"
+        took "Neutron agent alive on host $h"
+        i=$((i + 1))
+    done
+    envline NEUTRON_EXTRA_AGENT_HOSTS "${NEUTRON_EXTRA_AGENT_HOSTS:-}"
     envline NEUTRON_URL "$NEUTRON_URL"
     envline NEUTRON_API_PID "$(pid_of neutron-api)"
     envline NEUTRON_RPC_PID "$(pid_of neutron-rpc)"
@@ -161,6 +176,41 @@ start_node() {
     start neutron-agent "${NODE_EXEC[@]}" env PATH="$venv/bin:$PATH" "$venv/bin/neutron-openvswitch-agent" \
         --config-file "$STATE/neutron/neutron.conf" --config-file "$STATE/neutron/openvswitch_agent.ini"
     took "node $AGENT_HOST: OVS up in netns $NODE_NETNS, agent started"
+}
+
+# An extra node (NEUTRON_EXTRA_AGENT_HOSTS), as start_node's but without the host side of the AMQP
+# bridge (shared): its own network namespace, Open vSwitch and ML2/OVS agent with host HOST, so
+# that ports bound to HOST bind. Processes are named NAME-I (ovsdb-server-2, neutron-agent-2,
+# ...); `I NETNS` lines in STATE/extra-netns tell down.sh what to remove.
+start_extra_node() {
+    local host="$1" i="$2" o="$STATE/ovs-$2" venv ns
+    venv="$(venv_dir neutron)"
+    ns="kos-$(basename "$STATE" | tr -dc 'a-zA-Z0-9' | tail -c 10)-$$-$i"
+    ip netns add "$ns" || die "ip netns add $ns failed"
+    echo "$i $ns" >>"$STATE/extra-netns"
+    local exec=(nsenter --net="/var/run/netns/$ns" env OVS_RUNDIR="$o/run" OVS_DBDIR="$o/db"
+        OVS_LOGDIR="$o/log" OVS_SYSCONFDIR="$o/etc")
+    ip -n "$ns" link set lo up
+    # Its tunnel address (local_ip below): one endpoint per host.
+    ip -n "$ns" addr add "127.0.0.$i/8" dev lo || die "adding 127.0.0.$i to lo in $ns failed"
+    mkdir -p "$o/run" "$o/db" "$o/log" "$o/etc"
+    ovsdb-tool create "$o/db/conf.db" /usr/share/openvswitch/vswitch.ovsschema ||
+        die "ovsdb-tool create failed"
+    start "ovsdb-server-$i" "${exec[@]}" ovsdb-server "$o/db/conf.db" --remote="punix:$o/run/db.sock" \
+        --pidfile="$o/run/ovsdb-server.pid" --log-file="$o/log/ovsdb-server.log"
+    wait_ready "ovsdb-server-$i" test -S "$o/run/db.sock"
+    "${exec[@]}" ovs-vsctl --db="unix:$o/run/db.sock" --no-wait init || die "ovs-vsctl init failed"
+    start "ovs-vswitchd-$i" "${exec[@]}" ovs-vswitchd "unix:$o/run/db.sock" \
+        --pidfile="$o/run/ovs-vswitchd.pid" --log-file="$o/log/ovs-vswitchd.log"
+    wait_ready "ovs-vswitchd-$i" "${exec[@]}" ovs-appctl -t ovs-vswitchd version
+    start "amqp-bridge-node-$i" "${exec[@]}" socat "TCP-LISTEN:$RABBIT_AMQP_PORT,bind=127.0.0.1,reuseaddr,fork" \
+        "UNIX-CONNECT:$STATE/rabbitmq/amqp.sock"
+    sed -e "s|^host = .*|host = $host|" -e "s|^ovsdb_connection = .*|ovsdb_connection = unix:$o/run/db.sock|" \
+        -e "s|^local_ip = .*|local_ip = 127.0.0.$i|" \
+        "$STATE/neutron/openvswitch_agent.ini" >"$STATE/neutron/openvswitch_agent-$i.ini"
+    start "neutron-agent-$i" "${exec[@]}" env PATH="$venv/bin:$PATH" "$venv/bin/neutron-openvswitch-agent" \
+        --config-file "$STATE/neutron/neutron.conf" --config-file "$STATE/neutron/openvswitch_agent-$i.ini"
+    took "node $host: OVS up in netns $ns, agent started"
 }
 
 # The pod network: a vxlan network owned by the project, with an IPv4 and an IPv6 subnet.

@@ -46,6 +46,10 @@
 #   OS_UP_OWNER_PID     if set, a watchdog runs down.sh --purge (unless KURYR_KEEP_STATE=1) once
 #                       that process is gone
 #   NEUTRON_AGENT_HOST  the agent's host name, i.e. the `binding:host_id` ports bind to
+#   NEUTRON_EXTRA_AGENT_HOSTS  more nodes, comma-separated host names: each a network namespace
+#                       with its own Open vSwitch and ML2/OVS agent (processes NAME-2, NAME-3...),
+#                       so that ports bound to those hosts bind too (NEUTRON_EXTRA_AGENT_HOSTS in
+#                       the env file)
 #   NEUTRON_API_PROCESSES  uWSGI processes of the Neutron API (default 2)
 #   NEUTRON_FIREWALL_DRIVER  the agent's `[securitygroup] firewall_driver` (default noop;
 #                       `openvswitch` enforces security groups)

@@ -14,7 +14,7 @@
 //!    returned is printed as a ratio kuryr/reference.
 //! 2. **Allocations per second.** A burst of pods created at once, bound to node names that no
 //!    kubelet runs (so no CRI work competes); a watch on PodVifs marks each one allocated when
-//!    its status carries addresses. The API server's `apiserver_request_total`, read before the
+//!    it records addresses. The API server's `apiserver_request_total`, read before the
 //!    first create and after the last allocation, gives the API requests per pod by verb and
 //!    resource (every client's, the bench's own creates excluded).
 //! 3. **Watcher memory.** A fresh API server holding many pods (bound to fake nodes, no
@@ -50,8 +50,9 @@ use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::{Kubelet, KubeletOptions, PodRecord};
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::stats::Stats;
+use kuryr_tests::util::env_or;
 use kuryr_tests::util::{free_port, repo_root};
-use kuryr_vif_allocator::crd::PodVif;
+use kuryr_vif_allocator::k8s::crd::PodVif;
 
 /// Namespace of the steady-rate pods.
 const LATENCY_NS: &str = "bench-latency";
@@ -75,18 +76,6 @@ const TARGET_WATCHER_RSS_MIB: f64 = 80.0;
 const TARGET_ALLOCATIONS_PER_S: f64 = 300.0;
 const TARGET_REQUESTS_PER_POD: f64 = 3.0;
 const TARGET_RATIO: f64 = 1.1;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> Result<T>
-where
-    T::Err: std::fmt::Display,
-{
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a valid value: {e}"))
-        }
-        _ => Ok(default),
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Config {
@@ -589,7 +578,7 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
     for (key, label) in [
         ("create", "API create request round trip"),
         ("seen", "created → kubelet's watch delivers the pod"),
-        ("handed", "created → allocator: VIF handed out (PodVif status)"),
+        ("handed", "created → allocator: VIF handed out (PodVif recorded)"),
         ("kubelet", "kubelet: seen → last RunPodSandbox sent (+ failed tries)"),
         ("pre_cni", "containerd: RunPodSandbox → kuryr-cni ADD reaches binder"),
         ("vif_wait", "binder: ADD waiting for the VIF on WatchVifs"),
@@ -944,7 +933,7 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
                         continue;
                     }
                 };
-                let has_ips = vif.status.as_ref().and_then(|s| s.vif.as_ref()).is_some_and(|v| !v.ips.is_empty());
+                let has_ips = vif.vif().is_some_and(|v| !v.ips.is_empty());
                 if has_ips && let Some(name) = vif.metadata.name {
                     allocated.lock().unwrap_or_else(PoisonError::into_inner).entry(name).or_insert_with(Instant::now);
                 }

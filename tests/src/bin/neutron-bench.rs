@@ -49,6 +49,7 @@ use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::stats::Stats;
+use kuryr_tests::util::env_or;
 use serde_json::Value;
 
 const NS: &str = "bench-neutron";
@@ -62,18 +63,6 @@ const WARM_POOL_BATCH: u32 = 10;
 /// Targets.
 const TARGET_ACTIVE_TO_ADD_MS: f64 = 200.0;
 const TARGET_WARM_CALLS_PER_POD: f64 = 1.2;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> Result<T>
-where
-    T::Err: std::fmt::Display,
-{
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a valid value: {e}"))
-        }
-        _ => Ok(default),
-    }
-}
 
 /// When ports turned ACTIVE, as one observer saw it: per port, every time it was seen ACTIVE
 /// after having been seen otherwise (a recycled pool port turns ACTIVE once per pod).
@@ -131,7 +120,7 @@ async fn spawn_push_observer(c: &NeutronCluster, seen: Arc<Mutex<Seen>>) -> Resu
         while let Some(m) = rx.recv().await {
             let at = Instant::now();
             let Ok(ports) =
-                kuryr_vif_allocator::neutron::events::decode::decode(m.content.as_deref().unwrap_or_default())
+                kuryr_vif_allocator::backend::neutron::events::decode::decode(m.content.as_deref().unwrap_or_default())
             else {
                 continue;
             };

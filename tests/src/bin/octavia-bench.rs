@@ -23,7 +23,7 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, PostParams};
-use kuryr_lbaas::crd::ServiceLoadBalancer;
+use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_tests::control::{ControlPlane, Served};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::openstack::{OpenStackEnv, Service as OsService};

@@ -8,8 +8,13 @@
 //!   or PodVif is gone, a PodVif whose pod is gone, a host veth, attachment record, nft element or
 //!   network namespace of a deleted pod;
 //! - no address or MAC twice (a duplicate): in two blocks, held by two pods, two VIFs with one MAC.
+//!
+//! The same checks also run during a chaos run, every few seconds, through [`Lasting`]: there a
+//! problem counts only once it has lasted longer than a grace period, so that work in flight (a
+//! pod being set up or torn down, a release not yet done) is not taken for a leak.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 /// A pod in the API.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,6 +106,59 @@ impl Findings {
             self.missing.len(),
             few(&self.missing)
         )
+    }
+}
+
+/// What a problem counts as in the verdict line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    Leak,
+    Duplicate,
+    /// A live pod without exactly one working network (counted with the unreachable ones).
+    Unreachable,
+}
+
+impl Findings {
+    /// Every problem with what it counts as (a pod without exactly one VIF as unreachable).
+    pub fn problems(&self) -> impl Iterator<Item = (Kind, &String)> {
+        [(Kind::Leak, &self.leaked), (Kind::Duplicate, &self.duplicate), (Kind::Unreachable, &self.missing)]
+            .into_iter()
+            .flat_map(|(k, v)| v.iter().map(move |l| (k, l)))
+    }
+}
+
+/// Problems seen by the checks during a run, each counted once it has been seen continuously for
+/// longer than a grace period (from its first sighting to a later one; a check that no longer
+/// sees it forgets it). A problem is known by its key, so one whose description changes from one
+/// check to the next (a count on a node) starts again and is left to the end checks.
+#[derive(Debug, Default)]
+pub struct Lasting {
+    first_seen: HashMap<String, Instant>,
+    counted: BTreeMap<String, (Kind, String)>,
+    /// Checks made.
+    pub checks: usize,
+}
+
+impl Lasting {
+    /// One check that found `current` (key, kind, description) at `now`.
+    pub fn observe<I>(&mut self, current: I, now: Instant, grace: Duration)
+    where
+        I: IntoIterator<Item = (String, Kind, String)>,
+    {
+        self.checks += 1;
+        let current: HashMap<String, (Kind, String)> = current.into_iter().map(|(k, kind, l)| (k, (kind, l))).collect();
+        self.first_seen.retain(|k, _| current.contains_key(k));
+        for (key, (kind, line)) in current {
+            let since = *self.first_seen.entry(key.clone()).or_insert(now);
+            if now.duration_since(since) >= grace {
+                self.counted.entry(key).or_insert_with(|| (kind, format!("{line} for over {grace:?}")));
+            }
+        }
+    }
+
+    /// The problems that lasted, with what they count as.
+    pub fn counted(&self) -> impl Iterator<Item = (Kind, &str)> {
+        self.counted.values().map(|(k, l)| (*k, l.as_str()))
     }
 }
 
@@ -272,6 +330,30 @@ mod tests {
         let f = check(&s);
         assert!(f.missing.iter().any(|m| m.contains("c/b") && m.contains("no PodVif")), "{}", f.summary());
         assert!(f.leaked.iter().any(|m| m.contains("10.0.1.2")), "its allocation lost its VIF: {}", f.summary());
+    }
+
+    #[test]
+    fn problems_during_a_run_count_only_once_they_outlast_the_grace_period() {
+        let grace = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let mut s = healthy();
+        s.allocations.push(alloc("gone", "u9", "n1", "m9", "10.0.0.9"));
+        let seen =
+            |s: &Snapshot| check(s).problems().map(|(k, l)| (l.clone(), k, l.clone())).collect::<Vec<_>>().into_iter();
+        let mut w = Lasting::default();
+        w.observe(seen(&s), t0, grace);
+        w.observe(seen(&s), t0 + Duration::from_secs(5), grace);
+        assert_eq!(w.counted().count(), 0, "in flight, not yet counted");
+        // Gone before the grace period ended: forgotten, and its clock starts again if it returns.
+        w.observe(seen(&healthy()), t0 + Duration::from_secs(8), grace);
+        w.observe(seen(&s), t0 + Duration::from_secs(12), grace);
+        assert_eq!(w.counted().count(), 0, "seen again only 0 s ago");
+        w.observe(seen(&s), t0 + Duration::from_secs(23), grace);
+        let counted: Vec<_> = w.counted().collect();
+        assert_eq!(counted.len(), 1, "{counted:?}");
+        assert_eq!(counted[0].0, Kind::Leak);
+        assert!(counted[0].1.contains("10.0.0.9") && counted[0].1.ends_with("for over 10s"), "{counted:?}");
+        assert_eq!(w.checks, 5);
     }
 
     #[test]

@@ -20,7 +20,7 @@ use anyhow::{Context, Result, bail, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
-use kuryr_vif_allocator::crd::{AddressBlock, PodVif};
+use kuryr_vif_allocator::k8s::crd::{AddressBlock, PodVif};
 
 use super::Cluster;
 use super::reach;
@@ -139,9 +139,7 @@ pub async fn allocations(client: &kube::Client) -> Result<AllocationSummary> {
             None => bail!("PodVif {k} (pod uid {}) has no pod", v.spec.pod_uid),
         }
         let ips = v
-            .status
-            .as_ref()
-            .and_then(|s| s.vif.as_ref())
+            .vif()
             .map(|vif| vif.ips.iter().map(|i| i.address.split('/').next().unwrap_or_default().to_string()).collect())
             .unwrap_or_default();
         vif_ips.insert(k, (v.spec.pod_uid.clone(), ips));

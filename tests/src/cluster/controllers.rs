@@ -25,6 +25,8 @@ use crate::util::{env_script, free_port};
 pub const BINARY: &str = "kube-controller-manager";
 /// The controllers run (names as `--controllers` takes them).
 pub const CONTROLLERS: &str = "endpointslice-controller";
+/// [`CONTROLLERS`] and what runs Deployments (their ReplicaSets, and those their pods).
+pub const WORKLOAD_CONTROLLERS: &str = "endpointslice-controller,deployment-controller,replicaset-controller";
 /// Bound on turning healthy after start (a cold start on a loaded machine takes a few seconds).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 

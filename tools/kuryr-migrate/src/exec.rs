@@ -19,14 +19,14 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kuryr_openstack::neutron::{Neutron, Port, TaggedResource};
 use kuryr_openstack::octavia::Octavia;
 use kuryr_openstack::{Client, ClientOptions, Filter};
-use kuryr_vif_allocator::crd::{PodVif, PodVifSpec, VifState};
-use kuryr_vif_allocator::neutron::vif::{SubnetInfo, VifShape};
+use kuryr_vif_allocator::backend::neutron::vif::{SubnetInfo, VifShape};
+use kuryr_vif_allocator::k8s::crd::{PodVif, PodVifSpec, VifState};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use crate::Args;
 use crate::kuryr::{self, Kind, KuryrLoadBalancer, KuryrPort};
-use crate::plan::{self, LbFacts, LbStep, Owner, PodFacts, PodStep, PortFacts, ServiceFacts, Target};
+use crate::plan::{self, FipFacts, LbFacts, LbStep, Owner, PodFacts, PodStep, PortFacts, ServiceFacts, Target};
 
 /// One line of the plan or report, on stdout.
 macro_rules! say {
@@ -256,9 +256,7 @@ impl Migrator<'_> {
                 tagged: p.tags.contains(&self.tag),
                 unbound: p.binding_failed() || p.binding_host_id.as_deref().unwrap_or_default().is_empty(),
             }),
-            pod_vif: pod_vif.as_ref().map(|v| {
-                (v.spec.pod_uid.clone(), v.status.as_ref().and_then(|s| s.vif.as_ref()).map(|r| r.vif_id.clone()))
-            }),
+            pod_vif: pod_vif.as_ref().map(|v| (v.spec.pod_uid.clone(), v.vif().map(|r| r.vif_id.clone()))),
         };
         let target = Target { network_id: self.shape.network_id.clone(), device_owner: self.args.device_owner.clone() };
         let describe = match &kp.vif {
@@ -292,7 +290,7 @@ impl Migrator<'_> {
                 }
                 PodStep::RecordVif => {
                     let (Some(port), Some(v)) = (&port, &kp.vif) else { anyhow::bail!("no port to record") };
-                    let record = self.shape.record(port).map_err(|e| anyhow::anyhow!(e))?;
+                    let record = self.shape.record(port).map_err(|e| anyhow::anyhow!(e))?.into();
                     let state = if v.active && port.is_active() { VifState::Ready } else { VifState::Allocated };
                     self.record_vif(&vifs, kp, &record, state).await?;
                 }
@@ -322,13 +320,13 @@ impl Migrator<'_> {
         Ok(())
     }
 
-    /// The PodVif as the allocator makes it (owned by the pod, labelled with the node), with
-    /// the port recorded in its status.
+    /// The PodVif as the allocator makes it (owned by the pod, labelled with the node, the port
+    /// recorded in its spec by the create), with the state in its status.
     async fn record_vif(
         &self,
         api: &Api<PodVif>,
         kp: &KuryrPort,
-        record: &kuryr_vif_allocator::crd::VifRecord,
+        record: &kuryr_vif_allocator::k8s::crd::VifRecord,
         state: VifState,
     ) -> anyhow::Result<()> {
         let mut pv = PodVif::new(
@@ -338,6 +336,7 @@ impl Migrator<'_> {
                 pod_name: kp.name.clone(),
                 node_name: kp.node.clone(),
                 network: self.shape.network_id.clone(),
+                vif: Some(record.clone()),
             },
         );
         pv.metadata.namespace = Some(kp.namespace.clone());
@@ -351,17 +350,28 @@ impl Migrator<'_> {
         }]);
         pv.metadata.labels = Some([("kuryr.openstack.org/node".to_string(), kp.node.clone())].into());
         let pp = PostParams { field_manager: Some("kuryr-migrate".into()), ..Default::default() };
-        match api.create(&pp, &pv).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
+        let existed = match api.create(&pp, &pv).await {
+            Ok(_) => false,
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                // Made by an earlier, interrupted run (the plan checked it is this pod's, with no
+                // other VIF): the VIF goes into its spec.
+                let spec = json!({"spec": {"vif": record}});
+                api.patch(&kp.name, &PatchParams::default(), &Patch::Merge(&spec))
+                    .await
+                    .with_context(|| format!("recording the VIF in PodVif {}/{}", kp.namespace, kp.name))?;
+                true
+            }
             Err(e) => {
                 return Err(anyhow::Error::new(e).context(format!("creating PodVif {}/{}", kp.namespace, kp.name)));
             }
+        };
+        if existed || state != VifState::Allocated {
+            // `vif: null` drops a VIF an earlier version recorded in the status.
+            let status = json!({"status": {"vif": null, "state": state}});
+            api.patch_status(&kp.name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .with_context(|| format!("recording the state in PodVif {}/{}", kp.namespace, kp.name))?;
         }
-        let status = json!({"status": {"vif": record, "state": state}});
-        api.patch_status(&kp.name, &PatchParams::default(), &Patch::Merge(&status))
-            .await
-            .with_context(|| format!("recording the VIF in PodVif {}/{}", kp.namespace, kp.name))?;
         Ok(())
     }
 
@@ -410,7 +420,7 @@ impl Migrator<'_> {
         let svc = services.get_opt(&klb.name).await?;
         let key = format!("{}/{}", klb.namespace, klb.name);
         let uid = svc.as_ref().and_then(|s| s.metadata.uid.clone()).unwrap_or_default();
-        let ours = kuryr_lbaas::octavia_plan::tags(&self.args.cluster_name, &key, &uid);
+        let ours = kuryr_lbaas::backend::octavia::plan::tags(&self.args.cluster_name, &key, &uid);
         let lb = match &klb.lb_id {
             Some(id) => match self.octavia.get_load_balancer(id).await {
                 Ok(lb) => Some(lb),
@@ -419,7 +429,22 @@ impl Migrator<'_> {
             },
             None => None,
         };
+        let fip = match &klb.floating_ip_id {
+            Some(id) => match self.neutron.get_floating_ip(id).await {
+                Ok(f) => Some(f),
+                Err(e) if e.is_not_found() => None,
+                Err(e) => return Err(anyhow::Error::new(e).context(format!("reading floating IP {id}"))),
+            },
+            None => None,
+        };
         let facts = ServiceFacts {
+            fip: fip.as_ref().map(|f| FipFacts {
+                id: f.id.clone(),
+                network_id: f.floating_network_id.clone(),
+                tagged: ours.iter().all(|t| f.tags.contains(t)),
+                user_allocated: klb.floating_ip_user,
+            }),
+            floating_network: self.args.floating_network_id.clone(),
             klb_finalizers: klb.finalizers.clone(),
             lb_id: klb.lb_id.clone(),
             service: svc.as_ref().map(owner),
@@ -439,11 +464,18 @@ impl Migrator<'_> {
             (Some(id), None) => format!("load balancer {id} (gone from Octavia: lbaas creates one)"),
             (None, _) => "no load balancer yet (lbaas creates one)".to_string(),
         };
-        let fip = match &klb.floating_ip_id {
-            Some(f) => format!(" [floating IP {f}: left in place, not adopted]"),
-            None => String::new(),
+        let fip_note = match (&klb.floating_ip_id, &fip) {
+            (Some(f), None) => format!(" [floating IP {f}: gone from Neutron]"),
+            (Some(f), Some(_)) if klb.floating_ip_user => {
+                format!(" [floating IP {f}: the Service's loadBalancerIP, left in place, not adopted]")
+            }
+            (Some(f), Some(_)) if self.args.floating_network_id.is_none() => {
+                format!(" [floating IP {f}: left in place, not adopted (no --floating-network-id)]")
+            }
+            (Some(f), Some(_)) => format!(" [floating IP {f}: adopted]"),
+            (None, _) => String::new(),
         };
-        let steps = match plan::lb_steps(&facts, kuryr::SERVICE_FINALIZER, kuryr_lbaas::view::FINALIZER) {
+        let steps = match plan::lb_steps(&facts, kuryr::SERVICE_FINALIZER, kuryr_lbaas::core::view::FINALIZER) {
             Ok(s) => s,
             Err(why) => {
                 say!("{who}: {describe}: blocked: {why}");
@@ -452,7 +484,7 @@ impl Migrator<'_> {
             }
         };
         let names: Vec<String> = steps.iter().map(ToString::to_string).collect();
-        say!("{who}: {describe}: {}{fip}", names.join(", "));
+        say!("{who}: {describe}: {}{fip_note}", names.join(", "));
         if self.args.dry_run {
             self.summary.steps += steps.len();
             return Ok(());
@@ -473,8 +505,20 @@ impl Migrator<'_> {
                         .await
                         .with_context(|| format!("waiting for load balancer {} after tagging", lb.id))?;
                 }
+                LbStep::TagFloatingIp => {
+                    let Some(f) = &fip else { anyhow::bail!("no floating IP to tag") };
+                    let mut tags = f.tags.clone();
+                    for t in &ours {
+                        tags = plan::with(&tags, t);
+                    }
+                    self.neutron
+                        .set_tags(TaggedResource::FloatingIp, &f.id, &tags)
+                        .await
+                        .with_context(|| format!("tagging floating IP {}", f.id))?;
+                }
                 LbStep::AddFinalizer => {
-                    edit_finalizers(&services, &klb.name, |f| plan::with(f, kuryr_lbaas::view::FINALIZER)).await?;
+                    edit_finalizers(&services, &klb.name, |f| plan::with(f, kuryr_lbaas::core::view::FINALIZER))
+                        .await?;
                 }
                 LbStep::ReleaseServiceFinalizer => {
                     edit_finalizers(&services, &klb.name, |f| plan::without(f, kuryr::SERVICE_FINALIZER)).await?;

@@ -179,6 +179,8 @@ pub struct KuryrLoadBalancer {
     pub vip: Option<String>,
     /// `status.service_pub_ip_info.ip_id`: the floating IP of a type=LoadBalancer Service.
     pub floating_ip_id: Option<String>,
+    /// `status.service_pub_ip_info.alloc_method` is `user`: the Service's `loadBalancerIP`.
+    pub floating_ip_user: bool,
     /// How many listeners, pools and members Kuryr recorded.
     pub counts: (usize, usize, usize),
 }
@@ -196,6 +198,7 @@ impl KuryrLoadBalancer {
             lb_id: s(&["loadbalancer", "id"]),
             vip: s(&["loadbalancer", "ip"]),
             floating_ip_id: s(&["service_pub_ip_info", "ip_id"]),
+            floating_ip_user: s(&["service_pub_ip_info", "alloc_method"]).as_deref() == Some("user"),
             counts: (n("listeners"), n("pools"), n("members")),
         }
     }
@@ -248,6 +251,30 @@ mod tests {
         assert!(default_vif(Some(&two)).is_err());
         let broken = json!({"eth0": {"default": true, "vif": {"versioned_object.data": {}}}});
         assert!(default_vif(Some(&broken)).unwrap_err().contains("no port id"));
+    }
+
+    #[test]
+    fn a_load_balancer_is_read_with_its_floating_ip_and_how_kuryr_got_it() {
+        let o: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "openstack.org/v1", "kind": "KuryrLoadBalancer",
+            "metadata": {"name": "web", "namespace": "ns", "finalizers": ["f"]},
+            "status": {
+                "loadbalancer": {"id": "lb1", "ip": "10.96.0.10"},
+                "listeners": [{}, {}], "pools": [{}, {}], "members": [{}],
+                "service_pub_ip_info": {"ip_id": "fip1", "ip_addr": "203.0.113.5", "alloc_method": "user"},
+            },
+        }))
+        .unwrap();
+        let klb = KuryrLoadBalancer::from_object(&o);
+        assert_eq!((klb.lb_id.as_deref(), klb.vip.as_deref()), (Some("lb1"), Some("10.96.0.10")));
+        assert_eq!((klb.floating_ip_id.as_deref(), klb.floating_ip_user), (Some("fip1"), true));
+        assert_eq!(klb.counts, (2, 2, 1));
+        let pool: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "openstack.org/v1", "kind": "KuryrLoadBalancer", "metadata": {"name": "web"},
+            "status": {"service_pub_ip_info": {"ip_id": "fip2", "alloc_method": "pool"}},
+        }))
+        .unwrap();
+        assert!(!KuryrLoadBalancer::from_object(&pool).floating_ip_user);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   KuryrPort is deleted.
 //! - **Pool ports**: Kuryr's free pool ports (`kuryr-pool-port`, no device) on the pod network
 //!   get the cluster tag and so join the allocator's pools at its next start.
-//! - **Services** (KuryrLoadBalancer): the Octavia load balancer gets lbaas' ownership tags;
+//! - **Services** (KuryrLoadBalancer): the Octavia load balancer gets lbaas' ownership tags (and,
+//!   with `--floating-network-id`, so does the floating IP of a type=LoadBalancer Service);
 //!   lbaas adopts a load balancer so tagged with its listeners, pools and members, changing
 //!   only what differs from the Service. lbaas' finalizer goes on the Service, Kuryr's comes off,
 //!   the KuryrLoadBalancer is deleted.
@@ -100,6 +101,12 @@ pub struct Args {
     /// without it are still removed by lbaas should the Service go (orphans by tag).
     #[arg(long, env = "KURYR_SERVICE_FINALIZER", value_enum, default_value = "load-balancer")]
     pub service_finalizer: kuryr_lbaas::controller::FinalizerPolicy,
+
+    /// lbaas' --floating-network-id: the floating IPs Kuryr gave type=LoadBalancer Services on
+    /// this network get lbaas' tags, and lbaas keeps them as the Services' ingress. Unset, they
+    /// are left in place, not adopted (lbaas without the flag would remove a tagged one).
+    #[arg(long, env = "KURYR_FLOATING_NETWORK_ID")]
+    pub floating_network_id: Option<String>,
 
     /// Leave Kuryr's free pool ports alone (they are tagged into the allocator's pools by
     /// default).

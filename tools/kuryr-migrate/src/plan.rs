@@ -34,6 +34,9 @@ pub enum LbStep {
     /// Add lbaas' ownership tags (cluster, Service, uid) to the Octavia load balancer: lbaas
     /// adopts a load balancer so tagged as its own, listeners, pools and members included.
     TagLoadBalancer,
+    /// Add the same tags to the Service's floating IP: lbaas (with `--floating-network-id`) finds
+    /// a floating IP so tagged and keeps it as the Service's ingress instead of making another.
+    TagFloatingIp,
     /// Put lbaas' finalizer on the Service.
     AddFinalizer,
     /// Take Kuryr's finalizer off the Service.
@@ -61,6 +64,7 @@ impl fmt::Display for LbStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             LbStep::TagLoadBalancer => "tag the load balancer",
+            LbStep::TagFloatingIp => "tag the floating IP",
             LbStep::AddFinalizer => "add lbaas' Service finalizer",
             LbStep::ReleaseServiceFinalizer => "remove Kuryr's Service finalizer",
             LbStep::ReleaseKlbFinalizers => "remove the KuryrLoadBalancer's finalizers",
@@ -206,6 +210,20 @@ pub struct LbFacts {
     pub pending: bool,
 }
 
+/// What is known of the floating IP Kuryr gave a type=LoadBalancer Service.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FipFacts {
+    /// Its id.
+    pub id: String,
+    /// Its external network.
+    pub network_id: String,
+    /// It carries every one of lbaas' tags for the Service.
+    pub tagged: bool,
+    /// Kuryr took it from the Service's `loadBalancerIP` (allocated by the user): Kuryr never
+    /// deletes those, lbaas would delete it with the Service once adopted.
+    pub user_allocated: bool,
+}
+
 /// Everything observed for one KuryrLoadBalancer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceFacts {
@@ -221,6 +239,11 @@ pub struct ServiceFacts {
     pub lb: Option<LbFacts>,
     /// lbaas puts its finalizer on this Service (its --service-finalizer and the Service type).
     pub wants_finalizer: bool,
+    /// The floating IP Kuryr recorded, if Neutron has it.
+    pub fip: Option<FipFacts>,
+    /// lbaas' `--floating-network-id`: floating IPs are adopted only onto it (none: not adopted,
+    /// left in place).
+    pub floating_network: Option<String>,
 }
 
 /// The steps left for one Service, or why it cannot be migrated now.
@@ -242,6 +265,17 @@ pub fn lb_steps(f: &ServiceFacts, kuryr_finalizer: &str, our_finalizer: &str) ->
                 return Err(format!("load balancer {id} is PENDING: run again once it is ACTIVE"));
             }
             steps.push(LbStep::TagLoadBalancer);
+        }
+    }
+    if let (Some(fip), Some(network)) = (&f.fip, &f.floating_network) {
+        if fip.network_id != *network {
+            return Err(format!(
+                "floating IP {} is on network {}, not on --floating-network-id {network}: lbaas would replace it",
+                fip.id, fip.network_id
+            ));
+        }
+        if !fip.tagged && !fip.user_allocated {
+            steps.push(LbStep::TagFloatingIp);
         }
     }
     // No load balancer (never made, or deleted behind Kuryr's back): lbaas creates one.
@@ -394,6 +428,8 @@ mod tests {
             cluster_ip: Some("10.96.0.10".into()),
             lb: Some(LbFacts { vip: "10.96.0.10".into(), tagged: false, pending: false }),
             wants_finalizer: true,
+            fip: None,
+            floating_network: None,
         }
     }
 
@@ -409,6 +445,24 @@ mod tests {
         f.service.as_mut().unwrap().finalizers = vec![OURS.into()];
         f.klb_finalizers.clear();
         assert_eq!(lb_steps(&f, KF, OURS).unwrap(), vec![DeleteKlb]);
+    }
+
+    #[test]
+    fn a_floating_ip_is_tagged_only_onto_lbaas_floating_network() {
+        use LbStep::*;
+        let mut f = service();
+        f.fip = Some(FipFacts { id: "f1".into(), network_id: "ext".into(), tagged: false, user_allocated: false });
+        // Without --floating-network-id it is left in place.
+        assert!(!lb_steps(&f, KF, OURS).unwrap().contains(&TagFloatingIp));
+        f.floating_network = Some("ext".into());
+        assert_eq!(lb_steps(&f, KF, OURS).unwrap()[..2], [TagLoadBalancer, TagFloatingIp]);
+        f.fip.as_mut().unwrap().tagged = true;
+        assert!(!lb_steps(&f, KF, OURS).unwrap().contains(&TagFloatingIp));
+        f.fip.as_mut().unwrap().tagged = false;
+        f.fip.as_mut().unwrap().user_allocated = true;
+        assert!(!lb_steps(&f, KF, OURS).unwrap().contains(&TagFloatingIp), "the user's own is never adopted");
+        f.floating_network = Some("other".into());
+        assert!(lb_steps(&f, KF, OURS).unwrap_err().contains("--floating-network-id"));
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Neutron (`network` in the catalog): ports, networks, subnets, subnet pools, routers, floating IPs,
-//! security groups and their rules (created in bulk), tags.
+//! security groups and their rules (created in bulk), tags, trunks and their subports.
 
+mod trunk;
 mod types;
 
+pub use trunk::*;
 pub use types::*;
 
 use http::Method;
@@ -26,6 +28,13 @@ const PAGE_SIZE: usize = 1000;
 #[derive(Clone, Debug)]
 pub struct Neutron {
     client: Client,
+}
+
+impl Client {
+    /// Neutron.
+    pub fn network(&self) -> Neutron {
+        Neutron::new(self.clone())
+    }
 }
 
 impl Neutron {

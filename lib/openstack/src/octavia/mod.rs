@@ -34,6 +34,13 @@ pub struct Octavia {
     client: Client,
 }
 
+impl Client {
+    /// Octavia.
+    pub fn load_balancer(&self) -> Octavia {
+        Octavia::new(self.clone())
+    }
+}
+
 impl Octavia {
     pub(crate) fn new(client: Client) -> Self {
         Self { client }

@@ -28,6 +28,7 @@ fn att(id: &str, ips: &[&str], mappings: Vec<PortMapping>) -> Attachment {
         state: crate::attachments::State::Ready,
         host_mac: String::new(),
         sandbox_mac: String::new(),
+        primary: None,
     }
 }
 

@@ -139,10 +139,7 @@ impl Dataplane {
     /// Follows the stream until shutdown.
     async fn follow(self, mut follower: Follower<LbSource>, shutdown: Shutdown) {
         loop {
-            let next = tokio::select! {
-                next = follower.next() => next,
-                () = shutdown.clone().wait() => return,
-            };
+            let Some(next) = follower.next_or(shutdown.clone().wait()).await else { return };
             match next {
                 Followed::Event(ev) => {
                     let now = Instant::now();

@@ -107,6 +107,24 @@ async fn plug_with(
     let controller = match &spec.driver {
         BindingDriver::Bridge { bridge } => Some(bridge_index(host, bridge).await?),
         BindingDriver::Ovs { .. } => None,
+        BindingDriver::Vlan { uplink, vlan } => {
+            // No veth: the pod's interface is a VLAN device of the uplink, born in the pod.
+            let (index, uplink_mac) =
+                super::vlan::add_kernel_vlan(spec, mac, uplink, *vlan, netns_file, pod, host).await?;
+            undo.pod_link = Some((spec.netns.clone(), ifname.to_string()));
+            steps.mark("nl_vlan");
+            crate::netns::visit(netns_file, &spec.netns, || disable_dad(ifname))??;
+            steps.mark("dad");
+            configure_sandbox(pod, spec, index, steps).await?;
+            return Ok(Plugged {
+                host_ifname: uplink.clone(),
+                host_mac: uplink_mac,
+                sandbox_ifname: ifname.to_string(),
+                sandbox_mac: format_mac(&mac),
+                sandbox: spec.netns.clone(),
+                mtu: spec.mtu,
+            });
+        }
     };
     steps.mark("nl_bridge");
 
@@ -153,10 +171,14 @@ async fn plug_with(
     steps.mark("dad");
     configure_sandbox(pod, spec, index, steps).await?;
 
-    if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid } = &spec.driver {
+    if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid, vlan } = &spec.driver {
         // Armed before running: a timed-out ovs-vsctl may still have added the port.
         undo.ovs_port = Some((ovs_db.map(str::to_string), host_ifname.to_string()));
-        ovs::vsctl(ovs_db, &ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid)).await?;
+        let mut args = ovs::add_port(bridge, host_ifname, iface_id, attached_mac, vm_uuid);
+        if let Some(tag) = vlan {
+            args.extend(["--".into(), "set".into(), "Port".into(), host_ifname.into(), format!("tag={tag}")]);
+        }
+        ovs::vsctl(ovs_db, &args).await?;
         steps.mark("ovs");
     }
 
@@ -226,12 +248,15 @@ struct Rollback {
     host_link: Option<String>,
     /// The OVS port we (may have) added: `(db, port)`.
     ovs_port: Option<(Option<String>, String)>,
+    /// An interface we created in a pod with no host end (a kernel VLAN device): `(netns, name)`.
+    pod_link: Option<(PathBuf, String)>,
 }
 
 impl Rollback {
     fn disarm(mut self) {
         self.host_link = None;
         self.ovs_port = None;
+        self.pod_link = None;
     }
 }
 
@@ -241,6 +266,25 @@ impl Drop for Rollback {
             && let Err(error) = ovs::vsctl_blocking(db.as_deref(), &ovs::del_port(&port))
         {
             tracing::error!(port = %port, error = %error_chain(&error), "rollback: cannot remove the OVS port");
+        }
+        if let Some((netns, name)) = self.pod_link.take() {
+            let result = std::thread::scope(|s| {
+                s.spawn(|| {
+                    nl::block_on(async {
+                        let file = crate::netns::open(&netns)?;
+                        let (conn, pod) = Nl::open_in(&file, &netns)?;
+                        nl::scoped(conn, pod.delete(&name)).await
+                    })
+                })
+                .join()
+            });
+            match result {
+                Ok(Ok(_)) => tracing::info!(ifname = %name, "rollback: removed the pod's VLAN device"),
+                Ok(Err(error)) => {
+                    tracing::error!(ifname = %name, error = %error_chain(&error), "rollback: cannot remove the pod's VLAN device")
+                }
+                Err(_) => tracing::error!(ifname = %name, "rollback: the cleanup thread panicked"),
+            }
         }
         if let Some(name) = self.host_link.take() {
             let result = std::thread::scope(|s| {
@@ -305,7 +349,10 @@ pub async fn unplug(
             drop(file);
             nl::scoped(conn, async {
                 match pod.link(&pod_name).await? {
-                    Some(link) if nl::link_kind(&link) == Some(&InfoKind::Veth) => pod.delete(&pod_name).await,
+                    // A veth whose host end is gone, or a VLAN device (no host end at all).
+                    Some(link) if matches!(nl::link_kind(&link), Some(&InfoKind::Veth | &InfoKind::Vlan)) => {
+                        pod.delete(&pod_name).await
+                    }
                     _ => Ok(false),
                 }
             })

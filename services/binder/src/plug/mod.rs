@@ -21,6 +21,7 @@ mod check;
 mod nl;
 mod ovs;
 pub mod routes;
+pub mod vlan;
 
 use std::fmt;
 use std::net::IpAddr;
@@ -113,7 +114,14 @@ pub enum BindingDriver {
         attached_mac: String,
         /// `external_ids:vm-uuid`: the pod's UID.
         vm_uuid: String,
+        /// An access port on this VLAN (`tag=`): a nested pod's subport VLAN on the VM's own
+        /// Open vSwitch bridge ([`vlan`]); untagged when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vlan: Option<u16>,
     },
+    /// The pod's interface is a kernel 802.1Q device of the VM's `uplink` on `vlan` (nested
+    /// pods, [`vlan`]): there is no host end.
+    Vlan { uplink: String, vlan: u16 },
 }
 
 /// What [`plug`] made.
@@ -282,6 +290,12 @@ impl PlugSpec {
             BindingDriver::Ovs { bridge, iface_id, .. } => {
                 if bridge.is_empty() || iface_id.is_empty() {
                     return Err(PlugError::InvalidSpec("OVS driver needs a bridge and an iface_id".to_string()));
+                }
+            }
+            BindingDriver::Vlan { uplink, vlan } => {
+                check_ifname("uplink", uplink)?;
+                if !(1..=4094).contains(vlan) {
+                    return Err(PlugError::InvalidSpec(format!("VLAN id {vlan} is outside 1-4094")));
                 }
             }
         }

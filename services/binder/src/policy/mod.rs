@@ -186,10 +186,7 @@ impl Dataplane {
     /// Follows the stream until shutdown. While it is down the rules programmed stay in force.
     async fn follow(self, mut follower: Follower<PolicySource>, shutdown: Shutdown) {
         loop {
-            let next = tokio::select! {
-                next = follower.next() => next,
-                () = shutdown.clone().wait() => return,
-            };
+            let Some(next) = follower.next_or(shutdown.clone().wait()).await else { return };
             let ev = match next {
                 Followed::Event(ev) => ev,
                 Followed::Down(_) => {

@@ -131,3 +131,27 @@ fn replace_refills_every_set_in_one_script_and_removes_stale_policy_objects_only
     assert!(!script.contains("svc/") && !script.contains("services4"), "{script}");
     assert!(!script.contains("flush table") && !script.contains("delete table"));
 }
+
+/// SCTP is compiled and rendered like TCP and UDP (this machine's kernel has no sctp module, so
+/// it is not exercised on traffic): a port and a port range of SCTP become elements keyed on
+/// `sctp`, IPv4 and IPv6, with nothing left out.
+#[test]
+fn sctp_ports_and_ranges_are_set_elements_like_tcp_and_udp() {
+    let mut d = state();
+    let g = d.groups.get_mut("i00000000000000a1").unwrap();
+    g.ports = vec![
+        AddressPort { address: "10.0.2.2".into(), protocol: Protocol::Sctp as i32, port: 9 },
+        AddressPort { address: "fd00::2:2".into(), protocol: Protocol::Sctp as i32, port: 9 },
+    ];
+    g.boxes = vec![PortBox {
+        addresses: Some(AddressRange { first: "10.1.0.0".into(), last: "10.1.255.255".into() }),
+        protocol: Protocol::Sctp as i32,
+        first_port: 1000,
+        last_port: 2000,
+    }];
+    let (r, warnings) = render(&d);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(elems(&r, "pol/i00000000000000a1/p4"), ["10.0.2.2 . sctp . 9"]);
+    assert_eq!(elems(&r, "pol/i00000000000000a1/p6"), ["fd00::2:2 . sctp . 9"]);
+    assert_eq!(elems(&r, "pol/i00000000000000a1/r4"), ["10.1.0.0-10.1.255.255 . sctp . 1000-2000"]);
+}

@@ -1,0 +1,26 @@
+//! The pure part of lbaas: what a Service's load balancer should be ([`spec`]) and the view of
+//! Services and EndpointSlices it is computed from ([`view`]). No Kubernetes client, no gRPC
+//! server, no backend: the inputs and outputs are the `kuryr.watcher.v1` / `kuryr.lbaas.v1`
+//! messages (plain data), and everything here is unit-tested without I/O.
+
+pub mod spec;
+pub mod view;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Locks a mutex of plain collections; a panic elsewhere cannot leave them inconsistent.
+pub fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An error and its causes on one line, for logs and Events.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

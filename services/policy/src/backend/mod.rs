@@ -1,0 +1,4 @@
+//! What enforces NetworkPolicy besides the binders' nftables: the Neutron security-group
+//! backend ([`neutron`], `--backend neutron`).
+
+pub mod neutron;

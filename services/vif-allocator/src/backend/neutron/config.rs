@@ -1,0 +1,197 @@
+//! The Neutron backend's flags, and the OpenStack client they describe.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
+use kuryr_openstack::{Client, ClientOptions, CloudConfig, ConfigSource, ServiceType};
+
+use super::namespaces::config::NamespaceArgs;
+use super::pool::Limits;
+
+/// Flags of `--backend neutron`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct NeutronArgs {
+    /// The cloud of clouds.yaml to use (Keystone password or application credential); else
+    /// `OS_CLOUD`, else the `OS_*` variables, else a clouds.yaml with a single cloud.
+    #[arg(long, env = "KURYR_OS_CLOUD")]
+    pub os_cloud: Option<String>,
+
+    /// The clouds.yaml to read, instead of the standard search path (`OS_CLIENT_CONFIG_FILE`,
+    /// `./clouds.yaml`, `~/.config/openstack/`, `/etc/openstack/`).
+    #[arg(long, env = "KURYR_CLOUDS_YAML")]
+    pub clouds_yaml: Option<std::path::PathBuf>,
+
+    /// Neutron's URL for deployments without Keystone (e.g. `http://neutron:9696`): requests
+    /// carry no token and `--project-id` owns the ports. Replaces the cloud configuration.
+    #[arg(long, env = "KURYR_NEUTRON_URL")]
+    pub neutron_url: Option<String>,
+
+    /// The project owning the pods' ports; by default the project of the Keystone token.
+    /// Required with --neutron-url.
+    #[arg(long, env = "KURYR_PROJECT_ID")]
+    pub project_id: Option<String>,
+
+    /// The Neutron network pods' ports are created on.
+    #[arg(long, env = "KURYR_POD_NETWORK_ID")]
+    pub pod_network_id: Option<String>,
+
+    /// The pod subnets (at most one per IP family is usual: dual-stack), comma-separated; every
+    /// subnet of the network when unset.
+    #[arg(long, env = "KURYR_POD_SUBNET_IDS", value_delimiter = ',')]
+    pub pod_subnet_ids: Vec<String>,
+
+    /// Security groups of the pods' ports, comma-separated; the project's default group when
+    /// unset.
+    #[arg(long, env = "KURYR_SECURITY_GROUPS", value_delimiter = ',')]
+    pub security_groups: Vec<String>,
+
+    /// Names this cluster in the tag `kuryr.openstack.org/cluster=<id>` on every port it creates:
+    /// what recovery and garbage collection look for. Distinct per cluster sharing a project.
+    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
+    pub cluster_id: String,
+
+    /// `device_owner` of the pods' ports.
+    #[arg(long, env = "KURYR_DEVICE_OWNER", default_value = "compute:kuryr")]
+    pub device_owner: String,
+
+    /// The Open vSwitch integration bridge on the nodes that binders plug ports into.
+    #[arg(long, env = "KURYR_OVS_BRIDGE", default_value = "br-int")]
+    pub ovs_bridge: String,
+
+    /// Refill a node's pool when its spare ports fall below this.
+    #[arg(long, env = "KURYR_POOL_MIN", default_value_t = 5)]
+    pub pool_min: u32,
+
+    /// Ports created per refill (one bulk call); 0 turns pools off: a port is created for each
+    /// pod and deleted on release.
+    #[arg(long, env = "KURYR_POOL_BATCH", default_value_t = 10)]
+    pub pool_batch: u32,
+
+    /// Most spare ports kept per pool (released ports beyond it are deleted; PopulatePool stops
+    /// there too); 0 lifts the cap, so that a node's pool may hold any number of ports.
+    #[arg(long, env = "KURYR_POOL_MAX", default_value_t = 50)]
+    pub pool_max: u32,
+
+    /// Bulk port creations in flight at once, over all pools.
+    #[arg(long, env = "KURYR_POOL_BULK_CONCURRENCY", default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub pool_bulk_concurrency: usize,
+
+    /// Interval of the batched status reads while plugged ports wait for ACTIVE (one read covers
+    /// every waiting port): how late, at most, a pod learns that its port is ACTIVE.
+    #[arg(long, env = "KURYR_STATUS_POLL_MIN", default_value = "100ms", value_parser = kuryr_runtime::config::parse_duration)]
+    pub status_poll_min: Duration,
+
+    /// Longest wait between two batched status reads (the backoff's cap).
+    #[arg(long, env = "KURYR_STATUS_POLL_MAX", default_value = "2s", value_parser = kuryr_runtime::config::parse_duration)]
+    pub status_poll_max: Duration,
+
+    /// Deadline of one Neutron request.
+    #[arg(long, env = "KURYR_NEUTRON_TIMEOUT", default_value = "30s", value_parser = kuryr_runtime::config::parse_duration)]
+    pub neutron_timeout: Duration,
+
+    #[command(flatten)]
+    pub namespaces: NamespaceArgs,
+
+    #[command(flatten)]
+    pub events: super::events::config::EventArgs,
+
+    #[command(flatten)]
+    pub nested: super::trunk::NestedArgs,
+}
+
+impl NeutronArgs {
+    /// The pool limits.
+    pub fn limits(&self) -> Limits {
+        Limits { min: self.pool_min, batch: self.pool_batch, max: self.pool_max }
+    }
+
+    /// Checks what can be checked before anything is contacted, naming the flag at fault.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let network = self.pod_network_id.as_deref().unwrap_or_default();
+        self.namespaces.validate(!network.trim().is_empty() || !self.pod_subnet_ids.is_empty())?;
+        anyhow::ensure!(
+            self.namespaces.neutron_namespace_subnets || !network.trim().is_empty(),
+            "--pod-network-id is required with --backend neutron (or --neutron-namespace-subnets)"
+        );
+        for (flag, values) in [("--pod-subnet-ids", &self.pod_subnet_ids), ("--security-groups", &self.security_groups)]
+        {
+            anyhow::ensure!(values.iter().all(|v| !v.trim().is_empty()), "{flag}: empty id in the list");
+        }
+        anyhow::ensure!(
+            !self.cluster_id.is_empty()
+                && !self.cluster_id.contains(',')
+                && self.cluster_id.len() <= 200
+                && self.cluster_id.chars().all(|c| !c.is_control()),
+            "--cluster-id {:?}: 1-200 printable characters without commas (it becomes a Neutron tag)",
+            self.cluster_id
+        );
+        anyhow::ensure!(!self.device_owner.is_empty(), "--device-owner: must not be empty");
+        anyhow::ensure!(
+            !(self.nested.nested_trunks && self.namespaces.neutron_namespace_subnets),
+            "--nested-trunks and --neutron-namespace-subnets cannot be combined (subports are on the pod network)"
+        );
+        anyhow::ensure!(
+            !self.ovs_bridge.is_empty() && self.ovs_bridge.len() <= 15,
+            "--ovs-bridge {:?}: 1-15 characters",
+            self.ovs_bridge
+        );
+        anyhow::ensure!(
+            self.pool_max == 0 || self.pool_max >= self.pool_min,
+            "--pool-max {} is below --pool-min {}",
+            self.pool_max,
+            self.pool_min
+        );
+        anyhow::ensure!(
+            self.status_poll_min > Duration::ZERO && self.status_poll_min <= self.status_poll_max,
+            "--status-poll-min must be positive and at most --status-poll-max"
+        );
+        if let Some(tls) = self.events.resolve()?.and_then(|c| c.tls) {
+            // Certificates and keys are read now: a bad one fails the start, not every connection.
+            super::events::tls_connector(&tls)?;
+        }
+        if self.neutron_url.is_some() {
+            anyhow::ensure!(
+                self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),
+                "--project-id is required with --neutron-url (no Keystone token to take it from)"
+            );
+        }
+        Ok(())
+    }
+
+    /// The tag marking ports as this cluster's.
+    pub fn cluster_tag(&self) -> String {
+        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
+    }
+
+    /// The cloud: a direct Neutron endpoint, or clouds.yaml / `OS_*`.
+    pub fn cloud(&self) -> anyhow::Result<CloudConfig> {
+        if let Some(url) = &self.neutron_url {
+            let parsed = url.parse().map_err(|e| anyhow::anyhow!("--neutron-url {url:?}: {e}"))?;
+            return Ok(CloudConfig {
+                origin: "--neutron-url".into(),
+                auth: AuthConfig::NoAuth { project_id: self.project_id.clone() },
+                region_name: None,
+                interface: Interface::default(),
+                tls: TlsConfig::default(),
+                endpoint_overrides: BTreeMap::from([(ServiceType::Network, parsed)]),
+            });
+        }
+        let mut source = ConfigSource::from_process(self.os_cloud.clone());
+        if let Some(path) = &self.clouds_yaml {
+            anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
+            source.clouds_files = Some(vec![path.clone()]);
+        }
+        CloudConfig::load(&source)
+            .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))
+    }
+
+    /// The OpenStack client, recording into `metrics`.
+    pub fn client(&self, metrics: Arc<kuryr_openstack::Metrics>) -> anyhow::Result<Client> {
+        let cloud = self.cloud()?;
+        let options = ClientOptions { timeout: self.neutron_timeout, ..ClientOptions::default() };
+        Ok(Client::new(&cloud, options, metrics)?)
+    }
+}

@@ -1,0 +1,544 @@
+//! Port pools, as bookkeeping: every port this cluster owns in Neutron is in exactly one place —
+//! free in a pool, recycling (released, waiting for Neutron to see it unplugged before it is
+//! handed out again), or in use by a pod (keyed by pod uid). Pure: no Neutron calls here, so
+//! the arithmetic (when to refill, whether a released port is kept) is tested on its own.
+//!
+//! Pools are keyed by (node, project, network, security-group set), as Kuryr's were: a port is
+//! bound to its node (`binding:host_id`) when created, so it can only serve pods of that node.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Instant;
+
+use kuryr_openstack::neutron::Port;
+
+/// Which pool a port belongs to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolKey {
+    /// The node (`binding:host_id`).
+    pub node: String,
+    /// The owning project.
+    pub project: String,
+    /// The network.
+    pub network: String,
+    /// The security groups, sorted; empty means the project's default group.
+    pub security_groups: Vec<String>,
+}
+
+impl PoolKey {
+    /// A key with its security groups sorted and deduplicated.
+    pub fn new(node: &str, project: &str, network: &str, mut security_groups: Vec<String>) -> Self {
+        security_groups.sort();
+        security_groups.dedup();
+        Self { node: node.into(), project: project.into(), network: network.into(), security_groups }
+    }
+}
+
+/// How big pools are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Refill when free + recycling + being created falls below this.
+    pub min: u32,
+    /// Ports created per refill; 0 turns pools off (a port per pod, deleted on release).
+    pub batch: u32,
+    /// Most ports kept out of use per pool (free + recycling); 0: no cap.
+    pub max: u32,
+}
+
+impl Limits {
+    /// Whether ports are pooled at all.
+    pub fn pooling(&self) -> bool {
+        self.batch > 0
+    }
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    free: VecDeque<Port>,
+    /// Port id → (port, released at).
+    recycling: HashMap<String, (Port, Instant)>,
+    /// Ports asked of Neutron and not yet answered.
+    creating: u32,
+}
+
+impl PoolState {
+    fn spare(&self) -> u32 {
+        u32::try_from(self.free.len() + self.recycling.len()).unwrap_or(u32::MAX).saturating_add(self.creating)
+    }
+}
+
+/// Where a port of the inventory is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// Released, waiting to be seen unplugged: its pool and revision at release.
+    Recycling(PoolKey, Option<u64>),
+    /// Held by a pod: its uid and the port's revision at assignment.
+    Held(String, Option<u64>),
+    /// Free in a pool.
+    Free,
+}
+
+/// A pool as the pool API shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolView {
+    /// Which pool.
+    pub key: PoolKey,
+    /// Free port ids, next to be handed out first.
+    pub free: Vec<String>,
+    /// Ports released and waiting to be seen unplugged.
+    pub recycling: u32,
+    /// Ports in use by pods.
+    pub in_use: u32,
+    /// Ports being created.
+    pub creating: u32,
+}
+
+/// Every port the allocator owns.
+#[derive(Debug, Default)]
+pub struct Inventory {
+    pools: BTreeMap<PoolKey, PoolState>,
+    /// Pod uid → (pool, port).
+    in_use: HashMap<String, (PoolKey, Port)>,
+}
+
+impl Inventory {
+    /// The port a pod holds.
+    pub fn held(&self, pod_uid: &str) -> Option<&Port> {
+        self.in_use.get(pod_uid).map(|(_, p)| p)
+    }
+
+    /// Takes the oldest free port of a pool.
+    pub fn take(&mut self, key: &PoolKey) -> Option<Port> {
+        self.pools.get_mut(key)?.free.pop_front()
+    }
+
+    /// Puts a port back at the head of a pool (a hand-out that failed part-way).
+    pub fn untake(&mut self, key: &PoolKey, port: Port) {
+        self.pools.entry(key.clone()).or_default().free.push_front(port);
+    }
+
+    /// Adds a free port to a pool.
+    pub fn put_free(&mut self, key: &PoolKey, port: Port) {
+        self.pools.entry(key.clone()).or_default().free.push_back(port);
+    }
+
+    /// Adds a released port, to be handed out once Neutron no longer reports it ACTIVE.
+    pub fn put_recycling(&mut self, key: &PoolKey, port: Port, now: Instant) {
+        self.pools.entry(key.clone()).or_default().recycling.insert(port.id.clone(), (port, now));
+    }
+
+    /// Every recycling port: (pool, port id, released at).
+    pub fn recycling(&self) -> Vec<(PoolKey, String, Instant)> {
+        self.pools
+            .iter()
+            .flat_map(|(k, s)| s.recycling.iter().map(move |(id, (_, at))| (k.clone(), id.clone(), *at)))
+            .collect()
+    }
+
+    /// A recycling port was seen unplugged: it is free again. Returns whether it was recycling.
+    pub fn recycled(&mut self, key: &PoolKey, port_id: &str) -> bool {
+        let Some(state) = self.pools.get_mut(key) else { return false };
+        match state.recycling.remove(port_id) {
+            Some((port, _)) => {
+                state.free.push_back(port);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets a recycling port (deleted, or gone from Neutron).
+    pub fn drop_recycling(&mut self, key: &PoolKey, port_id: &str) -> Option<Port> {
+        self.pools.get_mut(key)?.recycling.remove(port_id).map(|(p, _)| p)
+    }
+
+    /// Records that `pod_uid` holds `port`. Returns the port it held before, if another one.
+    pub fn assign(&mut self, pod_uid: &str, key: &PoolKey, port: Port) -> Option<Port> {
+        let before = self.in_use.insert(pod_uid.to_string(), (key.clone(), port.clone()));
+        self.pools.entry(key.clone()).or_default();
+        before.map(|(_, p)| p).filter(|p| p.id != port.id)
+    }
+
+    /// The pod no longer holds its port; returns it with its pool.
+    pub fn unassign(&mut self, pod_uid: &str) -> Option<(PoolKey, Port)> {
+        self.in_use.remove(pod_uid)
+    }
+
+    /// Where a port is, for a pushed port event: the pool of a recycling port with its revision
+    /// at release, or the pod holding it with its revision at assignment, or `Free`; `None`
+    /// when the port is not this allocator's.
+    pub fn place(&self, port_id: &str) -> Option<Place> {
+        for (k, s) in &self.pools {
+            if let Some((p, _)) = s.recycling.get(port_id) {
+                return Some(Place::Recycling(k.clone(), p.revision_number));
+            }
+        }
+        if let Some((uid, (_, p))) = self.in_use.iter().find(|(_, (_, p))| p.id == port_id) {
+            return Some(Place::Held(uid.clone(), p.revision_number));
+        }
+        self.pools.values().any(|s| s.free.iter().any(|p| p.id == port_id)).then_some(Place::Free)
+    }
+
+    /// The ids of every port held, free or recycling.
+    pub fn port_ids(&self) -> std::collections::HashSet<String> {
+        let pooled =
+            self.pools.values().flat_map(|s| s.free.iter().map(|p| p.id.clone()).chain(s.recycling.keys().cloned()));
+        pooled.chain(self.in_use.values().map(|(_, p)| p.id.clone())).collect()
+    }
+
+    /// Every pod holding a port: (pod uid, pool, port).
+    pub fn holders(&self) -> impl Iterator<Item = (&str, &PoolKey, &Port)> {
+        self.in_use.iter().map(|(uid, (k, p))| (uid.as_str(), k, p))
+    }
+
+    /// Marks `n` ports of a pool as being created.
+    pub fn creating(&mut self, key: &PoolKey, n: u32) {
+        let s = self.pools.entry(key.clone()).or_default();
+        s.creating = s.creating.saturating_add(n);
+    }
+
+    /// Ports being created for the pools `which` selects.
+    pub fn creating_for(&self, which: impl Fn(&PoolKey) -> bool) -> u32 {
+        self.pools.iter().filter(|(k, _)| which(k)).map(|(_, s)| s.creating).sum()
+    }
+
+    /// `n` creations of a pool finished (well or not).
+    pub fn created(&mut self, key: &PoolKey, n: u32) {
+        if let Some(s) = self.pools.get_mut(key) {
+            s.creating = s.creating.saturating_sub(n);
+        }
+    }
+
+    /// How many ports to create for a pool now: a batch when its spare ports fell below the
+    /// minimum, never beyond the maximum.
+    pub fn refill(&self, key: &PoolKey, limits: Limits) -> u32 {
+        if !limits.pooling() {
+            return 0;
+        }
+        let spare = self.pools.get(key).map_or(0, PoolState::spare);
+        if spare >= limits.min {
+            return 0;
+        }
+        let want = limits.batch.max(limits.min - spare);
+        if limits.max == 0 { want } else { want.min(limits.max.saturating_sub(spare)) }
+    }
+
+    /// How many ports to create so that a pool has `count` spare ports (the pool API's populate),
+    /// never beyond the maximum.
+    pub fn top_up(&self, key: &PoolKey, count: u32, limits: Limits) -> u32 {
+        let spare = self.pools.get(key).map_or(0, PoolState::spare);
+        let want = count.saturating_sub(spare);
+        if limits.max == 0 { want } else { want.min(limits.max.saturating_sub(spare)) }
+    }
+
+    /// Whether a released port of a pool is kept (recycled) rather than deleted.
+    pub fn keeps(&self, key: &PoolKey, limits: Limits) -> bool {
+        limits.pooling() && (limits.max == 0 || self.pools.get(key).map_or(0, PoolState::spare) < limits.max)
+    }
+
+    /// Removes and returns every free port of the pools `which` selects.
+    pub fn drain_free(&mut self, which: impl Fn(&PoolKey) -> bool) -> Vec<(PoolKey, Port)> {
+        let mut out = Vec::new();
+        for (k, s) in self.pools.iter_mut().filter(|(k, _)| which(k)) {
+            out.extend(s.free.drain(..).map(|p| (k.clone(), p)));
+        }
+        out
+    }
+
+    /// Forgets the pools `which` selects that hold nothing (no free, recycling, creating or
+    /// in-use port): a namespace network that is gone.
+    pub fn forget_pools(&mut self, which: impl Fn(&PoolKey) -> bool) {
+        let busy: Vec<PoolKey> = self.in_use.values().map(|(k, _)| k.clone()).collect();
+        self.pools.retain(|k, s| {
+            !which(k) || !s.free.is_empty() || !s.recycling.is_empty() || s.creating > 0 || busy.contains(k)
+        });
+    }
+
+    /// Forgets every port and pool of the nodes `which` selects (their shard went to another
+    /// replica); ports being created for them are still counted until their creation ends.
+    /// Returns the ids of the ports forgotten.
+    pub fn forget_nodes(&mut self, which: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut gone: Vec<String> = Vec::new();
+        self.in_use.retain(|_, (k, p)| {
+            let drop = which(&k.node);
+            if drop {
+                gone.push(p.id.clone());
+            }
+            !drop
+        });
+        self.pools.retain(|k, s| {
+            if !which(&k.node) {
+                return true;
+            }
+            gone.extend(s.free.drain(..).map(|p| p.id).chain(s.recycling.drain().map(|(id, _)| id)));
+            s.creating > 0
+        });
+        gone
+    }
+
+    /// Replaces what is known of the nodes `which` selects by `fresh` (read from Neutron), and
+    /// keeps everything else: the pools of a gained shard as Neutron has them now.
+    pub fn replace_nodes(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory) {
+        self.forget_nodes(&which);
+        for (k, s) in fresh.pools.into_iter().filter(|(k, _)| which(&k.node)) {
+            let mine = self.pools.entry(k).or_default();
+            mine.free.extend(s.free);
+            mine.recycling.extend(s.recycling);
+        }
+        for (uid, (k, p)) in fresh.in_use.into_iter().filter(|(_, (k, _))| which(&k.node)) {
+            self.pools.entry(k.clone()).or_default();
+            self.in_use.insert(uid, (k, p));
+        }
+    }
+
+    /// Adds the ports of `fresh` (read from Neutron) that are nowhere here, for the nodes `which`
+    /// selects, skipping pools with creations in flight (their ports join as the calls answer):
+    /// ports a previous owner of the node's shard made or handed out after this replica read
+    /// Neutron. Returns how many were added.
+    pub fn absorb_unknown(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory) -> usize {
+        let known = self.port_ids();
+        let busy = |inv: &Inventory, k: &PoolKey| inv.pools.get(k).is_some_and(|s| s.creating > 0);
+        let mut added = 0;
+        for (k, s) in fresh.pools {
+            if !which(&k.node) || busy(self, &k) {
+                continue;
+            }
+            for p in s.free.into_iter().filter(|p| !known.contains(&p.id)) {
+                self.put_free(&k, p);
+                added += 1;
+            }
+            for (_, (p, at)) in s.recycling.into_iter().filter(|(id, _)| !known.contains(id)) {
+                self.put_recycling(&k, p, at);
+                added += 1;
+            }
+        }
+        for (uid, (k, p)) in fresh.in_use {
+            if which(&k.node) && !known.contains(&p.id) && !self.in_use.contains_key(&uid) {
+                self.assign(&uid, &k, p);
+                added += 1;
+            }
+        }
+        added
+    }
+
+    /// The nodes that have a pool or a port here.
+    pub fn nodes(&self) -> std::collections::BTreeSet<String> {
+        self.pools.keys().map(|k| k.node.clone()).chain(self.in_use.values().map(|(k, _)| k.node.clone())).collect()
+    }
+
+    /// One pool's view, if the pool exists.
+    pub fn view(&self, key: &PoolKey) -> Option<PoolView> {
+        let s = self.pools.get(key)?;
+        let in_use = self.in_use.values().filter(|(k, _)| k == key).count();
+        Some(PoolView {
+            key: key.clone(),
+            free: s.free.iter().map(|p| p.id.clone()).collect(),
+            recycling: u32::try_from(s.recycling.len()).unwrap_or(u32::MAX),
+            in_use: u32::try_from(in_use).unwrap_or(u32::MAX),
+            creating: s.creating,
+        })
+    }
+
+    /// Every pool's view.
+    pub fn views(&self) -> Vec<PoolView> {
+        self.pools.keys().filter_map(|k| self.view(k)).collect()
+    }
+
+    /// Ports in all: free, recycling and in use.
+    pub fn total(&self) -> usize {
+        self.in_use.len() + self.pools.values().map(|s| s.free.len() + s.recycling.len()).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn port(id: &str) -> Port {
+        Port { id: id.into(), ..Default::default() }
+    }
+
+    fn key(node: &str) -> PoolKey {
+        PoolKey::new(node, "proj", "net", vec!["sg-b".into(), "sg-a".into(), "sg-b".into()])
+    }
+
+    const LIMITS: Limits = Limits { min: 3, batch: 5, max: 8 };
+
+    #[test]
+    fn keys_sort_their_security_groups() {
+        assert_eq!(key("n1").security_groups, ["sg-a", "sg-b"]);
+        assert_eq!(key("n1"), PoolKey::new("n1", "proj", "net", vec!["sg-a".into(), "sg-b".into()]));
+        assert_ne!(key("n1"), key("n2"));
+    }
+
+    #[test]
+    fn refills_by_batches_below_min_and_never_beyond_max() {
+        let mut inv = Inventory::default();
+        let k = key("n1");
+        assert_eq!(inv.refill(&k, LIMITS), 5, "an empty pool gets a batch");
+        inv.creating(&k, 5);
+        assert_eq!(inv.refill(&k, LIMITS), 0, "ports being created count");
+        inv.created(&k, 5);
+        for i in 0..2 {
+            inv.put_free(&k, port(&format!("p{i}")));
+        }
+        assert_eq!(inv.refill(&k, LIMITS), 5, "2 < min 3");
+        for i in 2..7 {
+            inv.put_free(&k, port(&format!("p{i}")));
+        }
+        assert_eq!(inv.refill(&k, LIMITS), 0);
+        // A batch bigger than the room under max is cut down to the room.
+        let tight = Limits { min: 3, batch: 10, max: 4 };
+        let mut inv2 = Inventory::default();
+        inv2.put_free(&k, port("x"));
+        assert_eq!(inv2.refill(&k, tight), 3);
+        // A minimum above the batch is met in one go.
+        assert_eq!(Inventory::default().refill(&k, Limits { min: 12, batch: 5, max: 0 }), 12);
+        assert_eq!(Inventory::default().refill(&k, Limits { min: 3, batch: 0, max: 0 }), 0, "pools off");
+        assert_eq!(inv.top_up(&k, 10, LIMITS), 1, "7 spare, max 8");
+        assert_eq!(inv.top_up(&k, 4, LIMITS), 0);
+        assert_eq!(inv.top_up(&k, 10, Limits { max: 0, ..LIMITS }), 3);
+    }
+
+    #[test]
+    fn ports_move_between_free_in_use_and_recycling() {
+        let mut inv = Inventory::default();
+        let k = key("n1");
+        inv.put_free(&k, port("a"));
+        inv.put_free(&k, port("b"));
+        let p = inv.take(&k).unwrap();
+        assert_eq!(p.id, "a", "oldest first");
+        assert!(inv.assign("uid-1", &k, p).is_none());
+        assert_eq!(inv.held("uid-1").unwrap().id, "a");
+        // Assigning another port to the same pod returns the one it replaces (a duplicate).
+        assert_eq!(inv.assign("uid-1", &k, port("z")).unwrap().id, "a");
+        inv.assign("uid-1", &k, port("a"));
+        assert_eq!(inv.view(&k).unwrap().in_use, 1);
+        assert_eq!(inv.total(), 2);
+
+        let (kk, released) = inv.unassign("uid-1").unwrap();
+        assert_eq!(kk, k);
+        assert!(inv.keeps(&k, LIMITS));
+        let t0 = Instant::now();
+        inv.put_recycling(&k, released, t0);
+        let v = inv.view(&k).unwrap();
+        assert_eq!((v.free.as_slice(), v.recycling, v.in_use), (["b".to_string()].as_slice(), 1, 0));
+        assert_eq!(inv.recycling(), [(k.clone(), "a".to_string(), t0)]);
+        assert!(inv.recycled(&k, "a"));
+        assert!(!inv.recycled(&k, "a"), "only once");
+        assert_eq!(inv.view(&k).unwrap().free, ["b", "a"]);
+
+        let p = inv.take(&k).unwrap();
+        inv.untake(&k, p);
+        assert_eq!(inv.view(&k).unwrap().free, ["b", "a"], "a failed hand-out goes back to the head");
+        assert_eq!(inv.drain_free(|kk| kk.node == "n2"), []);
+        let drained: Vec<String> = inv.drain_free(|_| true).into_iter().map(|(_, p)| p.id).collect();
+        assert_eq!(drained, ["b", "a"]);
+        assert_eq!(inv.total(), 0);
+        inv.put_free(&key("n2"), port("c"));
+        inv.forget_pools(|_| true);
+        let left: Vec<String> = inv.views().into_iter().map(|v| v.key.node).collect();
+        assert_eq!(left, ["n2"], "only empty pools are forgotten");
+    }
+
+    #[test]
+    fn a_shard_change_forgets_or_replaces_only_its_nodes_pools() {
+        let mut inv = Inventory::default();
+        let (k1, k2) = (key("n1"), key("n2"));
+        inv.put_free(&k1, port("f1"));
+        inv.put_recycling(&k1, port("r1"), Instant::now());
+        inv.assign("uid-1", &k1, port("u1"));
+        inv.put_free(&k2, port("f2"));
+        inv.assign("uid-2", &k2, port("u2"));
+        inv.creating(&key("n3"), 3);
+        let mut gone = inv.forget_nodes(|n| n == "n1" || n == "n3");
+        gone.sort();
+        assert_eq!(gone, ["f1", "r1", "u1"]);
+        assert!(inv.held("uid-1").is_none() && inv.held("uid-2").is_some());
+        assert_eq!(inv.nodes().into_iter().collect::<Vec<_>>(), ["n2", "n3"], "a pool being filled stays counted");
+        assert_eq!(inv.refill(&key("n3"), LIMITS), 0, "its creations still count");
+
+        // Gained again: what Neutron has now replaces what was known; other nodes stay as they are.
+        inv.put_free(&k1, port("stale"));
+        let mut fresh = Inventory::default();
+        fresh.put_free(&k1, port("f1"));
+        fresh.assign("uid-9", &k1, port("u9"));
+        fresh.put_free(&k2, port("not-mine"));
+        inv.replace_nodes(|n| n == "n1", fresh);
+        assert_eq!(inv.view(&k1).unwrap().free, ["f1"]);
+        assert_eq!(inv.held("uid-9").unwrap().id, "u9");
+        assert_eq!(inv.view(&k2).unwrap().free, ["f2"], "a node outside the selection keeps its pool");
+        assert_eq!(inv.total(), 4);
+    }
+
+    #[test]
+    fn ports_unknown_here_are_absorbed_except_into_pools_being_filled() {
+        let mut inv = Inventory::default();
+        let (k1, k2) = (key("n1"), key("n2"));
+        inv.put_free(&k1, port("a"));
+        inv.assign("uid-1", &k1, port("b"));
+        inv.creating(&k2, 1);
+        let mut fresh = Inventory::default();
+        fresh.put_free(&k1, port("a"));
+        fresh.put_free(&k1, port("b"));
+        fresh.put_free(&k1, port("c"));
+        fresh.put_recycling(&k1, port("d"), Instant::now());
+        fresh.assign("uid-2", &k1, port("e"));
+        fresh.assign("uid-1", &k1, port("f"));
+        fresh.put_free(&k2, port("g"));
+        fresh.put_free(&key("n3"), port("h"));
+        assert_eq!(inv.absorb_unknown(|n| n != "n3", fresh), 3, "c, d and e");
+        assert_eq!(inv.view(&k1).unwrap().free, ["a", "c"]);
+        assert_eq!(inv.view(&k1).unwrap().recycling, 1);
+        assert_eq!(inv.held("uid-2").unwrap().id, "e");
+        assert_eq!(inv.held("uid-1").unwrap().id, "b", "a pod keeps the port it holds here");
+        assert!(inv.view(&k2).unwrap().free.is_empty(), "a pool being filled takes its ports as they come");
+        assert!(inv.view(&key("n3")).is_none());
+    }
+
+    /// Which pools a replica keeps follows the shard of their node, as kuryr_shard assigns it.
+    #[test]
+    fn pools_follow_the_shard_of_their_node() {
+        let mut inv = Inventory::default();
+        let nodes: Vec<String> = (0..16).map(|i| format!("node-{i}")).collect();
+        for (i, n) in nodes.iter().enumerate() {
+            inv.put_free(&key(n), port(&format!("p{i}")));
+        }
+        let mine: std::collections::BTreeSet<u32> = [0, 2].into();
+        let owns = |n: &str| kuryr_shard::shard_of(n, 4).is_some_and(|s| mine.contains(&s));
+        inv.forget_nodes(|n| !owns(n));
+        let kept = inv.nodes();
+        assert!(!kept.is_empty() && kept.len() < nodes.len(), "{kept:?}");
+        for n in &nodes {
+            assert_eq!(kept.contains(n), owns(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn released_ports_are_kept_only_under_max() {
+        let mut inv = Inventory::default();
+        let k = key("n1");
+        let small = Limits { min: 1, batch: 1, max: 2 };
+        assert!(inv.keeps(&k, small));
+        inv.put_free(&k, port("a"));
+        inv.put_recycling(&k, port("b"), Instant::now());
+        assert!(!inv.keeps(&k, small), "free + recycling = max");
+        assert!(inv.keeps(&k, Limits { max: 0, ..small }), "no cap");
+        assert!(!Inventory::default().keeps(&k, Limits { min: 0, batch: 0, max: 0 }), "pools off: delete");
+        assert_eq!(inv.drop_recycling(&k, "b").unwrap().id, "b");
+        assert!(inv.keeps(&k, small));
+    }
+
+    #[test]
+    fn ports_in_flight_are_counted_per_selected_pools() {
+        let mut inv = Inventory::default();
+        inv.creating(&key("n1"), 2);
+        inv.creating(&key("n2"), 3);
+        assert_eq!(inv.creating_for(|k| k.node == "n1"), 2);
+        assert_eq!(inv.creating_for(|_| true), 5);
+        inv.created(&key("n1"), 2);
+        assert_eq!(inv.creating_for(|k| k.node == "n1"), 0);
+        assert_eq!(inv.creating_for(|k| k.node == "n3"), 0);
+    }
+}

@@ -1,0 +1,7 @@
+//! The allocator's side of the Kubernetes API: its custom resources ([`crd`]), the
+//! [`crate::cluster::Cluster`] against a real API server ([`api`]), and the further interfaces'
+//! NetworkAttachmentDefinitions ([`attach`]).
+
+pub mod api;
+pub mod attach;
+pub mod crd;

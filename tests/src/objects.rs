@@ -1,0 +1,159 @@
+//! Kubernetes objects the suites create, built in one place: a pod with one `busybox` container
+//! named `main`, and what the suites vary about it (node, namespace, labels, host network,
+//! grace period, command, ports). The Service-side objects are in [`crate::sut`].
+//!
+//! ```
+//! let p = kuryr_tests::objects::pod("web-1").node("node-1").label("app", "web").sleeping().build();
+//! assert_eq!(p.spec.unwrap().node_name.as_deref(), Some("node-1"));
+//! ```
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+/// A pod being described; [`PodBuilder::build`] makes it.
+#[derive(Clone, Debug, Default)]
+pub struct PodBuilder {
+    name: String,
+    namespace: Option<String>,
+    node: Option<String>,
+    labels: BTreeMap<String, String>,
+    host_network: Option<bool>,
+    grace: Option<i64>,
+    command: Option<Vec<String>>,
+    ports: Vec<ContainerPort>,
+}
+
+/// A pod named `name`: no namespace (the API's client decides), not pinned to a node, no labels.
+pub fn pod(name: &str) -> PodBuilder {
+    PodBuilder { name: name.to_string(), ..PodBuilder::default() }
+}
+
+impl PodBuilder {
+    /// In namespace `ns`.
+    #[must_use]
+    pub fn namespace(mut self, ns: &str) -> Self {
+        self.namespace = Some(ns.to_string());
+        self
+    }
+
+    /// Pinned to `node` (`spec.nodeName`), as a scheduler would have bound it.
+    #[must_use]
+    pub fn node(mut self, node: &str) -> Self {
+        self.node = Some(node.to_string());
+        self
+    }
+
+    /// With the label `key=value`.
+    #[must_use]
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// With `spec.hostNetwork` set to `on`.
+    #[must_use]
+    pub fn host_network(mut self, on: bool) -> Self {
+        self.host_network = Some(on);
+        self
+    }
+
+    /// With `spec.terminationGracePeriodSeconds`.
+    #[must_use]
+    pub fn grace(mut self, seconds: i64) -> Self {
+        self.grace = Some(seconds);
+        self
+    }
+
+    /// Running `command`.
+    #[must_use]
+    pub fn command(mut self, command: Vec<String>) -> Self {
+        self.command = Some(command);
+        self
+    }
+
+    /// Running `sleep 1000000`: a pod that only holds its network.
+    #[must_use]
+    pub fn sleeping(self) -> Self {
+        self.command(vec!["sleep".into(), "1000000".into()])
+    }
+
+    /// With a container port (`name` for named ports, `host_port` for hostPort).
+    #[must_use]
+    pub fn port(mut self, name: Option<&str>, protocol: &str, port: u16, host_port: Option<u16>) -> Self {
+        self.ports.push(ContainerPort {
+            name: name.map(ToString::to_string),
+            container_port: i32::from(port),
+            host_port: host_port.map(i32::from),
+            protocol: Some(protocol.to_string()),
+            ..ContainerPort::default()
+        });
+        self
+    }
+
+    /// The pod.
+    pub fn build(self) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(self.name),
+                namespace: self.namespace,
+                labels: (!self.labels.is_empty()).then_some(self.labels),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: self.node,
+                host_network: self.host_network,
+                termination_grace_period_seconds: self.grace,
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("busybox".into()),
+                    command: self.command,
+                    ports: (!self.ports.is_empty()).then_some(self.ports),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_pod_carries_what_was_asked_and_nothing_else() {
+        let bare = pod("a").build();
+        assert_eq!(bare.metadata.name.as_deref(), Some("a"));
+        assert!(bare.metadata.namespace.is_none() && bare.metadata.labels.is_none());
+        let spec = bare.spec.unwrap();
+        assert!(spec.node_name.is_none() && spec.host_network.is_none());
+        assert_eq!(spec.containers[0].image.as_deref(), Some("busybox"));
+        assert!(spec.containers[0].ports.is_none());
+
+        let p = pod("b")
+            .namespace("ns")
+            .node("n1")
+            .label("app", "web")
+            .host_network(true)
+            .grace(1)
+            .sleeping()
+            .port(Some("http"), "TCP", 8080, Some(80))
+            .build();
+        assert_eq!(p.metadata.namespace.as_deref(), Some("ns"));
+        assert_eq!(p.metadata.labels.unwrap()["app"], "web");
+        let spec = p.spec.unwrap();
+        assert_eq!(
+            (spec.node_name.as_deref(), spec.host_network, spec.termination_grace_period_seconds),
+            (Some("n1"), Some(true), Some(1))
+        );
+        let c = &spec.containers[0];
+        assert_eq!(c.command.as_deref().unwrap(), ["sleep", "1000000"]);
+        let port = &c.ports.as_ref().unwrap()[0];
+        assert_eq!((port.name.as_deref(), port.container_port, port.host_port), (Some("http"), 8080, Some(80)));
+    }
+}

@@ -20,6 +20,7 @@
 
 pub mod invariants;
 pub mod neutron;
+pub mod octavia;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::IpAddr;

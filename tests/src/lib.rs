@@ -57,6 +57,7 @@ pub mod neutron;
 pub mod nftmon;
 pub mod node;
 pub mod objects;
+pub mod octavia;
 pub mod openstack;
 pub mod realcluster;
 pub mod services;

@@ -371,13 +371,27 @@ impl NeutronCluster {
     /// ServiceAccount's RBAC and kubeconfig, `extra` flags before the Octavia ones; not yet
     /// waited for.
     pub async fn lbaas(&self, watcher: &Svc, o: &crate::openstack::OctaviaLbaas, extra: &[&str]) -> Result<Sut> {
+        let mut with_id = vec!["--instance", "lb-1", "--replica-id", "lb-1"];
+        with_id.extend_from_slice(extra);
+        self.lbaas_as(watcher, o, "lb-1", &with_id).await
+    }
+
+    /// kuryr-lbaas as [`Self::lbaas`], known to the test as `id`, with `extra` flags (its
+    /// `--instance` and `--replica-id` among them when it is a replica).
+    pub async fn lbaas_as(
+        &self,
+        watcher: &Svc,
+        o: &crate::openstack::OctaviaLbaas,
+        id: &str,
+        extra: &[&str],
+    ) -> Result<Sut> {
         self.kube.apply_file(&repo_root().join("deploy/rbac/lbaas.yaml")).await?;
         let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, "kuryr-lbaas").await?;
         let mut args: Vec<String> = vec!["--kubeconfig".into(), kubeconfig.display().to_string()];
-        args.extend(["--watcher", &watcher.addr, "--instance", "lb-1", "--replica-id", "lb-1"].map(str::to_string));
+        args.extend(["--watcher", &watcher.addr].map(str::to_string));
         args.extend(extra.iter().map(ToString::to_string));
         args.extend(o.args().into_iter().map(str::to_string));
-        Sut::spawn("kuryr-lbaas", &args, self.dir.path(), "lb-1")
+        Sut::spawn("kuryr-lbaas", &args, self.dir.path(), id)
     }
 
     /// The flags of an allocator of this cluster that every suite shares — its kubeconfig, the

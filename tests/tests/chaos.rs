@@ -98,11 +98,14 @@ async fn sixty_pods_of_churn_under_random_faults_leave_nothing_leaked_duplicated
 /// live) over two minutes, the allocator reaching Neutron through the fault proxy (503, 409,
 /// slow answers and lost POST answers at 5 % each, timeouts at 1 %), a process fault every ~10 s
 /// (kill -9 of one of the two allocator replicas or the binder, SIGSTOP of a replica or the
-/// watcher). Ports are
-/// checked in Neutron during the run and after it: none without a live pod or the allocator's
-/// pools, none twice, every live pod with its one port and reachable.
+/// watcher, kill -9 or SIGSTOP of one of the two kuryr-lbaas replicas), with two Services whose
+/// endpoints are the live pods load-balanced by Octavia (behind a fault proxy of its own) and one
+/// of them replaced by another at every other fault. Ports are checked in Neutron during the run
+/// and after it: none without a live pod or the allocator's pools, none twice, every live pod
+/// with its one port and reachable; load balancers in Octavia: none without its Service, none
+/// twice, and at the end each Service's one ACTIVE with exactly its endpoints as members.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_leaked_or_duplicated() {
+async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_or_load_balancer_leaked_or_duplicated() {
     use kuryr_tests::chaos::neutron::{self, NeutronChaosOptions};
     use kuryr_tests::faultproxy::FaultRates;
     let opts = NeutronChaosOptions {
@@ -112,6 +115,8 @@ async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_leaked_or_dupli
         live: 8,
         parallel: 4,
         allocators: 2,
+        lbaas: 2,
+        services: 2,
         rates: FaultRates { server_error: 0.05, conflict: 0.05, timeout: 0.01, slow: 0.05, lost_answer: 0.05 },
         quiet: Duration::from_secs(120),
         seed: 7,

@@ -19,11 +19,11 @@ use kube::api::{DeleteParams, ListParams};
 use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
+use kuryr_tests::octavia::OctaviaReader;
 use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
 use kuryr_tests::util::unique_id;
-use serde_json::Value;
 
 const NS: &str = "lbos";
 const SHARDS: u32 = 8;
@@ -72,65 +72,6 @@ async fn wait_serving(r: &Sut) {
     r.wait_serving(LOAD_BALANCERS, PHASE_TIMEOUT).await.unwrap();
 }
 
-struct OctaviaApi {
-    http: reqwest::Client,
-    base: String,
-}
-
-impl OctaviaApi {
-    fn new(url: &str) -> Self {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        Self { http, base: format!("{url}/v2/lbaas") }
-    }
-
-    async fn ok(&self, path: &str) -> anyhow::Result<Value> {
-        let resp = self.http.get(format!("{}/{path}", self.base)).header("X-Project-Id", PROJECT).send().await?;
-        let status = resp.status().as_u16();
-        let body: Value = resp.json().await.unwrap_or(Value::Null);
-        anyhow::ensure!(status == 200, "GET {path}: {status} {body}");
-        Ok(body)
-    }
-
-    /// This cluster's load balancers, by the Service their tag names (`""` when none does).
-    async fn by_service(&self, cluster_name: &str) -> anyhow::Result<BTreeMap<String, Vec<Value>>> {
-        let body = self.ok(&format!("loadbalancers?tags=kuryr-cluster%3D{cluster_name}")).await?;
-        let mut out: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-        for lb in body["loadbalancers"].as_array().cloned().unwrap_or_default() {
-            let service = lb["tags"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find_map(|t| t.as_str().and_then(|t| t.strip_prefix("kuryr-service=")))
-                .unwrap_or_default()
-                .to_string();
-            out.entry(service).or_default().push(lb);
-        }
-        Ok(out)
-    }
-
-    /// Listeners as `PROTO:port` with their pool's ACTIVE members as `address:port`; an error
-    /// for anything not ACTIVE.
-    async fn tree(&self, lb: &str) -> anyhow::Result<Vec<(String, Vec<String>)>> {
-        let listeners = self.ok(&format!("listeners?loadbalancer_id={lb}")).await?;
-        let mut out = Vec::new();
-        for l in listeners["listeners"].as_array().cloned().unwrap_or_default() {
-            anyhow::ensure!(l["provisioning_status"] == "ACTIVE", "listener not ACTIVE: {l}");
-            let name = format!("{}:{}", l["protocol"].as_str().unwrap_or_default(), l["protocol_port"]);
-            let Some(pool) = l["default_pool_id"].as_str() else { anyhow::bail!("listener {name} has no pool") };
-            let ms = self.ok(&format!("pools/{pool}/members")).await?;
-            let mut members = Vec::new();
-            for m in ms["members"].as_array().cloned().unwrap_or_default() {
-                anyhow::ensure!(m["provisioning_status"] == "ACTIVE", "member not ACTIVE: {m}");
-                members.push(format!("{}:{}", m["address"].as_str().unwrap_or_default(), m["protocol_port"]));
-            }
-            members.sort();
-            out.push((name, members));
-        }
-        out.sort();
-        Ok(out)
-    }
-}
-
 fn members(i: usize) -> Vec<String> {
     (0..2).map(|j| format!("10.244.{}.{}", i % 250, 20 + j)).collect()
 }
@@ -147,7 +88,7 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
     let os = os.unwrap();
     eprintln!("API server and Octavia up in {:?}", started.elapsed());
     let octavia_url = os.octavia_url().unwrap().to_string();
-    let api = OctaviaApi::new(&octavia_url);
+    let api = OctaviaReader::new(&octavia_url, PROJECT).unwrap();
     let cluster_name = format!("t{}", unique_id());
 
     let octavia = OctaviaLbaas {

@@ -9,14 +9,15 @@
 //! Environment: CHAOS_PODS (pods created over the run, default 1000), CHAOS_SECONDS (length of
 //! the churn, default 600), CHAOS_BACKEND (`embedded` or `neutron`), CHAOS_FAULT_SECONDS (mean
 //! gap between process faults, default 10), CHAOS_NODES (default 2; embedded), CHAOS_LIVE (live
-//! pods at most, default 60; 20 with neutron), CHAOS_SERVICES (default 3; embedded),
+//! pods at most, default 60; 20 with neutron), CHAOS_SERVICES (default 3),
 //! CHAOS_DEPLOYMENTS (embedded: 1, the default, for a Deployment per node scaled at random; 0
 //! for none),
 //! CHAOS_QUIET_SECONDS (bound on converging after the last fault, default 180), CHAOS_SEED
 //! (default 1), CHAOS_PROXY_RATE (neutron: the fault proxy's rate of each of 503, 409, slow
 //! answers and lost POST answers, timeouts at a third of it; default 0.03), CHAOS_PARALLEL
 //! (neutron: sandboxes set up at once, default 8), CHAOS_ALLOCATORS (neutron: allocator
-//! replicas, sharded by Leases, default 2).
+//! replicas, sharded by Leases, default 2), CHAOS_LBAAS (neutron: kuryr-lbaas replicas on Octavia
+//! behind a fault proxy of its own, sharded by Leases, default 2; 0 for no Octavia).
 
 #![allow(clippy::print_stdout)] // a report whose output is the point
 
@@ -68,6 +69,8 @@ fn neutron_options() -> Result<NeutronChaosOptions> {
         live: as_usize(env_num("CHAOS_LIVE", d.live as u64)?.max(1))?,
         parallel: as_usize(env_num("CHAOS_PARALLEL", d.parallel as u64)?.max(1))?,
         allocators: as_usize(env_num("CHAOS_ALLOCATORS", d.allocators as u64)?.max(1))?,
+        lbaas: as_usize(env_num("CHAOS_LBAAS", d.lbaas as u64)?)?,
+        services: as_usize(env_num("CHAOS_SERVICES", d.services as u64)?)?,
         rates: FaultRates { server_error: rate, conflict: rate, timeout: rate / 3.0, slow: rate, lost_answer: rate },
         quiet: Duration::from_secs(env_num("CHAOS_QUIET_SECONDS", d.quiet.as_secs())?),
         seed: env_num("CHAOS_SEED", d.seed)?,

@@ -13,7 +13,9 @@
 //! timeouts, slow answers and lost answers to POSTs, and every few seconds a process fault is
 //! drawn: kill -9 of an allocator replica (started again at the same endpoints; the node's shard
 //! and its pools go to the other meanwhile when it held them), kill -9 of the binder,
-//! SIGSTOP/SIGCONT of an allocator replica or of the watcher.
+//! SIGSTOP/SIGCONT of an allocator replica or of the watcher; with `lbaas` replicas, kill -9 and
+//! SIGSTOP of those too, their Octavia behind a proxy of its own and Services whose endpoints
+//! are the live pods ([`super::octavia`]).
 //!
 //! The invariants are read from Neutron directly (not through the proxy), **continuously** during
 //! the run and once more after a quiet period: a port tagged for the cluster whose `device_id`
@@ -39,6 +41,7 @@ use tokio::task::{JoinError, JoinSet};
 
 use super::Outcome;
 use super::invariants::{Kind, Lasting};
+use super::octavia::LbChaos;
 use crate::binder::Binder;
 use crate::faultproxy::{FaultProxy, FaultRates, FaultTiming};
 use crate::forward::UnixForwarder;
@@ -46,6 +49,11 @@ use crate::netns::Netns;
 use crate::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum, spawn, spawn_on};
 use crate::shim::ShimOutput;
 use crate::util::free_port;
+
+/// The IPv4 addresses of the live pods that have their network.
+fn addresses(live: &VecDeque<LivePod>) -> Vec<String> {
+    live.iter().filter_map(|p| p.ipv4.clone()).collect()
+}
 
 /// The namespace of the churned pods.
 pub const NAMESPACE: &str = "chaos";
@@ -72,6 +80,11 @@ pub struct NeutronChaosOptions {
     /// kuryr-vif-allocator replicas (two or more: sharded by Leases, a kill hands the node's
     /// shard and its pools over).
     pub allocators: usize,
+    /// kuryr-lbaas replicas on Octavia behind a fault proxy of its own ([`super::octavia`]); 0:
+    /// no Octavia, no Services.
+    pub lbaas: usize,
+    /// Services whose endpoints are the live pods (with `lbaas`).
+    pub services: usize,
     /// The fault proxy's rates.
     pub rates: FaultRates,
     /// Bound on converging after the last fault.
@@ -89,6 +102,8 @@ impl Default for NeutronChaosOptions {
             live: 20,
             parallel: 8,
             allocators: 2,
+            lbaas: 2,
+            services: 3,
             rates: FaultRates { server_error: 0.03, conflict: 0.02, timeout: 0.01, slow: 0.03, lost_answer: 0.05 },
             quiet: Duration::from_secs(180),
             seed: 1,
@@ -119,6 +134,8 @@ struct World {
     /// How the binder, in the node's namespace, reaches the replicas (sharded): each at the
     /// endpoint it advertises, all of them behind one address.
     _forwarders: Vec<UnixForwarder>,
+    /// The load balancers, when the run has them.
+    lb: Option<LbChaos>,
 }
 
 impl World {
@@ -191,7 +208,12 @@ fn clouds_through(original: &str, url: &str) -> Result<String> {
 /// Starts everything, runs the chaos, checks.
 pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
     let started = Instant::now();
-    let c = NeutronCluster::start(&[NAMESPACE]).await.context("starting Keystone, Neutron and the API server")?;
+    let c = if o.lbaas > 0 {
+        NeutronCluster::start_with_octavia(&[NAMESPACE]).await
+    } else {
+        NeutronCluster::start(&[NAMESPACE]).await
+    }
+    .context("starting Keystone, Neutron (and Octavia) and the API server")?;
     let timing = FaultTiming::default();
     let proxy = FaultProxy::start(&c.neutron_url, FaultRates::NONE, timing, o.seed).await?;
     let clouds = c.dir.path().join("clouds-chaos.yaml");
@@ -220,7 +242,13 @@ pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
         format!("127.0.0.1:{vip}")
     };
     let binder = c.binder_to(&target, Duration::from_secs(60), &[]).await?;
-    let mut w = World { c, proxy, watcher, allocators, binder, clouds, opts, _forwarders: forwarders };
+    let lb = if o.lbaas > 0 {
+        let lb = LbChaos::start(&c, &watcher, (o.lbaas, o.services), NAMESPACE, o.seed.wrapping_add(1)).await;
+        Some(lb.context("starting kuryr-lbaas on Octavia")?)
+    } else {
+        None
+    };
+    let mut w = World { c, proxy, watcher, allocators, binder, clouds, opts, _forwarders: forwarders, lb };
     if o.verbose {
         eprintln!(
             "chaos: Neutron cluster up in {:?}; proxy {} → {}",
@@ -234,8 +262,9 @@ pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
         Ok(mut out) => {
             if !out.ok() {
                 let path = std::env::temp_dir().join(format!("kuryr-chaos-neutron-{}.log", std::process::id()));
-                let _ = std::fs::write(&path, format!("{}\n{}", w.allocator_logs(), w.binder.logs()));
-                out.details.push(format!("the allocators' and binder's logs in {}", path.display()));
+                let lbaas = w.lb.as_ref().map(LbChaos::logs).unwrap_or_default();
+                let _ = std::fs::write(&path, format!("{}\n{}\n{lbaas}", w.allocator_logs(), w.binder.logs()));
+                out.details.push(format!("the allocators', binder's and lbaas' logs in {}", path.display()));
             }
             Ok(out)
         }
@@ -339,11 +368,26 @@ enum ProcFault {
     KillBinder,
     StopAllocator,
     StopWatcher,
+    KillLbaas,
+    StopLbaas,
 }
 
 async fn inject(w: &mut World, f: ProcFault, rng: &mut fastrand::Rng) -> Result<String> {
     let replica = rng.usize(0..w.allocators.len());
     match f {
+        ProcFault::KillLbaas | ProcFault::StopLbaas => {
+            let lb = w.lb.as_mut().context("no lbaas in this run")?;
+            let i = rng.usize(0..lb.replicas.len());
+            if matches!(f, ProcFault::KillLbaas) {
+                lb.kill(&w.c, &w.watcher, i).await?;
+            } else {
+                let pid = lb.replicas[i].proc.pid().context("not running")?;
+                crate::cluster::signal(pid, "STOP")?;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                crate::cluster::signal(pid, "CONT")?;
+            }
+            Ok(format!("replica {i}"))
+        }
         ProcFault::KillAllocator => {
             w.allocators[replica].proc.kill().await?;
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -384,6 +428,9 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
     let mut next_check = started;
     let mut last_fault_end = Instant::now();
     w.proxy.set_rates(o.rates);
+    if let Some(lb) = &w.lb {
+        lb.proxy.set_rates(o.rates);
+    }
     let mut created = 0;
     let socket = w.binder.socket.clone();
     let gate = Arc::new(Semaphore::new(o.parallel.max(1)));
@@ -421,8 +468,12 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
         }
         // A process fault when due.
         if Instant::now() >= next_fault {
-            let f = [ProcFault::KillAllocator, ProcFault::KillBinder, ProcFault::StopAllocator, ProcFault::StopWatcher]
-                [rng.usize(0..4)];
+            let mut kinds =
+                vec![ProcFault::KillAllocator, ProcFault::KillBinder, ProcFault::StopAllocator, ProcFault::StopWatcher];
+            if w.lb.is_some() {
+                kinds.extend([ProcFault::KillLbaas, ProcFault::StopLbaas]);
+            }
+            let f = kinds[rng.usize(0..kinds.len())];
             let t = Instant::now();
             let res = inject(w, f, &mut rng).await;
             last_fault_end = Instant::now();
@@ -438,12 +489,22 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             }
             fault_log.push(line);
             res?;
+            // A Service deleted and another created, at every other fault.
+            if let Some(lb) = w.lb.as_mut().filter(|_| rng.bool()) {
+                let moved = lb.rotate(&w.c.admin).await?;
+                fault_log.push(format!("{:>6.1}s Service {moved}", started.elapsed().as_secs_f64()));
+            }
             next_fault = Instant::now() + o.fault_every.mul_f64(0.5 + rng.f64());
         }
         // The invariants, continuously.
         if Instant::now() >= next_check {
             let ports = w.tagged_ports().await?;
-            watch.observe(port_problems(&ports, &live_uids(&pods).await?), Instant::now(), GRACE);
+            let mut problems = port_problems(&ports, &live_uids(&pods).await?);
+            if let Some(lb) = w.lb.as_mut() {
+                lb.follow_pods(&w.c.admin, &addresses(&live)).await?;
+                problems.extend(lb.problems(&w.c.admin).await?);
+            }
+            watch.observe(problems, Instant::now(), GRACE);
             next_check = Instant::now() + CHECK_EVERY;
         }
         let due = started + pace.mul_f64((i + 1) as f64);
@@ -454,6 +515,10 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
     }
     let proxy_counts = w.proxy.counts();
     w.proxy.set_rates(FaultRates::NONE);
+    let lb_counts = w.lb.as_ref().map(|lb| lb.proxy.counts());
+    if let Some(lb) = &w.lb {
+        lb.proxy.set_rates(FaultRates::NONE);
+    }
     let ran = started.elapsed();
     if o.verbose {
         eprintln!("chaos: churn done in {ran:?}; proxy: {proxy_counts}; quiet period");
@@ -464,6 +529,9 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             Ok(ip) => p.ipv4 = Some(ip),
             Err(e) => errors.push(format!("after the faults: {e:#}")),
         }
+    }
+    if let Some(lb) = w.lb.as_mut() {
+        lb.follow_pods(&w.c.admin, &addresses(&live)).await?;
     }
 
     // Quiet: the ports settle (orphans collected, pools refilled).
@@ -480,7 +548,7 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
     }
     let mut out = Outcome {
         pods: created,
-        faults: fault_log.len() + proxy_counts.faults() as usize,
+        faults: fault_log.len() + (proxy_counts.faults() + lb_counts.map_or(0, |c| c.faults())) as usize,
         fault_log,
         converged_in,
         ran,
@@ -488,6 +556,9 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
         ..Outcome::default()
     };
     out.fault_log.push(format!("fault proxy in front of Neutron: {proxy_counts}"));
+    if let Some(counts) = lb_counts {
+        out.fault_log.push(format!("fault proxy in front of Octavia: {counts}"));
+    }
     out.checked_during = watch.checks;
     out.fault_log.push(format!("invariants checked {} times during the run", watch.checks));
     for (kind, line) in watch.counted() {
@@ -522,7 +593,11 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             }
         }
     }
-    out.retries = retries_by_component(&w.allocator_metrics().await);
+    let mut metrics = w.allocator_metrics().await;
+    if let Some(lb) = &w.lb {
+        metrics.push_str(&lb.metrics().await);
+    }
+    out.retries = retries_by_component(&metrics);
     Ok(out)
 }
 
@@ -595,6 +670,9 @@ async fn final_problems(w: &World, pods: &Api<Pod>, live: &VecDeque<LivePod>) ->
             }
             None => out.push((Kind::Unreachable, format!("{} has no port in Neutron", p.pod.name))),
         }
+    }
+    if let Some(lb) = &w.lb {
+        out.extend(lb.final_problems(&w.c.admin).await?);
     }
     Ok(out)
 }

@@ -59,6 +59,7 @@ pub mod node;
 pub mod objects;
 pub mod octavia;
 pub mod openstack;
+pub mod procstat;
 pub mod realcluster;
 pub mod services;
 pub mod sg_strategies;

@@ -12,10 +12,15 @@
 //! the other, so the ratio says what the network plugin costs; the reference arm runs without
 //! kuryr's control plane on the machine, so any load that adds counts against kuryr.
 //!
+//! Where the time goes is printed beside it: the CPU seconds each group of processes spent during
+//! each arm (from the first create to the last pod Running: utime + stime of every process, with
+//! the children it reaped — the CNI plugins count towards containerd, which runs them), and the
+//! requests the API server served (`apiserver_request_total`), per arm.
+//!
 //! Goal: kuryr p99 ≤ 1 s and ≤ 1.1× the reference.
 #![allow(clippy::print_stdout)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -27,6 +32,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher::{self, Event, watcher};
 use kuryr_tests::conformance::kuryr_image;
+use kuryr_tests::procstat::CpuSnapshot;
 use kuryr_tests::realcluster::{NodeCni, RealCluster, RealClusterOptions};
 use kuryr_tests::services::bin_path;
 use kuryr_tests::stats::Stats;
@@ -76,7 +82,7 @@ async fn main() -> Result<()> {
 
     let result = async {
         let reference = arm(&cluster, "bench-reference", &busybox, pods, rate).await.context("reference arm")?;
-        println!("  reference: {}", line(&reference));
+        println!("  reference: {}", line(&reference.stats));
 
         // Switch the nodes to kuryr: the reference configuration goes, kuryr's binders write theirs.
         for n in cluster.nodes() {
@@ -87,13 +93,35 @@ async fn main() -> Result<()> {
         cluster.install_kuryr("embedded", "").await?;
         println!("  kuryr installed from deploy/overlays/embedded, nodes Ready in {:.1} s", t.elapsed().as_secs_f64());
         let kuryr = arm(&cluster, "bench-kuryr", &busybox, pods, rate).await.context("kuryr arm")?;
-        println!("  kuryr:     {}", line(&kuryr));
+        println!("  kuryr:     {}", line(&kuryr.stats));
         Ok::<_, anyhow::Error>((reference, kuryr))
     }
     .await;
     let down = cluster.shutdown().await;
     let (reference, kuryr) = result?;
     down?;
+
+    println!("\n  {:<28} {:>10} {:>10} {:>8}", "CPU seconds during the arm", "reference", "kuryr", "ratio");
+    let groups: BTreeSet<&String> = reference.cpu.keys().chain(kuryr.cpu.keys()).collect();
+    let of = |a: &Arm, g: &str| a.cpu.get(g).copied().unwrap_or(0.0);
+    for g in groups {
+        let (r, k) = (of(&reference, g), of(&kuryr, g));
+        if r < 0.05 && k < 0.05 {
+            continue;
+        }
+        let ratio = if r > 0.0 { format!("{:.2}x", k / r) } else { "-".into() };
+        println!("  {g:<28} {r:>10.1} {k:>10.1} {ratio:>8}");
+    }
+    let (rt, kt) = (reference.cpu.values().sum::<f64>(), kuryr.cpu.values().sum::<f64>());
+    println!("  {:<28} {rt:>10.1} {kt:>10.1} {:>7.2}x", "all processes", kt / rt.max(f64::MIN_POSITIVE));
+    println!(
+        "  {:<28} {:>10.0} {:>10.0} {:>7.2}x",
+        "API requests served",
+        reference.requests,
+        kuryr.requests,
+        kuryr.requests / reference.requests.max(1.0)
+    );
+    let (reference, kuryr) = (reference.stats, kuryr.stats);
 
     println!("\n  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8}", "pod created → Running (ms)", "n", "p50", "p90", "p99", "max");
     for (name, s) in [("reference (bridge+host-local)", &reference), ("kuryr", &kuryr)] {
@@ -114,9 +142,42 @@ fn line(s: &Stats) -> String {
     format!("{} pods, p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms", s.n, s.p50, s.p99, s.max)
 }
 
+/// What one arm measured.
+struct Arm {
+    /// Pod created → Running, ms.
+    stats: Stats,
+    /// CPU seconds by process group, first create → last pod Running.
+    cpu: BTreeMap<String, f64>,
+    /// Requests the API server served meanwhile.
+    requests: f64,
+}
+
+/// The group a process's CPU counts in, by its command name.
+fn group(comm: &str) -> String {
+    match comm {
+        c if c.starts_with("kuryr-") => c.to_string(),
+        c if c.starts_with("kube-controller") => "kube-controller-manager".into(),
+        c if c.starts_with("containerd-shim") => "containerd-shim".into(),
+        "kube-apiserver" | "etcd" | "kubelet" | "kube-scheduler" | "containerd" | "coredns" => comm.to_string(),
+        c if c.starts_with("kubelet-bench") => "this benchmark".into(),
+        _ => "other".into(),
+    }
+}
+
+/// The API server's `apiserver_request_total`, summed over every series.
+async fn requests_served(client: &kube::Client) -> Result<f64> {
+    let req = http::Request::get("/metrics").body(Vec::new()).context("building GET /metrics")?;
+    let text = client.request_text(req).await.context("GET /metrics of the API server")?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum())
+}
+
 /// One arm: `pods` pods created at `rate`/s in a fresh namespace, each timed from just before its
 /// create request to its first Running sighting; then all deleted and waited for.
-async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, rate: f64) -> Result<Stats> {
+async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, rate: f64) -> Result<Arm> {
     let client = cluster.client();
     let ns_api: Api<Namespace> = Api::all(client.clone());
     let ns = Namespace {
@@ -153,6 +214,8 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
         })
     };
     let interval = Duration::from_secs_f64(1.0 / rate);
+    let cpu_before = CpuSnapshot::take();
+    let requests_before = requests_served(&client).await?;
     let start = Instant::now();
     let mut creates = tokio::task::JoinSet::new();
     for i in 0..pods {
@@ -182,6 +245,8 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     watch.abort();
+    let cpu = cpu_before.since(&CpuSnapshot::take(), group);
+    let requests = requests_served(&client).await? - requests_before;
     let created = created.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let running = running.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let samples: Vec<f64> = created
@@ -198,7 +263,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
         })
         .await?;
     ns_api.delete(namespace, &DeleteParams::default()).await?;
-    Stats::of(&samples).context("no samples")
+    Ok(Arm { stats: Stats::of(&samples).context("no samples")?, cpu, requests })
 }
 
 fn bench_pod(name: &str, image: &str) -> Pod {

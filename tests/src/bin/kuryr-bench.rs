@@ -69,6 +69,7 @@ use kuryr_tests::kuryr_controller::{self as kuryr, KuryrConfig, KuryrController}
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc};
 use kuryr_tests::openstack::OctaviaLbaas;
+use kuryr_tests::procstat::{clock_ticks, cpu_ticks};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::stats::Stats;
 use kuryr_tests::sut::{self, Sut};
@@ -130,24 +131,6 @@ fn pss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("Pss:"))
         .and_then(|r| r.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
-}
-
-/// utime + stime of one process, clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let Some((_, rest)) = stat.rsplit_once(')') else { return 0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    n(11) + n(12)
-}
-
-fn clock_ticks() -> f64 {
-    std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 /// A system's processes by name, each with its descendants; `node` marks node-side ones (the

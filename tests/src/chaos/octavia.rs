@@ -172,21 +172,19 @@ impl LbChaos {
 
     /// Leaks and duplicates now, keyed for [`super::invariants::Lasting`].
     pub async fn problems(&self, admin: &kube::Client) -> Result<Vec<(String, Kind, String)>> {
-        let existing: BTreeSet<String> = self
-            .services(admin)
+        // Every namespace's: `default/kubernetes` has a load balancer too.
+        let existing: BTreeSet<String> = Api::<Service>::all(admin.clone())
             .list(&ListParams::default())
             .await?
             .items
             .into_iter()
-            .filter_map(|s| s.metadata.name)
+            .map(|s| format!("{}/{}", s.metadata.namespace.unwrap_or_default(), s.metadata.name.unwrap_or_default()))
             .collect();
         let lbs = self.reader.by_service(&self.flags.cluster_name).await.context("listing Octavia's load balancers")?;
-        let prefix = format!("{}/", self.namespace);
         let mut out = Vec::new();
         for (service, of) in &lbs {
             let ids: Vec<&str> = of.iter().filter_map(|l| l["id"].as_str()).collect();
-            let name = service.strip_prefix(&prefix).unwrap_or(service);
-            if !existing.contains(name) {
+            if !existing.contains(service) {
                 let line = format!("load balancers {ids:?} of {service}, which does not exist");
                 out.push((format!("lb-leak {service}"), Kind::Leak, line));
             } else if of.len() > 1 {

@@ -21,6 +21,7 @@
 pub mod invariants;
 pub mod neutron;
 pub mod octavia;
+pub mod policy;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::IpAddr;

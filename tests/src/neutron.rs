@@ -315,11 +315,17 @@ impl NeutronCluster {
     /// Starts kuryr-policy `--backend neutron` under its service account (its RBAC applied
     /// here), as the `kuryr` user from clouds.yaml, with `extra` flags.
     pub async fn policy(&self, watcher: &Svc, extra: &[String]) -> Result<Svc> {
+        let args = self.policy_args(watcher, extra).await?;
+        spawn("kuryr-policy", args, self.dir.path())
+    }
+
+    /// [`Self::policy`]'s command line (its RBAC applied and its kubeconfig written here).
+    pub async fn policy_args(&self, watcher: &Svc, extra: &[String]) -> Result<Vec<String>> {
         self.kube.apply_file(&repo_root().join("deploy/rbac/policy.yaml")).await?;
         let kubeconfig = self.kube.service_account_kubeconfig(SYSTEM_NAMESPACE, crate::cluster::POLICY_ACCOUNT).await?;
         let mut args = self.openstack_service_args(&kubeconfig, watcher);
         args.extend(extra.iter().cloned());
-        spawn("kuryr-policy", args, self.dir.path())
+        Ok(args)
     }
 
     /// Starts kuryr-vif-allocator `--backend neutron` on the pod network (both subnets),

@@ -100,10 +100,13 @@ async fn sixty_pods_of_churn_under_random_faults_leave_nothing_leaked_duplicated
 /// (kill -9 of one of the two allocator replicas or the binder, SIGSTOP of a replica or the
 /// watcher, kill -9 or SIGSTOP of one of the two kuryr-lbaas replicas), with two Services whose
 /// endpoints are the live pods load-balanced by Octavia (behind a fault proxy of its own) and one
-/// of them replaced by another at every other fault. Ports are checked in Neutron during the run
+/// of them replaced by another at every other fault, kuryr-policy enforcing a NetworkPolicy on half
+/// the pods with security groups (killed and stopped too; the policy replaced at every other
+/// fault). Ports are checked in Neutron during the run
 /// and after it: none without a live pod or the allocator's pools, none twice, every live pod
 /// with its one port and reachable; load balancers in Octavia: none without its Service, none
-/// twice, and at the end each Service's one ACTIVE with exactly its endpoints as members.
+/// twice, and at the end each Service's one ACTIVE with exactly its endpoints as members; security
+/// groups: none without its policy, none twice, and at the end on exactly the selected pods' ports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_or_load_balancer_leaked_or_duplicated() {
     use kuryr_tests::chaos::neutron::{self, NeutronChaosOptions};
@@ -117,6 +120,7 @@ async fn neutron_thirty_pods_through_a_fault_proxy_leave_no_port_or_load_balance
         allocators: 2,
         lbaas: 2,
         services: 2,
+        policy: true,
         rates: FaultRates { server_error: 0.05, conflict: 0.05, timeout: 0.01, slow: 0.05, lost_answer: 0.05 },
         quiet: Duration::from_secs(120),
         seed: 7,

@@ -17,7 +17,8 @@
 //! answers and lost POST answers, timeouts at a third of it; default 0.03), CHAOS_PARALLEL
 //! (neutron: sandboxes set up at once, default 8), CHAOS_ALLOCATORS (neutron: allocator
 //! replicas, sharded by Leases, default 2), CHAOS_LBAAS (neutron: kuryr-lbaas replicas on Octavia
-//! behind a fault proxy of its own, sharded by Leases, default 2; 0 for no Octavia).
+//! behind a fault proxy of its own, sharded by Leases, default 2; 0 for no Octavia), CHAOS_POLICY
+//! (neutron: 1, the default, for kuryr-policy's security groups through the proxy; 0 for none).
 
 #![allow(clippy::print_stdout)] // a report whose output is the point
 
@@ -71,6 +72,7 @@ fn neutron_options() -> Result<NeutronChaosOptions> {
         allocators: as_usize(env_num("CHAOS_ALLOCATORS", d.allocators as u64)?.max(1))?,
         lbaas: as_usize(env_num("CHAOS_LBAAS", d.lbaas as u64)?)?,
         services: as_usize(env_num("CHAOS_SERVICES", d.services as u64)?)?,
+        policy: env_num("CHAOS_POLICY", u64::from(d.policy))? != 0,
         rates: FaultRates { server_error: rate, conflict: rate, timeout: rate / 3.0, slow: rate, lost_answer: rate },
         quiet: Duration::from_secs(env_num("CHAOS_QUIET_SECONDS", d.quiet.as_secs())?),
         seed: env_num("CHAOS_SEED", d.seed)?,

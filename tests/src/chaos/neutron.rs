@@ -42,6 +42,7 @@ use tokio::task::{JoinError, JoinSet};
 use super::Outcome;
 use super::invariants::{Kind, Lasting};
 use super::octavia::LbChaos;
+use super::policy::{PolicyChaos, app_of};
 use crate::binder::Binder;
 use crate::faultproxy::{FaultProxy, FaultRates, FaultTiming};
 use crate::forward::UnixForwarder;
@@ -85,6 +86,9 @@ pub struct NeutronChaosOptions {
     pub lbaas: usize,
     /// Services whose endpoints are the live pods (with `lbaas`).
     pub services: usize,
+    /// kuryr-policy `--backend neutron` through the proxy, with a NetworkPolicy on half the pods
+    /// ([`super::policy`]).
+    pub policy: bool,
     /// The fault proxy's rates.
     pub rates: FaultRates,
     /// Bound on converging after the last fault.
@@ -104,6 +108,7 @@ impl Default for NeutronChaosOptions {
             allocators: 2,
             lbaas: 2,
             services: 3,
+            policy: true,
             rates: FaultRates { server_error: 0.03, conflict: 0.02, timeout: 0.01, slow: 0.03, lost_answer: 0.05 },
             quiet: Duration::from_secs(180),
             seed: 1,
@@ -136,6 +141,8 @@ struct World {
     _forwarders: Vec<UnixForwarder>,
     /// The load balancers, when the run has them.
     lb: Option<LbChaos>,
+    /// kuryr-policy, when the run has it.
+    policy: Option<PolicyChaos>,
 }
 
 impl World {
@@ -248,7 +255,13 @@ pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
     } else {
         None
     };
-    let mut w = World { c, proxy, watcher, allocators, binder, clouds, opts, _forwarders: forwarders, lb };
+    let policy = if o.policy {
+        let p = PolicyChaos::start(&c, &watcher, &clouds, CLUSTER_ID, NAMESPACE).await;
+        Some(p.context("starting kuryr-policy on Neutron")?)
+    } else {
+        None
+    };
+    let mut w = World { c, proxy, watcher, allocators, binder, clouds, opts, _forwarders: forwarders, lb, policy };
     if o.verbose {
         eprintln!(
             "chaos: Neutron cluster up in {:?}; proxy {} → {}",
@@ -262,7 +275,10 @@ pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
         Ok(mut out) => {
             if !out.ok() {
                 let path = std::env::temp_dir().join(format!("kuryr-chaos-neutron-{}.log", std::process::id()));
-                let lbaas = w.lb.as_ref().map(LbChaos::logs).unwrap_or_default();
+                let mut lbaas = w.lb.as_ref().map(LbChaos::logs).unwrap_or_default();
+                if let Some(p) = &w.policy {
+                    lbaas.push_str(&format!("\n==== kuryr-policy\n{}", p.svc.proc.logs()));
+                }
                 let _ = std::fs::write(&path, format!("{}\n{}\n{lbaas}", w.allocator_logs(), w.binder.logs()));
                 out.details.push(format!("the allocators', binder's and lbaas' logs in {}", path.display()));
             }
@@ -370,11 +386,26 @@ enum ProcFault {
     StopWatcher,
     KillLbaas,
     StopLbaas,
+    KillPolicy,
+    StopPolicy,
 }
 
 async fn inject(w: &mut World, f: ProcFault, rng: &mut fastrand::Rng) -> Result<String> {
     let replica = rng.usize(0..w.allocators.len());
     match f {
+        ProcFault::KillPolicy => {
+            let p = w.policy.as_mut().context("no kuryr-policy in this run")?;
+            p.kill(&w.c).await?;
+            Ok(String::new())
+        }
+        ProcFault::StopPolicy => {
+            let p = w.policy.as_ref().context("no kuryr-policy in this run")?;
+            let pid = p.svc.proc.pid().context("not running")?;
+            crate::cluster::signal(pid, "STOP")?;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            crate::cluster::signal(pid, "CONT")?;
+            Ok(String::new())
+        }
         ProcFault::KillLbaas | ProcFault::StopLbaas => {
             let lb = w.lb.as_mut().context("no lbaas in this run")?;
             let i = rng.usize(0..lb.replicas.len());
@@ -438,7 +469,8 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
     for i in 0..o.pods {
         // One pod: created in the API, its sandbox set up (up to `parallel` at once).
         let name = format!("p{i}");
-        let pod = w.c.pod(&name);
+        let mut pod = w.c.pod(&name);
+        pod.metadata.labels = Some([("app".to_string(), app_of(&name).to_string())].into());
         let made = pods.create(&PostParams::default(), &pod).await.with_context(|| format!("creating pod {name}"))?;
         let uid = made.metadata.uid.context("no uid")?;
         let netns = Arc::new(Netns::new("chaosn")?);
@@ -473,6 +505,9 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             if w.lb.is_some() {
                 kinds.extend([ProcFault::KillLbaas, ProcFault::StopLbaas]);
             }
+            if w.policy.is_some() {
+                kinds.extend([ProcFault::KillPolicy, ProcFault::StopPolicy]);
+            }
             let f = kinds[rng.usize(0..kinds.len())];
             let t = Instant::now();
             let res = inject(w, f, &mut rng).await;
@@ -494,6 +529,11 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
                 let moved = lb.rotate(&w.c.admin).await?;
                 fault_log.push(format!("{:>6.1}s Service {moved}", started.elapsed().as_secs_f64()));
             }
+            // The NetworkPolicy replaced by another, at every other fault.
+            if let Some(p) = w.policy.as_mut().filter(|_| rng.bool()) {
+                let moved = p.rotate(&w.c.admin).await?;
+                fault_log.push(format!("{:>6.1}s NetworkPolicy {moved}", started.elapsed().as_secs_f64()));
+            }
             next_fault = Instant::now() + o.fault_every.mul_f64(0.5 + rng.f64());
         }
         // The invariants, continuously.
@@ -503,6 +543,9 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             if let Some(lb) = w.lb.as_mut() {
                 lb.follow_pods(&w.c.admin, &addresses(&live)).await?;
                 problems.extend(lb.problems(&w.c.admin).await?);
+            }
+            if let Some(p) = &w.policy {
+                problems.extend(p.problems(&w.c).await?);
             }
             watch.observe(problems, Instant::now(), GRACE);
             next_check = Instant::now() + CHECK_EVERY;
@@ -673,6 +716,17 @@ async fn final_problems(w: &World, pods: &Api<Pod>, live: &VecDeque<LivePod>) ->
     }
     if let Some(lb) = &w.lb {
         out.extend(lb.final_problems(&w.c.admin).await?);
+    }
+    if let Some(policy) = &w.policy {
+        let held: Vec<(String, &Port)> = live
+            .iter()
+            .filter(|p| p.ipv4.is_some())
+            .filter_map(|p| match by_pod.get(p.pod.uid.as_str()).map(Vec::as_slice) {
+                Some([one]) => Some((p.pod.name.clone(), *one)),
+                _ => None,
+            })
+            .collect();
+        out.extend(policy.final_problems(&w.c, &held).await?);
     }
     Ok(out)
 }

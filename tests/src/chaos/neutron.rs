@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_openstack::Filter;
 use kuryr_openstack::neutron::Port;
 use kuryr_vif_allocator::k8s::crd::PodVif;
@@ -364,6 +364,17 @@ async fn del(socket: &Path, pod: &CniPod, deadline: Duration) -> Result<()> {
 type Adds = JoinSet<(String, Result<String>)>;
 
 /// Records a finished ADD on its pod.
+/// ADD, then the address in the pod's status as its kubelet would report it (policies select
+/// pods that have addresses).
+async fn add_and_report(pods: &Api<Pod>, socket: &Path, cni: &CniPod) -> Result<String> {
+    let ip = add(socket, cni, Duration::from_secs(120)).await?;
+    let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}});
+    pods.patch_status(&cni.name, &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .with_context(|| format!("reporting the address of {}", cni.name))?;
+    Ok(ip)
+}
+
 fn added(live: &mut VecDeque<LivePod>, errors: &mut Vec<String>, done: Result<(String, Result<String>), JoinError>) {
     match done {
         Ok((name, res)) => {
@@ -478,9 +489,10 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
         created += 1;
         live.push_back(LivePod { pod: cni.clone(), ipv4: None, adding: true });
         let (turns, at) = (gate.clone(), socket.clone());
+        let api = pods.clone();
         adds.spawn(async move {
             let _turn = turns.acquire_owned().await;
-            let res = add(&at, &cni, Duration::from_secs(120)).await;
+            let res = add_and_report(&api, &at, &cni).await;
             (cni.name, res)
         });
         while let Some(done) = adds.try_join_next() {
@@ -568,7 +580,7 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
     }
     // Pods whose ADD never succeeded get one more chance, now that the faults are over.
     for p in live.iter_mut().filter(|p| p.ipv4.is_none()) {
-        match add(&socket, &p.pod, Duration::from_secs(120)).await {
+        match add_and_report(&pods, &socket, &p.pod).await {
             Ok(ip) => p.ipv4 = Some(ip),
             Err(e) => errors.push(format!("after the faults: {e:#}")),
         }

@@ -472,15 +472,22 @@ async fn watcher_streams_snapshot_deltas_filters_and_resumes() {
         assert_eq!(names(&snap), expected, "{bogus}");
     }
 
-    // Metrics: objects per kind and open streams.
-    let m = w.metrics().await;
-    for line in [
+    // Metrics: objects per kind and open streams. The watcher counts a stream closed when it
+    // notices that its client went away, a moment after the drop: wait for the gauge.
+    let want = [
         "kuryr_watcher_objects{kind=\"node\"} 2",
         "kuryr_watcher_subscribers 1",
         "kuryr_watcher_subscriptions_total{start=\"resume\"} 1",
-    ] {
-        assert!(m.contains(line), "metrics lack `{line}`:\n{m}");
-    }
+    ];
+    wait_until("the watcher's metrics", Duration::from_secs(10), || async {
+        let m = w.metrics().await;
+        match want.iter().find(|line| !m.contains(**line)) {
+            Some(line) => anyhow::bail!("metrics lack `{line}`:\n{m}"),
+            None => Ok(()),
+        }
+    })
+    .await
+    .unwrap();
     drop(all);
 
     // Replicas share nothing: a client switching to another one gets RESET + snapshot.

@@ -726,6 +726,7 @@ async fn final_problems(w: &World, pods: &Api<Pod>, live: &VecDeque<LivePod>) ->
             None => out.push((Kind::Unreachable, format!("{} has no port in Neutron", p.pod.name))),
         }
     }
+    out.extend(node_problems(w, &uids)?);
     if let Some(lb) = &w.lb {
         out.extend(lb.final_problems(&w.c.admin).await?);
     }
@@ -785,4 +786,55 @@ mod tests {
         assert_eq!(kinds, vec![("dup:u1", Kind::Duplicate), ("leak:b", Kind::Leak)]);
         assert!(port_problems(&[port("a", "u1"), port("c", "")], &live).is_empty());
     }
+}
+
+/// What the Neutron node still holds for pods: the OVS interfaces the binder plugged (their
+/// `external_ids:vm-uuid` is the pod's uid) and the binder's attachment records. One for a pod
+/// that is gone is a leak, two for one pod a duplicate.
+fn node_problems(w: &World, live: &HashSet<String>) -> Result<Vec<(Kind, String)>> {
+    let mut out = Vec::new();
+    let mut held: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let text = crate::nested::vsctl(
+        &w.c.node.ovsdb(),
+        &["--format=json", "--columns=name,external_ids", "list", "Interface"],
+    )?;
+    let table: serde_json::Value = serde_json::from_str(&text).context("ovs-vsctl's JSON")?;
+    for row in table["data"].as_array().into_iter().flatten() {
+        let name = row[0].as_str().unwrap_or_default().to_string();
+        // ["map", [[key, value], ...]]
+        let ids = row[1][1].as_array().cloned().unwrap_or_default();
+        let get = |k: &str| ids.iter().find(|kv| kv[0] == k).and_then(|kv| kv[1].as_str()).map(str::to_string);
+        // Only the pods' interfaces: those tagged with a port of the cluster's pods.
+        if let (Some(uid), Some(_)) = (get("vm-uuid"), get("iface-id")) {
+            held.entry(uid).or_default().push(name);
+        }
+    }
+    for (uid, names) in &held {
+        if !live.contains(uid) {
+            out.push((Kind::Leak, format!("OVS interfaces {names:?} of pod uid {uid}, which no longer exists")));
+        } else if names.len() > 1 {
+            out.push((Kind::Duplicate, format!("pod uid {uid} has OVS interfaces {names:?}")));
+        }
+    }
+    let dir = w.binder.state_dir.join("attachments");
+    let mut records: BTreeMap<String, usize> = BTreeMap::new();
+    for e in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
+        if e.path().extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let text = std::fs::read_to_string(e.path())?;
+        let rec: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}", e.path().display()))?;
+        *records.entry(rec["pod_uid"].as_str().unwrap_or_default().to_string()).or_default() += 1;
+    }
+    for (uid, n) in records {
+        if !live.contains(&uid) {
+            out.push((
+                Kind::Leak,
+                format!("{n} attachment records of the binder for pod uid {uid}, which no longer exists"),
+            ));
+        } else if n > 1 {
+            out.push((Kind::Duplicate, format!("pod uid {uid} has {n} attachment records")));
+        }
+    }
+    Ok(out)
 }

@@ -744,50 +744,6 @@ async fn final_problems(w: &World, pods: &Api<Pod>, live: &VecDeque<LivePod>) ->
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retries_are_summed_per_component() {
-        let text = "# TYPE kuryr_retries_total counter\n\
-                    kuryr_retries_total{component=\"neutron\",reason=\"unavailable\"} 3\n\
-                    kuryr_retries_total{component=\"neutron\",reason=\"timeout\"} 2\n\
-                    kuryr_retries_total{component=\"watcher\",reason=\"stream\"} 1\n\
-                    openstack_requests_total{service=\"network\"} 40\n";
-        let got = retries_by_component(text);
-        assert_eq!(got.len(), 2, "{got:?}");
-        assert_eq!(got["allocator neutron"], 5.0);
-        assert_eq!(got["allocator watcher"], 1.0);
-    }
-
-    fn port(id: &str, device: &str) -> Port {
-        Port { id: id.into(), device_id: device.into(), ..Port::default() }
-    }
-
-    #[test]
-    fn clouds_yaml_gets_the_override_in_the_kuryr_cloud_only() {
-        let text = "clouds:\n  admin:\n    auth_type: password\n  kuryr:\n    auth_type: password\n  kuryr-appcred:\n    x: 1\n";
-        let out = clouds_through(text, "http://127.0.0.1:9").unwrap();
-        assert_eq!(
-            out,
-            "clouds:\n  admin:\n    auth_type: password\n  kuryr:\n    network_endpoint_override: http://127.0.0.1:9\n    auth_type: password\n  kuryr-appcred:\n    x: 1\n"
-        );
-        assert!(clouds_through("clouds:\n  admin: {}\n", "u").is_err());
-    }
-
-    #[test]
-    fn stray_and_doubled_ports_are_problems() {
-        let live: HashSet<String> = ["u1".to_string()].into();
-        let ports = vec![port("a", "u1"), port("b", "gone"), port("c", ""), port("d", "u1")];
-        let mut found = port_problems(&ports, &live);
-        found.sort();
-        let kinds: Vec<(&str, Kind)> = found.iter().map(|(k, kind, _)| (k.as_str(), *kind)).collect();
-        assert_eq!(kinds, vec![("dup:u1", Kind::Duplicate), ("leak:b", Kind::Leak)]);
-        assert!(port_problems(&[port("a", "u1"), port("c", "")], &live).is_empty());
-    }
-}
-
 /// What the Neutron node still holds for pods: the OVS interfaces the binder plugged (their
 /// `external_ids:vm-uuid` is the pod's uid) and the binder's attachment records. One for a pod
 /// that is gone is a leak, two for one pod a duplicate.
@@ -837,4 +793,48 @@ fn node_problems(w: &World, live: &HashSet<String>) -> Result<Vec<(Kind, String)
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_are_summed_per_component() {
+        let text = "# TYPE kuryr_retries_total counter\n\
+                    kuryr_retries_total{component=\"neutron\",reason=\"unavailable\"} 3\n\
+                    kuryr_retries_total{component=\"neutron\",reason=\"timeout\"} 2\n\
+                    kuryr_retries_total{component=\"watcher\",reason=\"stream\"} 1\n\
+                    openstack_requests_total{service=\"network\"} 40\n";
+        let got = retries_by_component(text);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got["allocator neutron"], 5.0);
+        assert_eq!(got["allocator watcher"], 1.0);
+    }
+
+    fn port(id: &str, device: &str) -> Port {
+        Port { id: id.into(), device_id: device.into(), ..Port::default() }
+    }
+
+    #[test]
+    fn clouds_yaml_gets_the_override_in_the_kuryr_cloud_only() {
+        let text = "clouds:\n  admin:\n    auth_type: password\n  kuryr:\n    auth_type: password\n  kuryr-appcred:\n    x: 1\n";
+        let out = clouds_through(text, "http://127.0.0.1:9").unwrap();
+        assert_eq!(
+            out,
+            "clouds:\n  admin:\n    auth_type: password\n  kuryr:\n    network_endpoint_override: http://127.0.0.1:9\n    auth_type: password\n  kuryr-appcred:\n    x: 1\n"
+        );
+        assert!(clouds_through("clouds:\n  admin: {}\n", "u").is_err());
+    }
+
+    #[test]
+    fn stray_and_doubled_ports_are_problems() {
+        let live: HashSet<String> = ["u1".to_string()].into();
+        let ports = vec![port("a", "u1"), port("b", "gone"), port("c", ""), port("d", "u1")];
+        let mut found = port_problems(&ports, &live);
+        found.sort();
+        let kinds: Vec<(&str, Kind)> = found.iter().map(|(k, kind, _)| (k.as_str(), *kind)).collect();
+        assert_eq!(kinds, vec![("dup:u1", Kind::Duplicate), ("leak:b", Kind::Leak)]);
+        assert!(port_problems(&[port("a", "u1"), port("c", "")], &live).is_empty());
+    }
 }

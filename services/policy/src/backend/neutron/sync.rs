@@ -349,7 +349,17 @@ impl Reconciler {
             .chain(known.garbage.iter().map(|id| (None, id.clone())))
             .collect();
         for (owner, id) in stale {
-            match self.neutron.delete_security_group(&id).await {
+            let mut deleted = self.neutron.delete_security_group(&id).await;
+            if deleted.as_ref().is_err_and(Error::is_conflict) {
+                // In use by a port that is no live pod's (see `release_group`): taken off, then
+                // deleted at once.
+                match self.release_group(&id, &known, vifs).await {
+                    Ok(0) => {}
+                    Ok(_) => deleted = self.neutron.delete_security_group(&id).await,
+                    Err(e) => errors.push(e),
+                }
+            }
+            match deleted {
                 Ok(_) => {
                     changed = true;
                     tracing::info!(group = id, owner = ?owner, "security group deleted: no live policy owns it");
@@ -365,6 +375,36 @@ impl Reconciler {
         self.metrics.rules.set(known.groups.values().map(|g| g.rules.len()).sum::<usize>() as i64);
         self.known = Some(known);
         if errors.is_empty() { Ok(changed) } else { Err(errors) }
+    }
+
+    /// Takes the group `id`, which no live policy owns, off the ports that still hold it and are
+    /// not a live pod's port: a pod deleted while a policy change was being applied can have its
+    /// port released to the allocator's pool and only then given the group, which then keeps
+    /// Neutron from deleting it. Only the groups this backend owns are removed from such a port
+    /// (the allocator gives a pool port the pool's groups back when it hands it out). Returns
+    /// how many ports were changed.
+    async fn release_group(&self, id: &str, known: &Known, vifs: &Vifs) -> Result<usize, (&'static str, Error)> {
+        let filter = Filter::new().eq("security_groups", id).fields(&["id", "device_id", "security_groups"]);
+        let holders = self.neutron.list_ports(&filter).await.map_err(|e| ("read", e))?;
+        let live: BTreeSet<&str> = vifs.values().map(|v| v.port.as_str()).collect();
+        let owned: BTreeSet<&str> =
+            known.groups.values().map(|g| g.id.as_str()).chain(known.garbage.iter().map(String::as_str)).collect();
+        let mut changed = 0;
+        for p in holders.iter().filter(|p| !live.contains(p.id.as_str())) {
+            let keep: Vec<String> =
+                p.security_groups.iter().filter(|g| *g != id && !owned.contains(g.as_str())).cloned().collect();
+            let update = PortUpdate { security_groups: Some(keep.clone()), ..PortUpdate::default() };
+            match self.neutron.update_port(&p.id, &update, None).await {
+                Ok(_) => {
+                    tracing::info!(group = id, port = p.id, device = p.device_id, groups = ?keep, "a group of a gone policy taken off a port that is no live pod's");
+                    self.metrics.port_updates.inc();
+                    changed += 1;
+                }
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(("port_update", e)),
+            }
+        }
+        Ok(changed)
     }
 
     /// Creates the group of `owner` if missing and converges its rules: new ones in one bulk

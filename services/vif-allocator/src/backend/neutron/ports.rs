@@ -44,8 +44,15 @@ impl NeutronBackend {
     pub(super) async fn take_from_pool(&self, pod: &PodKey, key: &PoolKey) -> Result<Option<Port>, ClusterError> {
         loop {
             let Some(port) = guard(&self.inv).take(key) else { return Ok(None) };
-            let update =
-                PortUpdate { device_id: Some(pod.uid.clone()), name: Some(port_name(pod)), ..PortUpdate::default() };
+            // The pool's groups too: a pool port can have been given a NetworkPolicy's group
+            // after its pod was released (kuryr-policy's Neutron backend acting on a stale view),
+            // and the pod gets what its record says it got.
+            let update = PortUpdate {
+                device_id: Some(pod.uid.clone()),
+                name: Some(port_name(pod)),
+                security_groups: (!self.reset_groups.is_empty()).then(|| self.reset_groups.clone()),
+                ..PortUpdate::default()
+            };
             // Only if the port is as this replica last saw it: another replica that held the
             // node's shard may have handed it out meanwhile ([`shards`]).
             match self.neutron.update_port(&port.id, &update, port.revision_number).await {

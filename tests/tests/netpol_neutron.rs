@@ -18,7 +18,8 @@
 //!    and every pod reaches it; relabelled back, the policies' groups return;
 //! 6. a policy deleted: its group is deleted once no port uses it;
 //! 7. a leftover group (tagged for the cluster, its policy gone) is removed by the garbage
-//!    collection of a restarted kuryr-policy;
+//!    collection of a restarted kuryr-policy, and taken off the port that is no pod's and still
+//!    held it (which kept Neutron from deleting it);
 //! 8. the server pod deleted: its port goes back to the allocator's pool with the pods group.
 //!
 //! Every change is counted in Neutron calls (kuryr-policy's `openstack_requests_total`) and
@@ -34,7 +35,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{SecurityGroupCreate, SecurityGroupRuleCreate};
+use kuryr_openstack::neutron::{PortCreate, SecurityGroupCreate, SecurityGroupRuleCreate};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::neutron::{AllocatorOptions, NeutronCluster, PluggedPod, Svc, measure_policy_change};
 use kuryr_tests::services::wait_until;
@@ -340,6 +341,20 @@ async fn security_groups_per_policy_enforced_by_the_ovs_firewall() {
                 .id
         }
     };
+    // The leftover group still on a port that is no pod's (a pod released to the pool while a
+    // policy change was applied): Neutron refuses to delete a group in use, so kuryr-policy takes
+    // it off that port first, and only its own groups.
+    let holder =
+        s.c.neutron
+            .create_port(PortCreate {
+                network_id: s.c.net.network_id.clone(),
+                project_id: Some(s.c.net.project_id.clone()),
+                security_groups: Some(vec![ghost.clone(), s.pods_group.clone()]),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .id;
     let cut_short = untagged(cluster_tag(), "np/deny").await;
     let foreign = untagged(format!("{}-other", cluster_tag()), "np/deny").await;
     policy.proc.terminate(Duration::from_secs(10)).await.unwrap();
@@ -355,6 +370,8 @@ async fn security_groups_per_policy_enforced_by_the_ovs_firewall() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", policy.proc.logs()));
     }
+    assert_eq!(s.port_groups(&holder).await, [s.pods_group.clone()].into(), "the port that held the leftover group");
+    s.c.neutron.delete_port(&holder).await.unwrap();
     assert!(s.c.neutron.get_security_group(&foreign).await.is_ok(), "another cluster's group was deleted");
     s.c.neutron.delete_security_group(&foreign).await.unwrap();
     assert_eq!(s.group_of("np/deny").await, deny, "the live policy's group is kept across the restart");

@@ -122,7 +122,7 @@ fn main() -> ExitCode {
     };
     let (live, nodes, services) = match &opts {
         Run::Embedded(o) => (o.live, o.nodes, o.services),
-        Run::Neutron(o) => (o.live, 1, 0),
+        Run::Neutron(o) => (o.live, 1, if o.lbaas > 0 { o.services } else { 0 }),
     };
     let quiet = match &opts {
         Run::Embedded(o) => o.quiet,

@@ -648,21 +648,21 @@ async fn drive(w: &mut World, o: &NeutronChaosOptions) -> Result<Outcome> {
             }
         }
     }
-    let mut metrics = w.allocator_metrics().await;
+    out.retries = retries_by_component("allocator", &w.allocator_metrics().await);
     if let Some(lb) = &w.lb {
-        metrics.push_str(&lb.metrics().await);
+        out.retries.extend(retries_by_component("lbaas", &lb.metrics().await));
     }
-    out.retries = retries_by_component(&metrics);
     Ok(out)
 }
 
-/// The allocator's `kuryr_retries_total`, summed per `component` over its reasons.
-fn retries_by_component(text: &str) -> BTreeMap<String, f64> {
+/// A service's `kuryr_retries_total` (`text`), summed per `component` over its reasons, keyed
+/// `<service> <component>`.
+fn retries_by_component(service: &str, text: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for line in text.lines().filter(|l| l.starts_with("kuryr_retries_total{")) {
         let Some((labels, value)) = line.rsplit_once(' ') else { continue };
         let Some(component) = labels.split("component=\"").nth(1).and_then(|r| r.split('"').next()) else { continue };
-        *out.entry(format!("allocator {component}")).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+        *out.entry(format!("{service} {component}")).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
     }
     out
 }
@@ -806,7 +806,7 @@ mod tests {
                     kuryr_retries_total{component=\"neutron\",reason=\"timeout\"} 2\n\
                     kuryr_retries_total{component=\"watcher\",reason=\"stream\"} 1\n\
                     openstack_requests_total{service=\"network\"} 40\n";
-        let got = retries_by_component(text);
+        let got = retries_by_component("allocator", text);
         assert_eq!(got.len(), 2, "{got:?}");
         assert_eq!(got["allocator neutron"], 5.0);
         assert_eq!(got["allocator watcher"], 1.0);

@@ -305,16 +305,23 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
             .iter()
             .any(|f| f == FINALIZER)
     );
-    let got = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token).unwrap())
-        .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        (got.backend.as_str(), got.backend_id.as_str(), got.provisioning_status.as_str()),
-        ("octavia", lb.as_str(), "ACTIVE")
-    );
-    assert_eq!(got.observed_generation, u64::try_from(record.metadata.generation.unwrap()).unwrap());
+    // The record read above can be the one from before the slice reached lbaas (generation 1,
+    // no members; the members came with generation 2): compare with the record as it is now,
+    // once lbaas has settled on it.
+    wait_until("GetLoadBalancer to answer as the record says", CONVERGE, || async {
+        let got = LoadBalancersClient::new(kuryr_tests::auth::channel(&lbaas.addr, &c.binder_token)?)
+            .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })
+            .await?
+            .into_inner();
+        let now = c.api::<ServiceLoadBalancer>().get("web").await?;
+        let want = ("octavia", lb.as_str(), "ACTIVE", u64::try_from(now.metadata.generation.unwrap_or_default())?);
+        let have =
+            (got.backend.as_str(), got.backend_id.as_str(), got.provisioning_status.as_str(), got.observed_generation);
+        anyhow::ensure!(have == want, "GetLoadBalancer {have:?}, record {want:?}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
 
     // Endpoint churn. A change in the slice of both ports: one batch update per pool, two.
     let puts = metric(&lbaas, REQUESTS, &[REPLACE]).await;

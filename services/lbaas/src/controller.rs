@@ -30,13 +30,13 @@ use std::time::Instant;
 
 use tokio::sync::Notify;
 
-use kuryr_proto::lbaas::v1::{LoadBalancer, LoadBalancerSpec};
-use kuryr_proto::watcher::v1::EndpointSlice;
 use kuryr_runtime::Shutdown;
 use kuryr_stream::{Outcome, WorkQueue};
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, BackendError, Maintenance, Observed};
+use crate::core::input::EndpointSlice;
+use crate::core::lb::LoadBalancerSpec;
 use crate::core::spec::{Desired, REASON_SKIPPED, ServiceRef, desired};
 use crate::core::view::{FINALIZER, ServiceEntry, SharedView, split};
 use crate::core::{chain, locked};
@@ -95,21 +95,6 @@ impl ReconcileError {
             Cause::Backend(e) => e.reason,
             Cause::Moved => "moved",
         }
-    }
-}
-
-/// The LoadBalancer message of a record.
-pub fn load_balancer(key: &str, r: &Record) -> LoadBalancer {
-    let (ns, name) = split(key);
-    let status = r.status.clone().unwrap_or_default();
-    LoadBalancer {
-        spec: Some(r.spec.to_proto(ns, name, r.generation)),
-        backend: r.spec.backend.clone(),
-        backend_id: status.backend_id.unwrap_or_default(),
-        provisioning_status: status.provisioning_status.unwrap_or_else(|| "PENDING".into()),
-        observed_generation: status.observed_generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
-        ingress_ip: status.ingress_ip.unwrap_or_default(),
-        message: status.message.unwrap_or_default(),
     }
 }
 
@@ -415,7 +400,7 @@ impl<B: Backend, C: Cluster> Controller<B, C> {
                     .map_err(|e| fail("removing the finalizer")(e.into()))?;
             }
         }
-        let want = ServiceLoadBalancerSpec::from_proto(&spec, self.backend.name());
+        let want = ServiceLoadBalancerSpec::from_spec(&spec, self.backend.name());
         if !self.shards.serves(key) {
             return Err(fail("writing the record")(Cause::Moved));
         }
@@ -460,9 +445,8 @@ impl<B: Backend, C: Cluster> Controller<B, C> {
             if let Some(r) = locked(&self.records).get_mut(key) {
                 r.status = Some(status);
             }
-            let members: usize = spec.listeners.iter().filter_map(|l| l.pool.as_ref()).map(|p| p.members.len()).sum();
             tracing::info!(service = key, generation = spec.generation, vips = ?spec.vips,
-                listeners = spec.listeners.len(), members, "load balancer programmed");
+                listeners = spec.listeners.len(), members = spec.member_count(), "load balancer programmed");
         }
         Ok(())
     }

@@ -5,13 +5,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kuryr_proto::watcher::v1::object::Body;
-use kuryr_proto::watcher::v1::{
-    Endpoint, EndpointPort, EventType, Kind, Object, Service, ServicePort, SubscribeResponse,
-};
-
 use super::*;
-use crate::core::view::View;
+use crate::core::input::{Endpoint, EndpointPort, Meta, Service, ServicePort};
+use crate::core::view::{Event, View};
 use crate::k8s::ServiceMeta;
 
 const KEY: &str = "ns/web";
@@ -177,8 +173,7 @@ impl Backend for FakeBackend {
 
     async fn ensure(&self, key: &str, spec: &LoadBalancerSpec) -> Result<Observed, BackendError> {
         let mut s = self.s();
-        let members: usize = spec.listeners.iter().filter_map(|l| l.pool.as_ref()).map(|p| p.members.len()).sum();
-        s.calls.push(format!("ensure {key} gen={} members={members}", spec.generation));
+        s.calls.push(format!("ensure {key} gen={} members={}", spec.generation, spec.member_count()));
         if let Some(status) = s.fail_with.take() {
             return Err(BackendError {
                 backend: "fake",
@@ -208,45 +203,34 @@ impl Backend for FakeBackend {
     }
 }
 
-fn service_object(uid: &str, kind: &str, deleting: bool) -> Object {
-    Object {
-        kind: Kind::Service as i32,
-        namespace: "ns".into(),
-        name: "web".into(),
-        uid: uid.into(),
-        deleting,
-        body: Some(Body::Service(Service {
-            r#type: kind.into(),
-            cluster_ips: vec!["10.96.0.10".into()],
-            ports: vec![ServicePort {
-                name: "http".into(),
-                protocol: "TCP".into(),
-                port: 80,
-                target_port: "8080".into(),
-                node_port: if kind == "ClusterIP" { 0 } else { 30080 },
-            }],
-            ..Default::default()
-        })),
+fn meta(name: &str, uid: &str, deleting: bool) -> Meta {
+    Meta { namespace: "ns".into(), name: name.into(), uid: uid.into(), deleting }
+}
+
+fn service_object(kind: &str) -> Service {
+    Service {
+        r#type: kind.into(),
+        cluster_ips: vec!["10.96.0.10".into()],
+        ports: vec![ServicePort {
+            name: "http".into(),
+            protocol: "TCP".into(),
+            port: 80,
+            target_port: "8080".into(),
+            node_port: if kind == "ClusterIP" { 0 } else { 30080 },
+        }],
         ..Default::default()
     }
 }
 
-fn slice_object(addresses: &[&str]) -> Object {
-    Object {
-        kind: Kind::EndpointSlice as i32,
-        namespace: "ns".into(),
-        name: "web-abc".into(),
-        uid: "slice-uid".into(),
-        body: Some(Body::EndpointSlice(kuryr_proto::watcher::v1::EndpointSlice {
-            service_name: "web".into(),
-            address_type: "IPv4".into(),
-            endpoints: addresses
-                .iter()
-                .map(|a| Endpoint { addresses: vec![(*a).into()], ready: true, ..Default::default() })
-                .collect(),
-            ports: vec![EndpointPort { name: "http".into(), protocol: "TCP".into(), port: 8080 }],
-        })),
-        ..Default::default()
+fn slice_object(addresses: &[&str]) -> EndpointSlice {
+    EndpointSlice {
+        service_name: "web".into(),
+        address_type: "IPv4".into(),
+        endpoints: addresses
+            .iter()
+            .map(|a| Endpoint { addresses: vec![(*a).into()], ready: true, ..Default::default() })
+            .collect(),
+        ports: vec![EndpointPort { name: "http".into(), protocol: "TCP".into(), port: 8080 }],
     }
 }
 
@@ -268,27 +252,24 @@ impl Harness {
 
     /// The Service as the watcher streams it, and as the API holds it.
     fn service(&self, kind: &str, deleting: bool) {
-        let mut o = service_object(UID, kind, deleting);
+        let mut s = service_object(kind);
         let finalizers = self.cluster.finalizers(KEY);
-        if let Some(Body::Service(s)) = &mut o.body {
-            s.finalizers.clone_from(&finalizers);
-        }
+        s.finalizers.clone_from(&finalizers);
         self.cluster.s().services.insert(KEY.into(), ServiceMeta { uid: UID.into(), finalizers, deleting });
-        self.event(EventType::Applied, o);
+        self.event(Event::ServiceApplied(meta("web", UID, deleting), s));
     }
 
     fn endpoints(&self, addresses: &[&str]) {
-        self.event(EventType::Applied, slice_object(addresses));
+        self.event(Event::SliceApplied(meta("web-abc", "slice-uid", false), slice_object(addresses)));
     }
 
     fn service_gone(&self) {
         self.cluster.s().services.remove(KEY);
-        self.event(EventType::Deleted, service_object(UID, "ClusterIP", false));
+        self.event(Event::ServiceDeleted(meta("web", UID, false)));
     }
 
-    fn event(&self, t: EventType, o: Object) {
-        let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(o) };
-        locked(self.c.view()).apply(&ev);
+    fn event(&self, ev: Event) {
+        locked(self.c.view()).apply(ev);
     }
 
     fn record(&self) -> Option<Record> {
@@ -403,12 +384,10 @@ async fn a_backend_failure_is_recorded_as_seen_and_told_as_a_warning() {
 #[tokio::test]
 async fn an_external_name_service_is_told_once_why_it_has_no_load_balancer() {
     let h = Harness::new(FinalizerPolicy::LoadBalancer);
-    let mut o = service_object(UID, "ExternalName", false);
-    if let Some(Body::Service(s)) = &mut o.body {
-        s.cluster_ips.clear();
-        s.external_name = "example.org".into();
-    }
-    h.event(EventType::Applied, o);
+    let mut s = service_object("ExternalName");
+    s.cluster_ips.clear();
+    s.external_name = "example.org".into();
+    h.event(Event::ServiceApplied(meta("web", UID, false), s));
     assert_eq!(h.c.reconcile(KEY).await.unwrap(), "skipped");
     assert_eq!(h.c.reconcile(KEY).await.unwrap(), "skipped");
     let events = h.cluster.s().events.clone();

@@ -327,7 +327,7 @@ impl<B: Backend> Start<B> {
             .filter(|(_, r)| r.spec.backend == backend.name())
             .map(|(k, r)| {
                 let (ns, name) = core::view::split(k);
-                (k.clone(), r.spec.to_proto(ns, name, r.generation))
+                (k.clone(), r.spec.to_spec(ns, name, r.generation))
             })
             .collect();
         backend.recover(specs);

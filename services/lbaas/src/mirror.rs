@@ -121,7 +121,7 @@ impl<B: Backend> Mirror<B> {
         let backend = self.controller.backend();
         if r.spec.backend == backend.name() {
             let (ns, name) = split(&k);
-            backend.mirror(&k, Some(r.spec.to_proto(ns, name, r.generation)));
+            backend.mirror(&k, Some(r.spec.to_spec(ns, name, r.generation)));
         }
         tracing::debug!(service = k, generation = r.generation, "followed the record of another replica's shard");
     }

@@ -12,12 +12,13 @@ use std::future::Future;
 pub mod node;
 pub mod octavia;
 
-use kuryr_proto::lbaas::v1::LoadBalancerSpec;
+use crate::core::lb::LoadBalancerSpec;
 use kuryr_stream::SharedLog;
 
 pub use node::NodeBackend;
 
-/// The published specs, by `namespace/name`: what `WatchLoadBalancers` streams.
+/// The published specs, by `namespace/name`: what `WatchLoadBalancers` streams (the gRPC edge
+/// builds each response's message from the shared spec).
 pub type LbLog = SharedLog<String, LoadBalancerSpec>;
 
 /// The node backend's provisioning status.

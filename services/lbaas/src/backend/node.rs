@@ -2,7 +2,7 @@
 //! streams to every node's binder, which programs nftables. A load balancer is `PROGRAMMED` at
 //! the generation published.
 
-use kuryr_proto::lbaas::v1::LoadBalancerSpec;
+use crate::core::lb::LoadBalancerSpec;
 
 use super::{Backend, BackendError, LbLog, Observed, PROGRAMMED};
 

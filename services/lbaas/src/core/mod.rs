@@ -1,8 +1,11 @@
-//! The pure part of lbaas: what a Service's load balancer should be ([`spec`]) and the view of
-//! Services and EndpointSlices it is computed from ([`view`]). No Kubernetes client, no gRPC
-//! server, no backend: the inputs and outputs are the `kuryr.watcher.v1` / `kuryr.lbaas.v1`
-//! messages (plain data), and everything here is unit-tested without I/O.
+//! The pure part of lbaas: what a Service's load balancer should be ([`spec`], as a [`lb`]
+//! spec) and the view of Services and EndpointSlices ([`input`]) it is computed from ([`view`]).
+//! No Kubernetes client, no gRPC server, no backend, no protobuf: the edges convert the
+//! `kuryr.watcher.v1` / `kuryr.lbaas.v1` messages to and from these types, and everything here
+//! is unit-tested without I/O.
 
+pub mod input;
+pub mod lb;
 pub mod spec;
 pub mod view;
 

@@ -1,5 +1,6 @@
 //! The desired load balancer of a Service, from the Service and its EndpointSlices as the
-//! watcher reduced them. Pure: no kube, no tonic beyond the generated messages.
+//! watcher reduced them ([`crate::core::input`]), as a [`LoadBalancerSpec`]. Pure: no kube, no
+//! tonic, no protobuf.
 //!
 //! - ClusterIP, NodePort and LoadBalancer Services get a load balancer; its VIPs are the cluster
 //!   IPs (both families when dual-stack). Headless Services (no cluster IP) are ignored silently,
@@ -24,8 +25,8 @@
 
 use std::collections::BTreeMap;
 
-use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
-use kuryr_proto::watcher::v1::{EndpointSlice, Service};
+use crate::core::input::{EndpointSlice, Service};
+use crate::core::lb::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
 
 /// Kubernetes' default ClientIP affinity timeout (spec.sessionAffinityConfig.clientIP).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
@@ -58,16 +59,6 @@ pub enum Desired {
     },
     /// None, silently (headless).
     Ignored,
-}
-
-/// The transport protocol of a port, as the contract names it.
-pub fn protocol(s: &str) -> Option<Protocol> {
-    match s {
-        "TCP" | "" => Some(Protocol::Tcp),
-        "UDP" => Some(Protocol::Udp),
-        "SCTP" => Some(Protocol::Sctp),
-        _ => None,
-    }
 }
 
 /// Whether this lbaas provides the load balancer of `svc`: a `type: LoadBalancer` Service of its
@@ -118,10 +109,10 @@ pub fn desired(svc: &ServiceRef<'_>, slices: &[&EndpointSlice]) -> Desired {
         .ports
         .iter()
         .filter_map(|p| {
-            let proto = protocol(&p.protocol)?;
+            let protocol = Protocol::parse(&p.protocol)?;
             let port = u32::try_from(p.port).ok().filter(|p| *p > 0)?;
             Some(Listener {
-                protocol: proto as i32,
+                protocol,
                 port,
                 name: p.name.clone(),
                 pool: Some(Pool { members: members(&p.name, &p.protocol, &p.target_port, slices) }),
@@ -149,14 +140,9 @@ pub fn desired(svc: &ServiceRef<'_>, slices: &[&EndpointSlice]) -> Desired {
         generation: 0,
         external_ips: addresses(&s.external_ips),
         ingress_ips: addresses(&s.load_balancer_ingress_ips),
-        external_traffic_policy: policy(&s.external_traffic_policy) as i32,
-        internal_traffic_policy: policy(&s.internal_traffic_policy) as i32,
+        external_traffic_policy: TrafficPolicy::parse(&s.external_traffic_policy),
+        internal_traffic_policy: TrafficPolicy::parse(&s.internal_traffic_policy),
     })
-}
-
-/// A traffic policy as the contract names it: Local, or Cluster for anything else.
-pub fn policy(s: &str) -> TrafficPolicy {
-    if s == "Local" { TrafficPolicy::Local } else { TrafficPolicy::Cluster }
 }
 
 /// Addresses without blanks or repeats, in their first order.
@@ -214,14 +200,14 @@ fn members(name: &str, proto: &str, target_port: &str, slices: &[&EndpointSlice]
 }
 
 fn same_protocol(a: &str, b: &str) -> bool {
-    protocol(a) == protocol(b)
+    Protocol::parse(a) == Protocol::parse(b)
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_proto::watcher::v1::{Endpoint, EndpointPort, ServicePort};
+    use crate::core::input::{Endpoint, EndpointPort, ServicePort};
 
     use super::*;
 
@@ -312,10 +298,10 @@ mod tests {
         assert_eq!((spec.namespace.as_str(), spec.name.as_str(), spec.uid.as_str()), ("ns", "web", "u1"));
         assert_eq!(spec.listeners.len(), 2);
         let http = &spec.listeners[0];
-        assert_eq!((http.protocol(), http.port, http.name.as_str()), (Protocol::Tcp, 80, "http"));
+        assert_eq!((http.protocol, http.port, http.name.as_str()), (Protocol::Tcp, 80, "http"));
         assert_eq!(shown(http), ["10.1.0.5:8080 rs", "10.1.0.6:8080 st", "10.1.0.7:8081 rs", "fd00:1::5:8080 rs"]);
         let dns = &spec.listeners[1];
-        assert_eq!((dns.protocol(), dns.port), (Protocol::Udp, 53));
+        assert_eq!((dns.protocol, dns.port), (Protocol::Udp, 53));
         // The second slice has no "dns" port: its endpoint is not a DNS member.
         assert_eq!(shown(dns), ["10.1.0.5:5353 rs", "10.1.0.6:5353 st", "fd00:1::5:5353 rs"]);
         let m = &http.pool.as_ref().unwrap().members[0];
@@ -372,14 +358,13 @@ mod tests {
             slice("IPv4", &[("http", "TCP", 8080), ("dns", "UDP", 8080)], vec![ep("10.1.0.5", true, true, false, "a")]);
         let spec = lb(&svc, &[&a]);
         assert_eq!(spec.service_type, "NodePort");
-        let got: Vec<(Protocol, u32, u32)> =
-            spec.listeners.iter().map(|l| (l.protocol(), l.port, l.node_port)).collect();
+        let got: Vec<(Protocol, u32, u32)> = spec.listeners.iter().map(|l| (l.protocol, l.port, l.node_port)).collect();
         assert_eq!(got, [(Protocol::Tcp, 80, 30080), (Protocol::Udp, 80, 30081)], "same port, both protocols");
         assert_eq!(shown(&spec.listeners[1]), ["10.1.0.5:8080 rs"]);
         assert_eq!(spec.external_ips, ["192.0.2.1", "2001:db8::1"]);
         assert_eq!(spec.ingress_ips, ["198.51.100.1"]);
-        assert_eq!(spec.external_traffic_policy(), TrafficPolicy::Local);
-        assert_eq!(spec.internal_traffic_policy(), TrafficPolicy::Cluster);
+        assert_eq!(spec.external_traffic_policy, TrafficPolicy::Local);
+        assert_eq!(spec.internal_traffic_policy, TrafficPolicy::Cluster);
 
         // LoadBalancer keeps its node ports; ClusterIP never has any, whatever the port says.
         svc.r#type = "LoadBalancer".into();
@@ -388,7 +373,7 @@ mod tests {
         svc.external_traffic_policy = String::new();
         let spec = lb(&svc, &[&a]);
         assert!(spec.listeners.iter().all(|l| l.node_port == 0), "{spec:?}");
-        assert_eq!(spec.external_traffic_policy(), TrafficPolicy::Cluster, "unset is Cluster");
+        assert_eq!(spec.external_traffic_policy, TrafficPolicy::Cluster, "unset is Cluster");
     }
 
     #[test]

@@ -1,20 +1,19 @@
-//! lbaas' view of Services and EndpointSlices, fed by the watcher's Subscribe stream. Free of
-//! kube and tonic.
+//! lbaas' view of Services and EndpointSlices, fed by the watcher's Subscribe stream as
+//! [`Event`]s (the gRPC edge converts the stream's messages). Free of kube, tonic and protobuf.
 //!
 //! Keyed by `namespace/name` of the Service: a load balancer belongs to a Service name (its
 //! record is named after the Service), and a Service deleted and re-created under the same name
 //! is, to a dataplane, the same VIP with a new uid. Slices are grouped by the Service their
 //! `kubernetes.io/service-name` label names.
 //!
-//! A snapshot (the first one, or one after RESET) is a re-list: at SNAPSHOT_COMPLETE every
+//! A snapshot (the first one, or one after a reset) is a re-list: when it is complete every
 //! Service and slice it did not name is gone, so a deletion missed while disconnected still
 //! removes the load balancer.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
-use kuryr_proto::watcher::v1::object::Body;
-use kuryr_proto::watcher::v1::{EndpointSlice, EventType, Object, Service, SubscribeResponse};
+use crate::core::input::{EndpointSlice, Meta, Service};
 
 /// The finalizer lbaas puts on every Service it gives a load balancer: the Service cannot
 /// disappear before its load balancer is gone.
@@ -49,6 +48,23 @@ pub struct ServiceEntry {
     pub service: Arc<Service>,
 }
 
+/// One event of the watcher's stream, as far as the view is concerned.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A Service was created or changed (or listed by a snapshot).
+    ServiceApplied(Meta, Service),
+    /// A Service was deleted (of the uid in the [`Meta`]).
+    ServiceDeleted(Meta),
+    /// An EndpointSlice was created or changed (or listed by a snapshot).
+    SliceApplied(Meta, EndpointSlice),
+    /// An EndpointSlice was deleted.
+    SliceDeleted(Meta),
+    /// Forget nothing yet: a fresh snapshot follows, and what it does not name is gone.
+    Reset,
+    /// The snapshot is complete; deltas follow.
+    SnapshotComplete,
+}
+
 /// What an event changed.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Effect {
@@ -56,7 +72,7 @@ pub enum Effect {
     Service(String),
     /// The snapshot is complete: the stream is live.
     Live,
-    /// RESET: a new snapshot follows.
+    /// A reset: a new snapshot follows.
     Resync,
 }
 
@@ -120,13 +136,13 @@ impl View {
     }
 
     /// Applies one event of the watcher's stream.
-    pub fn apply(&mut self, ev: &SubscribeResponse) -> Vec<Effect> {
-        match ev.r#type() {
-            EventType::Reset => {
+    pub fn apply(&mut self, ev: Event) -> Vec<Effect> {
+        match ev {
+            Event::Reset => {
                 self.resync = Some(Default::default());
                 vec![Effect::Resync]
             }
-            EventType::SnapshotComplete => {
+            Event::SnapshotComplete => {
                 let mut effects = Vec::new();
                 if let Some((services, slices)) = self.resync.take() {
                     let gone: Vec<String> = self.services.keys().filter(|k| !services.contains(*k)).cloned().collect();
@@ -144,63 +160,9 @@ impl View {
                 effects.push(Effect::Live);
                 effects
             }
-            EventType::Applied => ev.object.as_ref().map(|o| self.applied(o)).unwrap_or_default(),
-            EventType::Deleted => ev.object.as_ref().map(|o| self.deleted(o)).unwrap_or_default(),
-            EventType::Unspecified | EventType::Heartbeat => Vec::new(),
-        }
-    }
-
-    fn applied(&mut self, o: &Object) -> Vec<Effect> {
-        match &o.body {
-            Some(Body::Service(s)) => {
-                let k = key(&o.namespace, &o.name);
-                if let Some((services, _)) = &mut self.resync {
-                    services.insert(k.clone());
-                }
-                let entry = ServiceEntry {
-                    uid: o.uid.clone(),
-                    deleting: o.deleting,
-                    has_finalizer: s.finalizers.iter().any(|f| f == FINALIZER),
-                    service: Arc::new(s.clone()),
-                };
-                if self.services.get(&k) == Some(&entry) {
-                    return Vec::new();
-                }
-                self.services.insert(k.clone(), entry);
-                vec![Effect::Service(k)]
-            }
-            Some(Body::EndpointSlice(s)) => {
-                let sk = (o.namespace.clone(), o.name.clone());
-                if let Some((_, slices)) = &mut self.resync {
-                    slices.insert(sk.clone());
-                }
-                let owner = key(&o.namespace, &s.service_name);
-                let mut effects = Vec::new();
-                if let Some((old_owner, old)) = self.slices.get(&sk) {
-                    if *old_owner == owner && **old == *s {
-                        return effects;
-                    }
-                    if *old_owner != owner {
-                        // Relabelled to another Service: the old one loses it.
-                        let old_owner = old_owner.clone();
-                        self.remove_slice(&sk);
-                        effects.push(Effect::Service(old_owner));
-                    }
-                }
-                if !s.service_name.is_empty() {
-                    self.by_service.entry(owner.clone()).or_default().insert(o.name.clone());
-                    self.slices.insert(sk, (owner.clone(), Arc::new(s.clone())));
-                    effects.push(Effect::Service(owner));
-                }
-                effects
-            }
-            _ => Vec::new(),
-        }
-    }
-
-    fn deleted(&mut self, o: &Object) -> Vec<Effect> {
-        match &o.body {
-            Some(Body::Service(_)) => {
+            Event::ServiceApplied(o, s) => self.service_applied(o, s),
+            Event::SliceApplied(o, s) => self.slice_applied(o, s),
+            Event::ServiceDeleted(o) => {
                 let k = key(&o.namespace, &o.name);
                 // A delete of an earlier object of the name (the watcher reports a re-used name
                 // as a delete of the old uid, then the new object) must not drop the new one.
@@ -209,12 +171,53 @@ impl View {
                 }
                 vec![Effect::Service(k)]
             }
-            Some(Body::EndpointSlice(_)) => {
-                let sk = (o.namespace.clone(), o.name.clone());
+            Event::SliceDeleted(o) => {
+                let sk = (o.namespace, o.name);
                 self.remove_slice(&sk).map(Effect::Service).into_iter().collect()
             }
-            _ => Vec::new(),
         }
+    }
+
+    fn service_applied(&mut self, o: Meta, s: Service) -> Vec<Effect> {
+        let k = key(&o.namespace, &o.name);
+        if let Some((services, _)) = &mut self.resync {
+            services.insert(k.clone());
+        }
+        let has_finalizer = s.finalizers.iter().any(|f| f == FINALIZER);
+        if self.services.get(&k).is_some_and(|cur| {
+            cur.uid == o.uid && cur.deleting == o.deleting && cur.has_finalizer == has_finalizer && *cur.service == s
+        }) {
+            return Vec::new();
+        }
+        let entry = ServiceEntry { uid: o.uid, deleting: o.deleting, has_finalizer, service: Arc::new(s) };
+        self.services.insert(k.clone(), entry);
+        vec![Effect::Service(k)]
+    }
+
+    fn slice_applied(&mut self, o: Meta, s: EndpointSlice) -> Vec<Effect> {
+        let owner = key(&o.namespace, &s.service_name);
+        let sk = (o.namespace, o.name);
+        if let Some((_, slices)) = &mut self.resync {
+            slices.insert(sk.clone());
+        }
+        let mut effects = Vec::new();
+        if let Some((old_owner, old)) = self.slices.get(&sk) {
+            if *old_owner == owner && **old == s {
+                return effects;
+            }
+            if *old_owner != owner {
+                // Relabelled to another Service: the old one loses it.
+                let old_owner = old_owner.clone();
+                self.remove_slice(&sk);
+                effects.push(Effect::Service(old_owner));
+            }
+        }
+        if !s.service_name.is_empty() {
+            self.by_service.entry(owner.clone()).or_default().insert(sk.1.clone());
+            self.slices.insert(sk, (owner.clone(), Arc::new(s)));
+            effects.push(Effect::Service(owner));
+        }
+        effects
     }
 
     /// Removes a slice; returns the Service it belonged to.
@@ -234,44 +237,40 @@ impl View {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_proto::watcher::v1::{Endpoint, Kind};
+    use crate::core::input::Endpoint;
 
     use super::*;
 
-    fn ev(t: EventType, object: Option<Object>) -> SubscribeResponse {
-        SubscribeResponse { resume_point: String::new(), r#type: t as i32, object }
+    fn meta(name: &str, uid: &str) -> Meta {
+        Meta { namespace: "ns".into(), name: name.into(), uid: uid.into(), deleting: false }
     }
 
-    fn svc(name: &str, uid: &str, finalizers: &[&str]) -> Object {
-        Object {
-            kind: Kind::Service as i32,
-            namespace: "ns".into(),
-            name: name.into(),
-            uid: uid.into(),
-            body: Some(Body::Service(Service {
-                r#type: "ClusterIP".into(),
-                cluster_ips: vec!["10.96.0.1".into()],
-                finalizers: finalizers.iter().map(ToString::to_string).collect(),
-                ..Default::default()
-            })),
+    fn svc(name: &str, uid: &str, finalizers: &[&str]) -> Event {
+        let s = Service {
+            r#type: "ClusterIP".into(),
+            cluster_ips: vec!["10.96.0.1".into()],
+            finalizers: finalizers.iter().map(ToString::to_string).collect(),
             ..Default::default()
-        }
+        };
+        Event::ServiceApplied(meta(name, uid), s)
     }
 
-    fn slice(name: &str, service: &str, addr: &str) -> Object {
-        Object {
-            kind: Kind::EndpointSlice as i32,
-            namespace: "ns".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            body: Some(Body::EndpointSlice(EndpointSlice {
-                service_name: service.into(),
-                address_type: "IPv4".into(),
-                endpoints: vec![Endpoint { addresses: vec![addr.into()], ready: true, ..Default::default() }],
-                ports: vec![],
-            })),
-            ..Default::default()
-        }
+    fn svc_gone(name: &str, uid: &str) -> Event {
+        Event::ServiceDeleted(meta(name, uid))
+    }
+
+    fn slice(name: &str, service: &str, addr: &str) -> Event {
+        let s = EndpointSlice {
+            service_name: service.into(),
+            address_type: "IPv4".into(),
+            endpoints: vec![Endpoint { addresses: vec![addr.into()], ready: true, ..Default::default() }],
+            ports: vec![],
+        };
+        Event::SliceApplied(meta(name, &format!("uid-{name}")), s)
+    }
+
+    fn slice_gone(name: &str) -> Event {
+        Event::SliceDeleted(meta(name, &format!("uid-{name}")))
     }
 
     fn services(effects: &[Effect]) -> Vec<&str> {
@@ -287,41 +286,42 @@ mod tests {
     #[test]
     fn services_and_their_slices_queue_the_service() {
         let mut v = View::default();
-        assert_eq!(services(&v.apply(&ev(EventType::Applied, Some(svc("web", "u1", &[]))))), ["ns/web"]);
-        assert_eq!(services(&v.apply(&ev(EventType::Applied, Some(slice("web-a", "web", "10.1.0.1"))))), ["ns/web"]);
-        assert_eq!(services(&v.apply(&ev(EventType::Applied, Some(slice("web-b", "web", "10.1.0.2"))))), ["ns/web"]);
-        assert!(v.apply(&ev(EventType::Applied, Some(slice("web-b", "web", "10.1.0.2")))).is_empty(), "no change");
-        assert_eq!(v.apply(&ev(EventType::SnapshotComplete, None)), [Effect::Live]);
+        assert_eq!(services(&v.apply(svc("web", "u1", &[]))), ["ns/web"]);
+        assert_eq!(services(&v.apply(slice("web-a", "web", "10.1.0.1"))), ["ns/web"]);
+        assert_eq!(services(&v.apply(slice("web-b", "web", "10.1.0.2"))), ["ns/web"]);
+        assert!(v.apply(slice("web-b", "web", "10.1.0.2")).is_empty(), "no change");
+        assert!(v.apply(svc("web", "u1", &[])).is_empty(), "no change");
+        assert_eq!(v.apply(Event::SnapshotComplete), [Effect::Live]);
         assert_eq!(v.slices("ns/web").len(), 2);
         assert!(!v.service("ns/web").unwrap().has_finalizer);
-        v.apply(&ev(EventType::Applied, Some(svc("web", "u1", &[FINALIZER]))));
+        v.apply(svc("web", "u1", &[FINALIZER]));
         assert!(v.service("ns/web").unwrap().has_finalizer);
         // Relabelled to another Service: both are queued.
-        let moved = v.apply(&ev(EventType::Applied, Some(slice("web-b", "api", "10.1.0.2"))));
+        let moved = v.apply(slice("web-b", "api", "10.1.0.2"));
         assert_eq!(services(&moved), ["ns/web", "ns/api"]);
         assert_eq!((v.slices("ns/web").len(), v.slices("ns/api").len()), (1, 1));
-        assert_eq!(services(&v.apply(&ev(EventType::Deleted, Some(slice("web-a", "web", ""))))), ["ns/web"]);
+        assert_eq!(services(&v.apply(slice_gone("web-a"))), ["ns/web"]);
         assert!(v.slices("ns/web").is_empty());
         // A delete of an earlier uid of the name keeps the current Service.
-        v.apply(&ev(EventType::Deleted, Some(svc("web", "u0", &[]))));
+        v.apply(svc_gone("web", "u0"));
         assert_eq!(v.service("ns/web").unwrap().uid, "u1");
-        v.apply(&ev(EventType::Deleted, Some(svc("web", "u1", &[]))));
+        v.apply(svc_gone("web", "u1"));
         assert!(v.service("ns/web").is_none());
     }
 
     #[test]
     fn a_reset_snapshot_drops_what_it_does_not_name() {
         let mut v = View::default();
-        for o in
+        for e in
             [svc("a", "ua", &[]), svc("b", "ub", &[]), slice("a-1", "a", "10.1.0.1"), slice("b-1", "b", "10.1.0.2")]
         {
-            v.apply(&ev(EventType::Applied, Some(o)));
+            v.apply(e);
         }
-        v.apply(&ev(EventType::SnapshotComplete, None));
-        assert_eq!(v.apply(&ev(EventType::Reset, None)), [Effect::Resync]);
-        v.apply(&ev(EventType::Applied, Some(svc("a", "ua", &[]))));
-        v.apply(&ev(EventType::Applied, Some(slice("b-1", "b", "10.1.0.2"))));
-        let effects = v.apply(&ev(EventType::SnapshotComplete, None));
+        v.apply(Event::SnapshotComplete);
+        assert_eq!(v.apply(Event::Reset), [Effect::Resync]);
+        v.apply(svc("a", "ua", &[]));
+        v.apply(slice("b-1", "b", "10.1.0.2"));
+        let effects = v.apply(Event::SnapshotComplete);
         // b's Service and a's slice were deleted while disconnected.
         assert_eq!(services(&effects), ["ns/b", "ns/a"]);
         assert_eq!(effects.last(), Some(&Effect::Live));

@@ -1,7 +1,9 @@
 //! The gRPC edge: validates requests (naming the offending field), serves WatchLoadBalancers
 //! from the published specs (snapshot, deltas, resume, heartbeats; see [`kuryr_stream::feed`])
-//! and answers Get/List from the records.
+//! and answers Get/List from the records. The core's specs become `kuryr.lbaas.v1` messages here
+//! ([`convert`]), when a response is built.
 
+pub mod convert;
 pub mod follow;
 
 use std::sync::Arc;
@@ -11,15 +13,16 @@ use std::time::Duration;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancers;
 use kuryr_proto::lbaas::v1::{
     GetLoadBalancerRequest, LbEventType, ListLoadBalancersRequest, ListLoadBalancersResponse, LoadBalancer,
-    LoadBalancerSpec, WatchLoadBalancersRequest, WatchLoadBalancersResponse,
+    WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_runtime::Shutdown;
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use self::convert::{identity, load_balancer};
 use crate::backend::LbLog;
-use crate::controller::load_balancer;
+use crate::core::lb::LoadBalancerSpec;
 use crate::core::locked;
 use crate::core::view::key;
 use crate::k8s::Records;
@@ -110,7 +113,9 @@ pub fn validate_list(req: &ListLoadBalancersRequest) -> Result<(), Status> {
     if req.namespace.is_empty() { Ok(()) } else { name_field("namespace", &req.namespace, "namespace name") }
 }
 
-/// One WatchLoadBalancers subscriber: everything, as LbEvents.
+/// One WatchLoadBalancers subscriber: everything, as LbEvents. Each response owns its message,
+/// so a spec is built from the log's shared value per response (as a clone of a stored message
+/// would be).
 #[derive(Debug)]
 struct Watch {
     metrics: Metrics,
@@ -124,16 +129,8 @@ impl Subscriber<String, LoadBalancerSpec> for Watch {
             Event::Reset => (LbEventType::Reset, None),
             Event::SnapshotComplete => (LbEventType::SnapshotComplete, None),
             Event::Heartbeat => (LbEventType::Heartbeat, None),
-            Event::Applied(_, spec) => (LbEventType::LbApplied, Some(LoadBalancerSpec::clone(spec))),
-            Event::Deleted(_, spec) => (
-                LbEventType::LbDeleted,
-                Some(LoadBalancerSpec {
-                    namespace: spec.namespace.clone(),
-                    name: spec.name.clone(),
-                    uid: spec.uid.clone(),
-                    ..Default::default()
-                }),
-            ),
+            Event::Applied(_, spec) => (LbEventType::LbApplied, Some(spec.as_ref().into())),
+            Event::Deleted(_, spec) => (LbEventType::LbDeleted, Some(identity(spec))),
         };
         Ok(WatchLoadBalancersResponse { resume_point, r#type: t as i32, spec })
     }

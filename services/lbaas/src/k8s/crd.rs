@@ -12,9 +12,10 @@
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{CustomResource, CustomResourceExt};
-use kuryr_proto::lbaas::v1::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+use crate::core::lb::{Listener, LoadBalancerSpec, Member, Pool, Protocol, SessionAffinity, TrafficPolicy};
 
 /// The desired and observed load balancer of one Service.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -149,22 +150,16 @@ fn is_zero(n: &u32) -> bool {
 
 /// A traffic policy in the record: `Local`, or empty for Cluster (the default, so that records
 /// written before the field existed read the same).
-fn policy_name(p: i32) -> String {
-    if p == TrafficPolicy::Local as i32 { "Local".into() } else { String::new() }
-}
-
-fn protocol_name(p: i32) -> String {
-    match Protocol::try_from(p) {
-        Ok(Protocol::Udp) => "UDP",
-        Ok(Protocol::Sctp) => "SCTP",
-        _ => "TCP",
+fn policy_name(p: TrafficPolicy) -> String {
+    match p {
+        TrafficPolicy::Local => "Local".into(),
+        TrafficPolicy::Cluster => String::new(),
     }
-    .to_string()
 }
 
 impl ServiceLoadBalancerSpec {
     /// Records `spec` (its generation aside) as programmed by `backend`.
-    pub fn from_proto(spec: &LoadBalancerSpec, backend: &str) -> Self {
+    pub fn from_spec(spec: &LoadBalancerSpec, backend: &str) -> Self {
         let affinity = spec.session_affinity.unwrap_or_default();
         Self {
             service_uid: spec.uid.clone(),
@@ -178,7 +173,7 @@ impl ServiceLoadBalancerSpec {
                 .listeners
                 .iter()
                 .map(|l| ListenerSpec {
-                    protocol: protocol_name(l.protocol),
+                    protocol: l.protocol.as_str().to_string(),
                     port: l.port,
                     name: l.name.clone(),
                     node_port: l.node_port,
@@ -203,8 +198,8 @@ impl ServiceLoadBalancerSpec {
         }
     }
 
-    /// The streamed spec of the Service `namespace/name` at `generation`.
-    pub fn to_proto(&self, namespace: &str, name: &str, generation: u64) -> LoadBalancerSpec {
+    /// The spec of the Service `namespace/name` at `generation`, as recorded.
+    pub fn to_spec(&self, namespace: &str, name: &str, generation: u64) -> LoadBalancerSpec {
         LoadBalancerSpec {
             namespace: namespace.to_string(),
             name: name.to_string(),
@@ -214,7 +209,7 @@ impl ServiceLoadBalancerSpec {
                 .listeners
                 .iter()
                 .map(|l| Listener {
-                    protocol: crate::core::spec::protocol(&l.protocol).unwrap_or(Protocol::Tcp) as i32,
+                    protocol: Protocol::parse(&l.protocol).unwrap_or(Protocol::Tcp),
                     port: l.port,
                     name: l.name.clone(),
                     node_port: l.node_port,
@@ -243,8 +238,8 @@ impl ServiceLoadBalancerSpec {
             generation,
             external_ips: self.external_ips.clone(),
             ingress_ips: self.ingress_ips.clone(),
-            external_traffic_policy: crate::core::spec::policy(&self.external_traffic_policy) as i32,
-            internal_traffic_policy: crate::core::spec::policy(&self.internal_traffic_policy) as i32,
+            external_traffic_policy: TrafficPolicy::parse(&self.external_traffic_policy),
+            internal_traffic_policy: TrafficPolicy::parse(&self.internal_traffic_policy),
         }
     }
 }
@@ -317,7 +312,7 @@ mod tests {
 
     #[test]
     fn specs_round_trip_through_the_record() {
-        use kuryr_proto::watcher::v1::{Endpoint, EndpointPort, EndpointSlice, Service, ServicePort};
+        use crate::core::input::{Endpoint, EndpointPort, EndpointSlice, Service, ServicePort};
         let svc = Service {
             r#type: "NodePort".into(),
             cluster_ips: vec!["10.96.0.10".into(), "fd00::10".into()],
@@ -362,10 +357,10 @@ mod tests {
         };
         let r = ServiceRef { namespace: "ns", name: "s", uid: "u", service: &svc };
         let Desired::Lb(spec) = desired(&r, &[&slice]) else { panic!() };
-        let record = ServiceLoadBalancerSpec::from_proto(&spec, "node");
-        let back = record.to_proto("ns", "s", 0);
+        let record = ServiceLoadBalancerSpec::from_spec(&spec, "node");
+        let back = record.to_spec("ns", "s", 0);
         assert_eq!(back, spec);
-        assert_eq!(record.to_proto("ns", "s", 7).generation, 7);
+        assert_eq!(record.to_spec("ns", "s", 7).generation, 7);
         let json = serde_json::to_value(&record).unwrap();
         assert_eq!(json["listeners"][1]["protocol"], "SCTP");
         assert_eq!(
@@ -382,8 +377,8 @@ mod tests {
             "listeners": [{"protocol": "TCP", "port": 80}]
         }))
         .unwrap();
-        let p = old.to_proto("ns", "s", 1);
-        assert_eq!((p.listeners[0].node_port, p.external_traffic_policy()), (0, TrafficPolicy::Cluster));
+        let p = old.to_spec("ns", "s", 1);
+        assert_eq!((p.listeners[0].node_port, p.external_traffic_policy), (0, TrafficPolicy::Cluster));
         assert_eq!(json["sessionAffinity"], json!({"clientIP": true, "timeoutSeconds": 10800}));
         assert_eq!(
             json["listeners"][0]["members"][0],

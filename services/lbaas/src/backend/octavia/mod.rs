@@ -48,13 +48,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::core::lb::LoadBalancerSpec;
 use kuryr_openstack::config::AuthConfig;
 use kuryr_openstack::neutron::Neutron;
 use kuryr_openstack::octavia::{LoadBalancer, Octavia, ProvisioningStatus, SessionPersistence};
 use kuryr_openstack::{
     ApiRequest, Client, ClientOptions, CloudConfig, ConfigSource, Error as OsError, Filter, ServiceType,
 };
-use kuryr_proto::lbaas::v1::LoadBalancerSpec;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 use tracing::Instrument as _;

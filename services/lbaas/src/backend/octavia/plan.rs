@@ -21,11 +21,11 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
+use crate::core::lb::{LoadBalancerSpec, Protocol};
 use kuryr_openstack::octavia::{
     LbAlgorithm, ListenerCreate, LoadBalancerCreate, MemberCreate, PoolCreate, Protocol as OsProtocol,
     SessionPersistence,
 };
-use kuryr_proto::lbaas::v1::{LoadBalancerSpec, Protocol};
 
 /// Tag prefixes. Octavia tags are free strings (no commas: tag filters are comma lists).
 pub const TAG_CLUSTER: &str = "kuryr-cluster=";
@@ -95,11 +95,11 @@ pub struct DesiredLb {
     pub listeners: Vec<DesiredListener>,
 }
 
-fn os_protocol(p: i32) -> OsProtocol {
-    match Protocol::try_from(p) {
-        Ok(Protocol::Udp) => OsProtocol::Udp,
-        Ok(Protocol::Sctp) => OsProtocol::Sctp,
-        _ => OsProtocol::Tcp,
+fn os_protocol(p: Protocol) -> OsProtocol {
+    match p {
+        Protocol::Tcp => OsProtocol::Tcp,
+        Protocol::Udp => OsProtocol::Udp,
+        Protocol::Sctp => OsProtocol::Sctp,
     }
 }
 
@@ -384,7 +384,7 @@ pub fn plan(want: &DesiredLb, have: &ObservedTree) -> Vec<Step> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_proto::lbaas::v1::{Listener, Member, Pool, SessionAffinity};
+    use crate::core::lb::{Listener, Member, Pool, SessionAffinity};
 
     use super::*;
 
@@ -401,7 +401,7 @@ mod tests {
             listeners: listeners
                 .into_iter()
                 .map(|(p, port, members)| Listener {
-                    protocol: p as i32,
+                    protocol: p,
                     port,
                     name: String::new(),
                     pool: Some(Pool { members }),

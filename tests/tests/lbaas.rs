@@ -373,7 +373,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     })
     .await
     .unwrap();
-    assert_eq!(record.spec, ServiceLoadBalancerSpec::from_proto(w.spec("web"), "node"));
+    assert_eq!(record.spec, ServiceLoadBalancerSpec::from_spec(&w.spec("web").into(), "node"));
     assert_eq!(record.metadata.owner_references.unwrap()[0].uid, web_uid);
     let got = client
         .get_load_balancer(GetLoadBalancerRequest { namespace: NS.into(), name: "web".into() })

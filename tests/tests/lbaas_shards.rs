@@ -110,7 +110,7 @@ async fn converged(
                 st.provisioning_status.as_deref() == Some("PROGRAMMED") && st.observed_generation == Some(generation),
                 "{name}: {st:?} at generation {generation}"
             );
-            let spec = r.spec.to_proto(NS, &name, u64::try_from(generation)?);
+            let spec = LoadBalancerSpec::from(&r.spec.to_spec(NS, &name, u64::try_from(generation)?));
             if let Some(i) = name.strip_prefix("svc-").and_then(|i| i.parse::<usize>().ok()) {
                 let addrs: Vec<String> = spec
                     .listeners

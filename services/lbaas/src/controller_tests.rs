@@ -256,7 +256,7 @@ impl Harness {
         let finalizers = self.cluster.finalizers(KEY);
         s.finalizers.clone_from(&finalizers);
         self.cluster.s().services.insert(KEY.into(), ServiceMeta { uid: UID.into(), finalizers, deleting });
-        self.event(Event::ServiceApplied(meta("web", UID, deleting), s));
+        self.event(Event::ServiceApplied(meta("web", UID, deleting), Box::new(s)));
     }
 
     fn endpoints(&self, addresses: &[&str]) {
@@ -387,7 +387,7 @@ async fn an_external_name_service_is_told_once_why_it_has_no_load_balancer() {
     let mut s = service_object("ExternalName");
     s.cluster_ips.clear();
     s.external_name = "example.org".into();
-    h.event(Event::ServiceApplied(meta("web", UID, false), s));
+    h.event(Event::ServiceApplied(meta("web", UID, false), Box::new(s)));
     assert_eq!(h.c.reconcile(KEY).await.unwrap(), "skipped");
     assert_eq!(h.c.reconcile(KEY).await.unwrap(), "skipped");
     let events = h.cluster.s().events.clone();

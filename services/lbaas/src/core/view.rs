@@ -52,7 +52,7 @@ pub struct ServiceEntry {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// A Service was created or changed (or listed by a snapshot).
-    ServiceApplied(Meta, Service),
+    ServiceApplied(Meta, Box<Service>),
     /// A Service was deleted (of the uid in the [`Meta`]).
     ServiceDeleted(Meta),
     /// An EndpointSlice was created or changed (or listed by a snapshot).
@@ -160,7 +160,7 @@ impl View {
                 effects.push(Effect::Live);
                 effects
             }
-            Event::ServiceApplied(o, s) => self.service_applied(o, s),
+            Event::ServiceApplied(o, s) => self.service_applied(o, *s),
             Event::SliceApplied(o, s) => self.slice_applied(o, s),
             Event::ServiceDeleted(o) => {
                 let k = key(&o.namespace, &o.name);
@@ -252,7 +252,7 @@ mod tests {
             finalizers: finalizers.iter().map(ToString::to_string).collect(),
             ..Default::default()
         };
-        Event::ServiceApplied(meta(name, uid), s)
+        Event::ServiceApplied(meta(name, uid), Box::new(s))
     }
 
     fn svc_gone(name: &str, uid: &str) -> Event {

@@ -121,7 +121,7 @@ pub fn event(ev: SubscribeResponse) -> Option<Event> {
     let meta = Meta { namespace: o.namespace, name: o.name, uid: o.uid, deleting: o.deleting };
     let applied = t == EventType::Applied;
     match o.body? {
-        Body::Service(s) if applied => Some(Event::ServiceApplied(meta, service(s))),
+        Body::Service(s) if applied => Some(Event::ServiceApplied(meta, Box::new(service(s)))),
         Body::Service(_) => Some(Event::ServiceDeleted(meta)),
         Body::EndpointSlice(s) if applied => Some(Event::SliceApplied(meta, slice(s))),
         Body::EndpointSlice(_) => Some(Event::SliceDeleted(meta)),

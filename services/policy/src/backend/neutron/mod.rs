@@ -24,6 +24,7 @@
 //! (re-reading Neutron first), logged and counted; a periodic resync re-reads every owned group
 //! (drift) and removes groups no live policy owns (garbage).
 
+pub mod metrics;
 pub mod rules;
 pub mod sync;
 pub mod vifs;

@@ -29,6 +29,9 @@ struct State {
     reports: Vec<ReportPluggedRequest>,
     /// When set, a plugged report makes the VIF READY at once (as the embedded backend does).
     auto_ready: bool,
+    /// When set, every report is answered UNAVAILABLE (and counted in `refused_reports`).
+    refuse_reports: bool,
+    refused_reports: usize,
 }
 
 /// The scripted allocator; cheap to clone.
@@ -156,6 +159,21 @@ impl ScriptedAllocator {
         }
     }
 
+    /// Makes every report from now on fail with UNAVAILABLE (`true`), or be answered again.
+    pub fn refuse_reports(&self, refuse: bool) {
+        self.lock().refuse_reports = refuse;
+    }
+
+    /// How many reports were refused (see [`ScriptedAllocator::refuse_reports`]).
+    pub fn refused_reports(&self) -> usize {
+        self.lock().refused_reports
+    }
+
+    /// The VIF of a pod, as served now.
+    pub fn vif(&self, pod_uid: &str) -> Option<Vif> {
+        self.lock().vifs.get(pod_uid).cloned()
+    }
+
     /// Every plugged/unplugged report received.
     pub fn reports(&self) -> Vec<ReportPluggedRequest> {
         self.lock().reports.clone()
@@ -231,6 +249,10 @@ impl VifAllocator for ScriptedAllocator {
     ) -> Result<Response<ReportPluggedResponse>, Status> {
         let r = req.into_inner();
         let mut s = self.lock();
+        if s.refuse_reports {
+            s.refused_reports += 1;
+            return Err(Status::unavailable("the scripted allocator refuses reports"));
+        }
         s.reports.push(r.clone());
         let auto = s.auto_ready;
         let Some(v) = s.vifs.get_mut(&r.pod_uid) else {

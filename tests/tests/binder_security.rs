@@ -8,7 +8,8 @@
 //!   file that is not a namespace; DEL there touches nothing;
 //! - one pod's VIF cannot be taken into another namespace by another container; a repeated ADD
 //!   of a live attachment answers the same and keeps the record; an ADD the binder died in is
-//!   rolled back at its next start;
+//!   rolled back at its next start; a plugged report ADD did not wait for (a VIF ready once
+//!   plugged) is retried until delivered, also after a restart;
 //! - a shim of another version is told "incompatible" and nothing more; an absurd
 //!   `timeoutSeconds` is a CNI error, not an abort.
 #![allow(clippy::unwrap_used)]
@@ -311,6 +312,55 @@ async fn an_add_the_binder_died_in_is_rolled_back_at_its_next_start() {
     let out = retry.await.unwrap();
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, e.binder.logs());
     assert!(pod_addresses(&a).contains(&a.address));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vif_ready_when_plugged_is_reported_after_add_even_across_a_restart() {
+    // The allocator answers no report: ADD of a VIF that is ready once plugged (the embedded
+    // IPAM's) does not wait for it, and the binder keeps trying in the background.
+    let mut e = env(false, &[]).await;
+    let conf = e.binder.netconf("1.0.0", "kuryr");
+    e.alloc.refuse_reports(true);
+    let a = pod(&e, "late-a", 60);
+    let mut vif = e.alloc.vif(&a.uid).unwrap();
+    vif.ready_when_plugged = true;
+    e.alloc.upsert(vif);
+    let a_ns = a.netns.path().display().to_string();
+    let out = shim(&cni_env("ADD", "ctr-late", &a_ns, "eth0", &a), &conf);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, e.binder.logs());
+    assert!(pod_addresses(&a).contains(&a.address));
+    let record = std::fs::read_dir(e.binder.state_dir.join("attachments")).unwrap().next().unwrap().unwrap().path();
+    let pending = |r: &std::path::Path| {
+        serde_json::from_slice::<Value>(&std::fs::read(r).unwrap()).unwrap()["report_pending"] == Value::Bool(true)
+    };
+    assert!(pending(&record), "the record does not say the report is pending");
+    wait_until("the report to be retried", Duration::from_secs(20), || async {
+        anyhow::ensure!(e.alloc.refused_reports() >= 2, "{} attempts", e.alloc.refused_reports());
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    // The binder exits with the report still pending; the allocator answers again; the next
+    // start delivers it, and the record says so.
+    e.binder.kill().await.unwrap();
+    e.alloc.refuse_reports(false);
+    assert!(e.alloc.reports().is_empty(), "{:?}", e.alloc.reports());
+    e.binder.restart().await.unwrap();
+    wait_until("the pending report to be delivered", Duration::from_secs(20), || async {
+        let delivered = e.alloc.reports().iter().filter(|r| r.plugged && r.pod_uid == a.uid).count();
+        anyhow::ensure!(delivered == 1 && !pending(&record), "{delivered} delivered");
+        Ok(())
+    })
+    .await
+    .unwrap();
+    assert!(pod_addresses(&a).contains(&a.address), "the restart touched the pod");
+
+    // DEL reports the VIF unplugged after it: the allocator's last word is "unplugged".
+    assert_eq!(shim(&cni_env("DEL", "ctr-late", &a_ns, "eth0", &a), &conf).code, 0);
+    let last = e.alloc.reports().into_iter().rfind(|r| r.pod_uid == a.uid).unwrap();
+    assert!(!last.plugged, "{last:?}");
+    assert!(host_veths(&e.node).is_empty() && e.binder.attachment_records() == 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

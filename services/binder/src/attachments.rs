@@ -60,6 +60,11 @@ pub struct Attachment {
     /// the primary attachment it was plugged with: it lives and goes with that one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub primary: Option<String>,
+    /// ADD answered before the allocator had the plugged report (a VIF ready when plugged): the
+    /// report is still to be delivered, in the background, and at the binder's next start if it
+    /// exits first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub report_pending: bool,
 }
 
 impl Attachment {
@@ -256,6 +261,7 @@ mod tests {
             host_mac: String::new(),
             sandbox_mac: String::new(),
             primary: None,
+            report_pending: false,
         }
     }
 

@@ -172,6 +172,7 @@ async fn node_ports_external_addresses_and_host_ports_share_the_table() {
         host_mac: String::new(),
         sandbox_mac: String::new(),
         primary: None,
+        report_pending: false,
     };
     hp.restore(&[att("a", "10.0.0.5", Some("127.0.0.1"), Protocol::Tcp)]).await.unwrap();
     hp.set(&att("b", "10.0.0.6", Some("172.31.0.1"), Protocol::Tcp)).await.unwrap();

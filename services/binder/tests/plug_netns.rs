@@ -188,6 +188,8 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
     assert!(addrs.contains(&format!("inet {}.10/24", nets.v4)), "{addrs}");
     assert!(addrs.contains(&format!("inet6 {}::a/64", nets.v6)), "{addrs}");
     assert!(!addrs.contains("tentative"), "IPv6 address still under DAD: {addrs}");
+    let dad = ok("ip", &["netns", "exec", &a.name, "cat", "/proc/sys/net/ipv6/conf/eth0/accept_dad"]);
+    assert_eq!(dad.trim(), "0", "DAD is on for the pod's interface");
     let (_, routes4) = a.ip(&["route", "show"]);
     assert!(routes4.contains(&format!("default via {} dev eth0", nets.gw4())), "{routes4}");
     let (_, routes6) = a.ip(&["-6", "route", "show"]);

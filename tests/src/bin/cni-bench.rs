@@ -21,6 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kuryr_proto::allocator::v1::Vif;
 use kuryr_tests::binder::Binder;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
@@ -289,11 +290,13 @@ async fn run() -> Result<()> {
     println!("# CNI ADD and DEL, exec to exit, {pods} sandboxes each (VIF already known for kuryr)");
     let conf = binder.netconf("1.0.0", "kuryr").to_string();
     let mut rss_100 = None;
-    // Every VIF is known to the binder before the runtime calls ADD.
+    // Every VIF is known to the binder before the runtime calls ADD; like the embedded IPAM's,
+    // they are ready once plugged (ADD answers before the plugged report).
+    let embedded = |v| Vif { ready_when_plugged: true, ..v };
     for i in 0..pods {
         let uid = format!("bench-{i}");
         let (a, b) = (i / 250, i % 250 + 2);
-        alloc.upsert(bridge_vif(
+        alloc.upsert(embedded(bridge_vif(
             "bench-node",
             "bench",
             &uid,
@@ -301,13 +304,13 @@ async fn run() -> Result<()> {
             (&format!("10.98.{a}.{b}/16"), "10.98.255.254"),
             None,
             "kuryr0",
-        ));
+        )));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     // One ADD and DEL first, outside the figures: the binder prepares its bridge on the first.
     {
         let ns = Netns::new("kbw")?;
-        alloc.upsert(bridge_vif(
+        alloc.upsert(embedded(bridge_vif(
             "bench-node",
             "bench",
             "warm-up",
@@ -315,7 +318,7 @@ async fn run() -> Result<()> {
             ("10.98.254.1/16", "10.98.255.254"),
             None,
             "kuryr0",
-        ));
+        )));
         tokio::time::sleep(Duration::from_millis(100)).await;
         let env = pod_env("ADD", "warm-up", &ns.path(), Some("warm-up"));
         exec_plugin(&shim, &env, conf.as_bytes())?;

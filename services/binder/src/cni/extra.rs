@@ -101,6 +101,7 @@ impl CniService {
                 host_mac: String::new(),
                 sandbox_mac: String::new(),
                 primary: Some(primary.ifname.clone()),
+                report_pending: false,
             };
             self.attachments
                 .put(&att)

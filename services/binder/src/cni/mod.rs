@@ -5,6 +5,7 @@
 
 mod extra;
 mod ops;
+mod report;
 mod result;
 mod server;
 
@@ -246,57 +247,6 @@ impl CniService {
         steps.mark("record");
     }
 
-    /// Reports the attachment plugged; returns the VIF as the allocator has it after the report.
-    async fn report_plugged(&self, att: &Attachment, deadline: Instant) -> CniResult<Option<Vif>> {
-        let req = ReportPluggedRequest {
-            pod_uid: att.pod_uid.clone(),
-            vif_id: att.vif_id.clone(),
-            node_name: self.node.clone(),
-            plugged: true,
-            host_ifname: att.host_ifname.clone(),
-        };
-        let mut backoff =
-            kuryr_stream::Backoff::new("binder-report-plugged", Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let limit = deadline.saturating_duration_since(Instant::now()).min(PLUG_REPORT_TIMEOUT);
-            let mut call = tonic::Request::new(req.clone());
-            call.set_timeout(limit);
-            let mut client = self.allocator.client();
-            let sent = tokio::time::timeout(limit, client.report_plugged(call)).await;
-            match sent.unwrap_or_else(|_| Err(Status::deadline_exceeded("the allocator did not answer in time"))) {
-                Ok(resp) => return Ok(resp.into_inner().vif),
-                Err(s) if s.code() == tonic::Code::NotFound => {
-                    return Err(CniError::new(
-                        code::UNKNOWN_CONTAINER,
-                        format!("the allocator no longer has a VIF for pod {}/{}", att.pod_namespace, att.pod_name),
-                    ));
-                }
-                Err(s)
-                    if Instant::now() + backoff.last_ceiling().max(Duration::from_millis(50)) < deadline
-                        && matches!(
-                            s.code(),
-                            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Aborted
-                        ) =>
-                {
-                    tracing::warn!(pod_uid = att.pod_uid, code = ?s.code(), error = s.message(), "plugged report failed; retrying");
-                    let reason = match s.code() {
-                        tonic::Code::Unavailable => "unavailable",
-                        tonic::Code::Aborted => "aborted",
-                        _ => "deadline",
-                    };
-                    let delay = backoff.next_delay(reason).min(deadline.saturating_duration_since(Instant::now()));
-                    tokio::time::sleep(delay).await;
-                }
-                Err(s) => {
-                    return Err(CniError::new(
-                        code::TRY_AGAIN_LATER,
-                        format!("cannot report the VIF plugged to the allocator: {}: {}", s.code(), s.message()),
-                    ));
-                }
-            }
-        }
-    }
-
     pub async fn add(&self, r: &pb::CniRequest) -> CniResult<pb::CniResult> {
         let start = Instant::now();
         let mut steps = Steps::start();
@@ -347,6 +297,7 @@ impl CniService {
             host_mac: String::new(),
             sandbox_mac: String::new(),
             primary: None,
+            report_pending: false,
         };
         // Claim the pod before anything else, in one step with the check, so that two ADDs can
         // never both take one pod's VIF: a pod attached under another container whose sandbox
@@ -467,29 +418,41 @@ impl CniService {
         if !extras.is_empty() {
             steps.mark("extras");
         }
-        guard.reported = true;
-        let reported = self.report_plugged(&att, deadline).await?;
-        steps.mark("report");
-        let t_ready = Instant::now();
-        let remaining = deadline.saturating_duration_since(t_ready);
-        // The allocator's answer carries the VIF after the report: when it is ready already (the
-        // embedded IPAM's at once), there is nothing to wait for on the stream.
-        let ready_now = reported.filter(|v| v.vif_id == vif.vif_id && vifs::ready(v));
-        let wait = match ready_now {
-            Some(v) => Wait::Vif(Box::new(v)),
-            None => self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await,
-        };
-        let vif = match wait {
-            Wait::Vif(v) => v,
-            Wait::Gone => {
-                return Err(CniError::new(code::UNKNOWN_CONTAINER, format!("pod {pod} ({pod_uid}) no longer exists")));
-            }
-            Wait::TimedOut(v) => {
-                let state = v.map(|v| v.state().as_str_name().to_string()).unwrap_or_else(|| "gone".into());
-                return Err(CniError::new(
-                    code::TRY_AGAIN_LATER,
-                    format!("the VIF of pod {pod} did not become ready within {:?} (state {state})", self.vif_wait),
-                ));
+        // A VIF the backend makes READY once plugged (the embedded IPAM's) has nothing to wait
+        // for: ADD answers now and the report follows in the background (report.rs).
+        let t_ready;
+        let vif = if vif.ready_when_plugged {
+            att.report_pending = true;
+            t_ready = Instant::now();
+            vif
+        } else {
+            guard.reported = true;
+            let reported = self.report_plugged(&att, deadline).await?;
+            steps.mark("report");
+            t_ready = Instant::now();
+            let remaining = deadline.saturating_duration_since(t_ready);
+            // The allocator's answer carries the VIF after the report: when it is ready already,
+            // there is nothing to wait for on the stream.
+            let ready_now = reported.filter(|v| v.vif_id == vif.vif_id && vifs::ready(v));
+            let wait = match ready_now {
+                Some(v) => Wait::Vif(Box::new(v)),
+                None => self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await,
+            };
+            match wait {
+                Wait::Vif(v) => v,
+                Wait::Gone => {
+                    return Err(CniError::new(
+                        code::UNKNOWN_CONTAINER,
+                        format!("pod {pod} ({pod_uid}) no longer exists"),
+                    ));
+                }
+                Wait::TimedOut(v) => {
+                    let state = v.map(|v| v.state().as_str_name().to_string()).unwrap_or_else(|| "gone".into());
+                    return Err(CniError::new(
+                        code::TRY_AGAIN_LATER,
+                        format!("the VIF of pod {pod} did not become ready within {:?} (state {state})", self.vif_wait),
+                    ));
+                }
             }
         };
         att.state = State::Ready;
@@ -503,6 +466,9 @@ impl CniService {
             .map_err(|e| CniError::new(code::IO, format!("cannot record the attachment: {e}")))?;
         guard.disarm();
         steps.mark("record_ready");
+        if att.report_pending {
+            self.report_in_background(container_id, ifname);
+        }
         self.metrics.observe_vif_wait(vif_known);
         self.metrics.observe_ready_wait(ready_wait);
         self.metrics.observe_steps("ADD", &steps);

@@ -6,7 +6,7 @@ use super::*;
 impl CniService {
     /// Rolls back the ADDs the binder died in (records left in [`State::Adding`]); run at
     /// start-up. The runtime saw those ADDs fail and retries them or sends DEL; either way
-    /// nothing half-made may stay.
+    /// nothing half-made may stay. Then delivers the plugged reports left pending.
     pub async fn recover(&self) {
         for att in self.attachments.all().into_iter().filter(|a| a.state == State::Adding) {
             let _key = self.locks.lock(&att.container_id, &att.ifname).await;
@@ -23,6 +23,7 @@ impl CniService {
             let netns = netns_path(&att.netns);
             self.teardown(&att, netns, driver_of_record(&att), true).await;
         }
+        self.resume_pending_reports();
     }
 
     pub async fn del(&self, r: &pb::CniRequest) -> CniResult<()> {

@@ -29,6 +29,7 @@ fn att(id: &str, ips: &[&str], mappings: Vec<PortMapping>) -> Attachment {
         host_mac: String::new(),
         sandbox_mac: String::new(),
         primary: None,
+        report_pending: false,
     }
 }
 

@@ -84,9 +84,10 @@ async fn plug_steps(
     crate::netns::check_pod_file(&netns_file, &spec.netns)?;
     steps.mark("netns_check");
     // A netlink socket stays in the namespace it was opened in: the worker visits the pod's only
-    // to open one there (and below to switch DAD off), and otherwise stays in the host's, so
-    // that ovs-vsctl and the rollback run there.
-    let (conn, pod) = Nl::open_in(&netns_file, &spec.netns)?;
+    // to open one there (and, in the same visit, to switch DAD off for the interfaces created
+    // next), and otherwise stays in the host's, so that ovs-vsctl and the rollback run there.
+    let (conn, pod, dad) = Nl::open_in_and(&netns_file, &spec.netns, disable_dad)?;
+    dad?;
     let host = nl::host()?;
     steps.mark("netns_entry");
     nl::scoped(conn, plug_with(spec, mac, ovs_db, undo, steps, &netns_file, &pod, &host)).await
@@ -113,8 +114,6 @@ async fn plug_with(
                 super::vlan::add_kernel_vlan(spec, mac, uplink, *vlan, netns_file, pod, host).await?;
             undo.pod_link = Some((spec.netns.clone(), ifname.to_string()));
             steps.mark("nl_vlan");
-            crate::netns::visit(netns_file, &spec.netns, || disable_dad(ifname))??;
-            steps.mark("dad");
             configure_sandbox(pod, spec, index, steps).await?;
             return Ok(Plugged {
                 host_ifname: uplink.clone(),
@@ -167,8 +166,6 @@ async fn plug_with(
         None => pod.require(ifname).await?.header.index,
     };
     steps.mark("nl_readback");
-    crate::netns::visit(netns_file, &spec.netns, || disable_dad(ifname))??;
-    steps.mark("dad");
     configure_sandbox(pod, spec, index, steps).await?;
 
     if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid, vlan } = &spec.driver {
@@ -224,15 +221,17 @@ async fn bridge_index(nl: &Nl, name: &str) -> Result<u32, PlugError> {
     }
 }
 
-/// Turns off IPv6 duplicate address detection on `ifname` in the current thread's namespace
-/// (`/proc/sys/net` resolves per thread), before the link comes up, so that its link-local
-/// address, like the NODAD global ones, is usable at once: a pod must be able to talk as soon
-/// as ADD returns. Addresses come from IPAM and are unique by construction. Without IPv6 in the
-/// namespace there is nothing to do.
-fn disable_dad(ifname: &str) -> Result<(), PlugError> {
-    match std::fs::write(format!("/proc/sys/net/ipv6/conf/{ifname}/accept_dad"), "0") {
+/// Turns off IPv6 duplicate address detection for the interfaces created from now on in the
+/// current thread's namespace (`/proc/sys/net` resolves per thread): the pod's `default`, which a
+/// new interface copies when it is registered. Done in the visit that opens the pod's netlink
+/// socket, before the pod's end is created, so that its link-local address, like the NODAD
+/// global ones, is usable at once: a pod must be able to talk as soon as ADD returns. Addresses
+/// come from IPAM and are unique by construction. Without IPv6 in the namespace there is nothing
+/// to do.
+fn disable_dad() -> Result<(), PlugError> {
+    match std::fs::write("/proc/sys/net/ipv6/conf/default/accept_dad", "0") {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(PlugError::Io { op: "disable IPv6 DAD (net.ipv6.conf.<ifname>.accept_dad) in the pod", source: e })
+            Err(PlugError::Io { op: "disable IPv6 DAD (net.ipv6.conf.default.accept_dad) in the pod", source: e })
         }
         _ => Ok(()),
     }

@@ -148,9 +148,21 @@ impl Nl {
     /// for the one call that creates the socket and comes back. Returns the connection to drive
     /// (see [`scoped`]) and the handle. Must be called inside a tokio runtime.
     pub(crate) fn open_in(file: &File, path: &Path) -> Result<(impl Future<Output = ()> + use<>, Self), PlugError> {
-        let (conn, handle, _) = crate::netns::visit(file, path, rtnetlink::new_connection)?
-            .map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
-        Ok((conn, Nl { handle, label: path.display().to_string() }))
+        let (conn, nl, done) = Self::open_in_and(file, path, || Ok(()))?;
+        done?;
+        Ok((conn, nl))
+    }
+
+    /// [`Nl::open_in`], also running `also` inside the namespace during the same visit; its
+    /// outcome is returned beside the socket.
+    pub(crate) fn open_in_and(
+        file: &File,
+        path: &Path,
+        also: fn() -> Result<(), PlugError>,
+    ) -> Result<(impl Future<Output = ()> + use<>, Self, Result<(), PlugError>), PlugError> {
+        let (socket, done) = crate::netns::visit(file, path, || (rtnetlink::new_connection(), also()))?;
+        let (conn, handle, _) = socket.map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
+        Ok((conn, Nl { handle, label: path.display().to_string() }, done))
     }
 
     /// Maps a netlink error to [`PlugError::Netlink`] naming `op` and this namespace.

@@ -103,6 +103,9 @@ fn encode(
         }),
         state: state_to_proto(state) as i32,
         backend: record.backend.clone().unwrap_or_else(|| BACKEND.to_string()),
+        // The embedded IPAM's VIFs are READY once plugged (its `ready_when_plugged`); a Neutron
+        // port waits for Neutron to report it ACTIVE.
+        ready_when_plugged: record.backend.as_deref().is_none_or(|b| b == BACKEND),
         network_id: record.network_id.clone().unwrap_or_else(|| network.to_string()),
         subnet_ids,
         security_groups: record.security_groups.clone(),
@@ -183,6 +186,12 @@ mod tests {
         assert_eq!(v.subnet_ids, ["10.244.3.0/24", "fd00::3:0/112"]);
         let b = v.binding.clone().unwrap();
         assert_eq!((b.driver(), b.bridge.as_str()), (pb::BindingDriver::Bridge, "kuryr0"));
+        assert!(v.ready_when_plugged, "the embedded IPAM's VIF is ready once plugged");
+        let port = VifRecord { backend: Some(crate::backend::neutron::vif::BACKEND.into()), ..record.clone() };
+        assert!(
+            !to_proto(&pod, "n1", "pods", &port, VifState::Allocated).ready_when_plugged,
+            "a port waits for ACTIVE"
+        );
         let failed = vif_to_proto(&Vif::failed(&pod, "n1", "pods", "no addresses left"));
         let want = pb::Vif {
             pod: v.pod.clone(),

@@ -409,7 +409,7 @@ async fn run() -> Result<()> {
         Some(k) => println!("kuryr-cni peak RSS (VERSION): {:.1} MiB   (target <= 5 MB)", k as f64 / 1024.0),
         None => println!("kuryr-cni peak RSS: /usr/bin/time not available"),
     }
-    println!("kuryr-binder RSS idle: {:.1} MiB   (target <= 20 MB)", rss_idle as f64 / 1024.0);
+    println!("kuryr-binder RSS idle: {:.1} MiB   (target <= 15 MB)", rss_idle as f64 / 1024.0);
     if let Some(r) = rss_100 {
         println!("kuryr-binder RSS with 100 pods: {:.1} MiB", r as f64 / 1024.0);
     }

@@ -228,7 +228,7 @@ image:
 LAB_PACKAGES := kuryr-watcher kuryr-vif-allocator kuryr-lbaas kuryr-policy kuryr-binder kuryr-cni
 
 ## lab: install what the lab needs (system packages, the Kubernetes and test tools; not the OpenStack venvs),
-## build the binaries with the lab profile (optimised, no LTO), then run a Kubernetes cluster of real nodes
+## build the binaries with the lab profile (opt-level 1, no LTO), then run a Kubernetes cluster of real nodes
 ## (kubelet + containerd in network and mount namespaces, no kube-proxy) on this machine with kuryr installed
 ## from deploy/overlays/embedded and a sample workload; stays up until `make lab-down`
 lab:

@@ -33,9 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Pod, PodSpec, PodTemplateSpec, Service, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodTemplateSpec, Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -270,11 +268,7 @@ impl Churn {
 
 async fn drive(cluster: &mut Cluster, opts: &ChaosOptions) -> Result<Outcome> {
     let client = cluster.client();
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    crate::objects::create_namespace(&client, NAMESPACE).await?;
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     for i in 0..opts.services {
         services.create(&PostParams::default(), &service(i)).await.with_context(|| format!("creating Service s{i}"))?;

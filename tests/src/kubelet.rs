@@ -44,6 +44,10 @@ use crate::cri::Cri;
 const INITIAL_BACKOFF: Duration = Duration::from_millis(500);
 /// Longest retry delay.
 const MAX_BACKOFF: Duration = Duration::from_secs(8);
+/// A pod annotated so (any value) gets a Running status without addresses, as a real kubelet
+/// reports it between the sandbox coming up and its next status sync: to show what holds in that
+/// window.
+pub const STATUS_WITHOUT_ADDRESSES: &str = "kuryr-tests/status-without-addresses";
 /// The label CRI sandboxes carry with their pod's uid (set by [`Cri::pod_sandbox_config`]).
 const UID_LABEL: &str = "io.kubernetes.pod.uid";
 /// The command of a container whose pod spec gives none (the busybox image's default is `sh`,
@@ -358,7 +362,9 @@ impl Ctx {
         });
         let containers = self.run_containers(id, pod, &sandbox).await;
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &id.namespace);
-        let patch = json!({ "status": self.running_status(started_at, &status.ips, &containers) });
+        let without = pod.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(STATUS_WITHOUT_ADDRESSES));
+        let reported: &[IpAddr] = if without { &[] } else { &status.ips };
+        let patch = json!({ "status": self.running_status(started_at, reported, &containers) });
         api.patch_status(&id.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .context("reporting the pod Running")?;

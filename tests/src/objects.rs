@@ -9,8 +9,21 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::{Container, ContainerPort, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+
+/// Creates the namespace `name`, without labels.
+pub async fn create_namespace(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    let ns =
+        Namespace { metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() }, ..Namespace::default() };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .with_context(|| format!("creating namespace {name}"))?;
+    Ok(())
+}
 
 /// A pod being described; [`PodBuilder::build`] makes it.
 #[derive(Clone, Debug, Default)]

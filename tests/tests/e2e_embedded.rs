@@ -47,12 +47,7 @@ async fn pods_get_pool_addresses_reach_each_other_across_nodes_and_release_every
 
 async fn scenario(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    namespaces.create(&PostParams::default(), &ns).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let metrics_before = Metrics::scrape(cluster).await?;
 

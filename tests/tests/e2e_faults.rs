@@ -115,7 +115,7 @@ async fn with_cluster_options(
 /// pods created and deleted while it is down; restarted → everything converges.
 async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let vifs: Api<PodVif> = Api::namespaced(client.clone(), NAMESPACE);
     let burst = spread(cluster, "burst", BURST);
@@ -197,7 +197,7 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
 /// before a restart are deleted while the binder is down and after it is back.
 async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let first = spread(cluster, "old", 10);
     create_pods(pods.clone(), first.clone(), Arc::default()).await?;
@@ -286,7 +286,7 @@ async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
 /// networks; SIGCONT → the binders resume, the new pods get networks, everything converges.
 async fn allocator_stopped(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let first = spread(cluster, "old", 4);
     create_pods(pods.clone(), first.clone(), Arc::default()).await?;
@@ -467,15 +467,6 @@ fn kubelet_summary(cluster: &Cluster) -> String {
         ));
     }
     out.join("; ")
-}
-
-async fn create_namespace(client: &kube::Client) -> Result<()> {
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
-    Ok(())
 }
 
 fn pod(name: &str, node: &str) -> Pod {

@@ -83,7 +83,7 @@ async fn stopped_allocator_and_watcher_are_noticed_and_del_still_completes() {
 
 async fn stopped_peers(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let node = cluster.nodes()[0].name.clone();
     pods.create(&PostParams::default(), &pod("before", &node)).await?;
@@ -148,7 +148,7 @@ async fn api_server_stopped_for_a_minute_then_resumed_needs_no_restart() {
 
 async fn stopped_api_server(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     let node = cluster.nodes()[0].name.clone();
@@ -198,15 +198,6 @@ async fn stopped_api_server(cluster: &mut Cluster) -> Result<()> {
         pods.delete(p, &DeleteParams::default()).await?;
     }
     checks::wait_released(cluster, CONVERGE_TIMEOUT).await
-}
-
-async fn create_namespace(client: &kube::Client) -> Result<()> {
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
-    Ok(())
 }
 
 fn pod(name: &str, node: &str) -> Pod {

@@ -103,12 +103,7 @@ impl World {
 
 async fn scenario(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    namespaces.create(&PostParams::default(), &ns).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     let (node1, node2) = (cluster.nodes()[0].name.clone(), cluster.nodes()[1].name.clone());

@@ -21,13 +21,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::{Container, Event, Namespace, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Container, Event, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks;
 use kuryr_tests::cluster::reach;
 use kuryr_tests::cluster::{Cluster, ClusterOptions, ServiceKind, run_scenario};
 use kuryr_tests::node::netns_exec;
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::run_shim;
 use kuryr_vif_allocator::core::ipam::ipnet::IpNet;
@@ -105,12 +106,7 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
     let node1 = cluster.nodes()[0].name.clone();
     let node2 = cluster.nodes()[1].name.clone();
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    namespaces.create(&PostParams::default(), &ns).await?;
+    objects::create_namespace(&client, NAMESPACE).await?;
 
     // Two further networks: blue (IPv4) and green (IPv6), each on its own node bridge.
     let networks: Api<PodNetwork> = Api::all(client.clone());

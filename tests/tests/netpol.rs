@@ -74,6 +74,77 @@ async fn network_policies_are_enforced_on_real_traffic() {
     run_scenario("netpol", opts, run).await.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
+/// A pod a policy selects is judged from the moment its VIF is recorded, not from the kubelet's
+/// status report: here the server's status never gets addresses (the window a real kubelet
+/// leaves between the sandbox coming up and its next status sync, held open), and the policy
+/// holds for it all the same — denied to others, open to its peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_is_isolated_before_its_status_has_addresses() {
+    let opts = ClusterOptions { nodes: 1, policy: true, ..ClusterOptions::default() };
+    let run = async |c: &mut Cluster| {
+        let mut world = World::default();
+        status_without_addresses(c, &mut world).await
+    };
+    run_scenario("netpol-status-without-addresses", opts, run).await.unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+async fn status_without_addresses(c: &Cluster, w: &mut World) -> Result<()> {
+    const NS: &str = "np-quiet";
+    let client = c.client();
+    objects::create_namespace(&client, NS).await?;
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), NS);
+    policies.create(&PostParams::default(), &server_ingress(vec![])).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let node = c.nodes()[0].name.clone();
+    for (name, app) in [("client", "client"), ("other", "other")] {
+        pods.create(&PostParams::default(), &pod(name, &node, app)).await?;
+    }
+    w.refresh(c, NS, 2).await?;
+
+    let mut server = pod("server", &node, "server");
+    server.metadata.annotations =
+        Some([(kuryr_tests::kubelet::STATUS_WITHOUT_ADDRESSES.to_string(), "true".to_string())].into());
+    pods.create(&PostParams::default(), &server).await?;
+    let kubelet = &c.kubelets()[0];
+    let rec = kuryr_tests::services::wait_until("the server's sandbox running", RUNNING_TIMEOUT, || async {
+        let r = kubelet.pod(NS, "server").context("not seen by the kubelet yet")?;
+        anyhow::ensure!(r.phase == kuryr_tests::kubelet::PodPhase::Running, "phase {:?}", r.phase);
+        anyhow::ensure!(!r.ips.is_empty(), "no sandbox addresses");
+        Ok(r)
+    })
+    .await?;
+    let status = pods.get("server").await?.status.unwrap_or_default();
+    anyhow::ensure!(
+        status.phase.as_deref() == Some("Running") && status.pod_ips.unwrap_or_default().is_empty(),
+        "the server's status was to be Running without addresses (phase {:?})",
+        status.phase
+    );
+    let netns = rec.netns.clone().context("the server's sandbox has no netns")?;
+    w.servers.push(echo::serve(&netns, "server", PORT)?);
+    w.servers.push(echo::serve(&netns, "server", OTHER_PORT)?);
+    w.running.insert(
+        format!("{NS}/server"),
+        RunningPod { name: "server".into(), uid: rec.uid.clone(), node: node.clone(), ips: rec.ips.clone(), netns },
+    );
+
+    let (srv, cl, oth) = ("np-quiet/server", "np-quiet/client", "np-quiet/other");
+    use Proto::{Tcp, Udp};
+    w.check(
+        "a server without addresses in its status: isolated by its VIF's",
+        &[
+            (oth, srv, Tcp, PORT, Denied),
+            (oth, srv, Udp, PORT, Denied),
+            (cl, srv, Tcp, PORT, Allowed),
+            (cl, srv, Udp, PORT, Allowed),
+            (cl, srv, Tcp, OTHER_PORT, Denied),
+        ],
+    )
+    .await?;
+    let ips = pods.get("server").await?.status.and_then(|s| s.pod_ips).unwrap_or_default();
+    anyhow::ensure!(ips.is_empty(), "the server's status got addresses during the check: {ips:?}");
+    Ok(())
+}
+
 /// SCTP on live traffic: a policy admitting SCTP on the echo port from `client` only. Needs the
 /// kernel's SCTP (module `sctp`, listed in /proc/net/protocols), which the machines this suite
 /// runs on lack; SCTP rules are compiled and programmed (unit tests of the compiler and of the
@@ -91,8 +162,7 @@ async fn sctp_policies_are_enforced_on_real_traffic() {
     let mut world = World::default();
     let outcome = async {
         let client = cluster.client();
-        let ns = Namespace { metadata: ObjectMeta { name: Some(NS_A.into()), ..ObjectMeta::default() }, ..Namespace::default() };
-        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+        objects::create_namespace(&client, NS_A).await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), NS_A);
         let (node1, node2) = (cluster.nodes()[0].name.clone(), cluster.nodes()[1].name.clone());
         for (name, node, app) in [("server", &node1, "server"), ("client", &node2, "client"), ("other", &node2, "other")] {

@@ -46,3 +46,33 @@ pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Clie
 pub fn watch_config() -> kube::runtime::watcher::Config {
     kube::runtime::watcher::Config::default().timeout(WATCH_TIMEOUT_SECS)
 }
+
+/// How a controller reads a failed API call.
+#[derive(Debug)]
+pub enum ApiFailure {
+    /// 404: the object does not exist. Holds "`action`: not found".
+    NotFound(String),
+    /// 409, changed since read; or 422 from a JSON patch, a `test` failed. Holds "`action`: why".
+    Conflict(String),
+    /// Anything else, with what was being done.
+    Other {
+        /// What was being done.
+        action: String,
+        /// The client's error.
+        source: kube::Error,
+    },
+}
+
+impl ApiFailure {
+    /// Sorts `e`, the failure of `action`.
+    #[must_use]
+    pub fn of(action: String, e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) if s.is_not_found() => ApiFailure::NotFound(format!("{action}: not found")),
+            kube::Error::Api(s) if s.is_conflict() || s.code == 422 => {
+                ApiFailure::Conflict(format!("{action}: {}", s.message))
+            }
+            source => ApiFailure::Other { action, source },
+        }
+    }
+}

@@ -11,6 +11,7 @@
 //!   source for the one follower of `kuryr_stream::follow`).
 //! - [`auth`]: who may call what: unix peer credentials, ServiceAccount tokens, per-method rules.
 //! - [`readiness`]: SERVING while every one of a service's named conditions holds.
+//! - [`validate`]: request checks at the gRPC edge (names, resume points, node-bound callers).
 //! - [`retry`](mod@retry): start-up steps retried with backoff until they succeed or shutdown.
 //! - `k8s` (feature `kube`): a Kubernetes client from a kubeconfig or the environment;
 //!   `discover`: `k8s:NAMESPACE/SERVICE:PORT` targets, balanced over the Service's ready endpoints
@@ -33,6 +34,7 @@ pub mod retry;
 pub mod server;
 pub mod shutdown;
 pub mod telemetry;
+pub mod validate;
 
 pub use config::CommonArgs;
 pub use health::Health;

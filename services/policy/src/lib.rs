@@ -49,10 +49,11 @@ use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 use kuryr_shard::{Ownership, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::Instrument as _;
 
 use crate::backend::neutron;
+use crate::core::VifChange;
 use crate::core::publish::{PolicyLog, Publisher};
 use crate::grpc::PolicyService;
 use crate::grpc::follow::{self, Readiness};
@@ -112,6 +113,13 @@ pub struct Config {
     #[arg(long, env = "KURYR_POLICY_STATUS_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
     pub status_events: bool,
 
+    /// Take a pod's addresses from its PodVif (the VIF the allocator recorded, before the binder
+    /// plugs it) while its status has none, so that a pod a policy selects is isolated from its
+    /// first packet rather than from the kubelet's status report; needs `list` and `watch` on
+    /// podvifs (kuryr.openstack.org).
+    #[arg(long, env = "KURYR_POLICY_VIF_ADDRESSES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub vif_addresses: bool,
+
     #[command(flatten)]
     pub shard: kuryr_shard::ShardArgs,
 
@@ -165,6 +173,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         publisher = publisher.with_enforcer(Box::new(enforcer));
     }
     let status = config.status_events.then(|| status_events(&config, &metrics, &rt));
+    let vifs = config.vif_addresses.then(|| vif_addresses(&config, &metrics, &rt));
     let follower = follow::Follower {
         channel: watcher,
         publisher,
@@ -173,6 +182,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         subscriber: format!("kuryr-policy/{}", config.instance_name()),
         follow: config.follow.config(),
         status,
+        vifs,
     };
     tokio::spawn(follower.run(rt.shutdown()).instrument(tracing::info_span!("watcher")));
     let service = PolicyService::new(log, metrics, rt.shutdown())
@@ -219,6 +229,25 @@ fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Ar
         }
     });
     Ok((shards, handle_slot))
+}
+
+/// Starts the PodVif watch (its Kubernetes client built with retries); returns where its changes
+/// arrive.
+fn vif_addresses(config: &Config, metrics: &Metrics, rt: &Runtime) -> mpsc::UnboundedReceiver<VifChange> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (kubeconfig, errors, shutdown) =
+        (config.kubeconfig.clone(), metrics.podvif_watch_errors.clone(), rt.shutdown());
+    tokio::spawn(async move {
+        let client =
+            kuryr_runtime::retry::retry("building the Kubernetes client for the PodVif watch", &shutdown, || {
+                kuryr_runtime::k8s::kube_client(kubeconfig.as_deref())
+            })
+            .await;
+        if let Some(client) = client {
+            k8s::podvifs::follow(client, tx, errors, shutdown).await;
+        }
+    });
+    rx
 }
 
 /// Starts the task writing the policies' status Events (its Kubernetes client built with

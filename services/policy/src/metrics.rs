@@ -52,6 +52,8 @@ pub struct Metrics {
     pub subscriptions: Family<StartLabels, Counter>,
     /// Times the watcher's stream broke or could not be opened.
     pub watcher_reconnects: Counter,
+    /// Failed calls of the PodVif watch (retried).
+    pub podvif_watch_errors: Counter,
 }
 
 impl Default for Metrics {
@@ -70,6 +72,7 @@ impl Default for Metrics {
             subscribers: Gauge::default(),
             subscriptions: Family::default(),
             watcher_reconnects: Counter::default(),
+            podvif_watch_errors: Counter::default(),
         }
     }
 }
@@ -114,6 +117,11 @@ impl Metrics {
             "kuryr_policy_watcher_reconnects",
             "Times the watcher's Subscribe stream broke or could not be opened",
             m.watcher_reconnects.clone(),
+        );
+        registry.register(
+            "kuryr_policy_podvif_watch_errors",
+            "Failed calls of the PodVif watch (the addresses of pods whose status has none yet); retried",
+            m.podvif_watch_errors.clone(),
         );
         m
     }

@@ -110,6 +110,17 @@ impl ClusterError {
     }
 }
 
+impl From<kuryr_runtime::k8s::ApiFailure> for ClusterError {
+    fn from(f: kuryr_runtime::k8s::ApiFailure) -> Self {
+        use kuryr_runtime::k8s::ApiFailure;
+        match f {
+            ApiFailure::NotFound(m) => ClusterError::NotFound(m),
+            ApiFailure::Conflict(m) => ClusterError::Conflict(m),
+            ApiFailure::Other { action, source } => ClusterError::Api { action, source: Box::new(source) },
+        }
+    }
+}
+
 /// A failed reconcile.
 #[derive(Debug, thiserror::Error)]
 #[error("{op} of pod {}/{} failed while {step}", pod.namespace, pod.name)]

@@ -382,14 +382,6 @@ fn pod(namespace: &str, name: &str, node: &str) -> Pod {
     }
 }
 
-async fn create_namespace(client: &kube::Client, name: &str) -> Result<()> {
-    let api: Api<Namespace> = Api::all(client.clone());
-    let ns =
-        Namespace { metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() }, ..Namespace::default() };
-    api.create(&PostParams::default(), &ns).await.with_context(|| format!("creating namespace {name}"))?;
-    Ok(())
-}
-
 /// Creates `pods` with at most [`CREATE_CONCURRENCY`] requests in flight; returns how long it took.
 async fn create_all(client: &kube::Client, pods: Vec<Pod>) -> Result<Duration> {
     let t = Instant::now();
@@ -493,7 +485,7 @@ struct Created {
 
 async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<()> {
     let client = cluster.client();
-    create_namespace(&client, LATENCY_NS).await?;
+    kuryr_tests::objects::create_namespace(&client, LATENCY_NS).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), LATENCY_NS);
     let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name.clone()).collect();
     let clock = Clock::now();
@@ -774,7 +766,7 @@ async fn reference_arm(cfg: Config, report: &mut Report) -> Result<Stats> {
             ));
             nodes.push((name, ctd));
         }
-        create_namespace(&client, LATENCY_NS).await?;
+        kuryr_tests::objects::create_namespace(&client, LATENCY_NS).await?;
         let api: Api<Pod> = Api::namespaced(client.clone(), LATENCY_NS);
         let names: Vec<String> = nodes.iter().map(|(n, _)| n.clone()).collect();
         let (created, start, _) = create_steady(&api, LATENCY_NS, &names, cfg).await?;
@@ -908,7 +900,7 @@ async fn allocator_counter(cluster: &Cluster) -> Result<f64> {
 async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
     eprintln!("# part 2: a burst of {n} pods (no sandboxes)");
     let client = cluster.client();
-    create_namespace(&client, BURST_NS).await?;
+    kuryr_tests::objects::create_namespace(&client, BURST_NS).await?;
     let allocated: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let vifs: Api<PodVif> = Api::namespaced(client.clone(), BURST_NS);
     let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
@@ -1098,7 +1090,7 @@ async fn watcher_memory_run(
     report.figure("kuryr-watcher RSS, idle (empty cluster, 1 subscriber)", mib(rss_mib(pid)?.0), "");
 
     for ns in RSS_NS {
-        create_namespace(client, ns).await?;
+        kuryr_tests::objects::create_namespace(client, ns).await?;
     }
     let pods: Vec<Pod> = (0..n)
         .map(|i| pod(RSS_NS[i % RSS_NS.len()], &format!("p-{i:05}"), &format!("fake-node-{}", i % RSS_NODES)))

@@ -179,12 +179,7 @@ async fn requests_served(client: &kube::Client) -> Result<f64> {
 /// create request to its first Running sighting; then all deleted and waited for.
 async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, rate: f64) -> Result<Arm> {
     let client = cluster.client();
-    let ns_api: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(namespace.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    ns_api.create(&PostParams::default(), &ns).await.with_context(|| format!("creating namespace {namespace}"))?;
+    kuryr_tests::objects::create_namespace(&client, namespace).await?;
     // The namespace's default ServiceAccount (pods wait for it otherwise).
     cluster
         .wait(&format!("the default ServiceAccount of {namespace}"), Duration::from_secs(60), || async {
@@ -262,7 +257,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
             Ok(())
         })
         .await?;
-    ns_api.delete(namespace, &DeleteParams::default()).await?;
+    Api::<Namespace>::all(client.clone()).delete(namespace, &DeleteParams::default()).await?;
     Ok(Arm { stats: Stats::of(&samples).context("no samples")?, cpu, requests })
 }
 

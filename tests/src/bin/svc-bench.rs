@@ -28,7 +28,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -98,11 +98,7 @@ type Row = (String, Stats, String);
 
 async fn measure(cluster: &Cluster, changes: usize, rounds: usize) -> Result<Vec<Row>> {
     let client = cluster.client();
-    let ns = Namespace {
-        metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },
-        ..Namespace::default()
-    };
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    kuryr_tests::objects::create_namespace(&client, NAMESPACE).await?;
     let mut rows = Vec::new();
     let poll = PollCost::default();
     let mut monitors = Vec::new();

@@ -13,6 +13,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use kuryr_proto::lbaas::v1::{LoadBalancerSpec, Protocol, TrafficPolicy};
+use kuryr_runtime::validate::is_dns_label;
 
 /// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
@@ -265,17 +266,6 @@ fn to_port(p: u32) -> Option<u16> {
     u16::try_from(p).ok().filter(|p| *p != 0)
 }
 
-/// A DNS-1123 label: at most 63 lower-case alphanumerics or '-', starting and ending with an
-/// alphanumeric. Namespaces and Service names are such labels.
-pub fn is_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-}
-
 #[cfg(test)]
 mod tests {
     use kuryr_proto::lbaas::v1::{Listener as PbListener, Member, Pool, SessionAffinity};
@@ -436,15 +426,5 @@ mod tests {
             service_from_spec_here(&sp).unwrap_err().to_string(),
             "listeners[2]: udp node port 30080 listed twice"
         );
-    }
-
-    #[test]
-    fn dns_labels() {
-        for ok in ["a", "default", "kube-system", "a1", "0abc"] {
-            assert!(is_dns_label(ok), "{ok}");
-        }
-        for bad in ["", "-a", "a-", "A", "a.b", "a/b", "a b", &"a".repeat(64)] {
-            assert!(!is_dns_label(bad), "{bad}");
-        }
     }
 }

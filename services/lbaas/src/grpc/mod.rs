@@ -16,6 +16,7 @@ use kuryr_proto::lbaas::v1::{
     WatchLoadBalancersRequest, WatchLoadBalancersResponse,
 };
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::validate::{dns_label, resume_from, subscriber};
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -30,9 +31,6 @@ use crate::metrics::{Metrics, StartLabels};
 
 /// Responses buffered per stream before the stream task waits for the subscriber to read.
 const STREAM_BUFFER: usize = 128;
-/// Bounds on request fields: a resume point is ~40 bytes, names are DNS names.
-const MAX_RESUME_FROM: usize = 128;
-const MAX_SUBSCRIBER: usize = 253;
 
 /// The LoadBalancers service.
 #[derive(Debug, Clone)]
@@ -70,47 +68,21 @@ impl LbService {
     }
 }
 
-/// An RFC 1123 label: namespaces and Service names.
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-fn name_field(field: &str, value: &str, what: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(Status::invalid_argument(format!("{field}: required")));
-    }
-    if !is_dns_label(value) {
-        return Err(Status::invalid_argument(format!("{field}: `{value}` is not a valid {what}")));
-    }
-    Ok(())
-}
-
 /// Checks a WatchLoadBalancers request, naming the offending field.
 pub fn validate_watch(req: &WatchLoadBalancersRequest) -> Result<(), Status> {
-    if req.resume_from.len() > MAX_RESUME_FROM || req.resume_from.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!(
-            "resume_from: at most {MAX_RESUME_FROM} bytes of printable text; pass a resume_point back exactly as received"
-        )));
-    }
-    if req.subscriber.len() > MAX_SUBSCRIBER || req.subscriber.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!("subscriber: at most {MAX_SUBSCRIBER} bytes of printable text")));
-    }
-    Ok(())
+    resume_from(&req.resume_from)?;
+    subscriber("subscriber", &req.subscriber)
 }
 
 /// Checks a GetLoadBalancer request.
 pub fn validate_get(req: &GetLoadBalancerRequest) -> Result<(), Status> {
-    name_field("namespace", &req.namespace, "namespace name")?;
-    name_field("name", &req.name, "Service name")
+    dns_label("namespace", &req.namespace, "namespace name")?;
+    dns_label("name", &req.name, "Service name")
 }
 
 /// Checks a ListLoadBalancers request.
 pub fn validate_list(req: &ListLoadBalancersRequest) -> Result<(), Status> {
-    if req.namespace.is_empty() { Ok(()) } else { name_field("namespace", &req.namespace, "namespace name") }
+    if req.namespace.is_empty() { Ok(()) } else { dns_label("namespace", &req.namespace, "namespace name") }
 }
 
 /// One WatchLoadBalancers subscriber: everything, as LbEvents. Each response owns its message,

@@ -9,6 +9,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kuryr_runtime::k8s::ApiFailure;
 use serde_json::json;
 
 use crate::core::view::{FINALIZER, split};
@@ -22,14 +23,7 @@ const MANAGER: &str = "kuryr-lbaas";
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterError {
     let action = action.into();
-    move |e| match e {
-        kube::Error::Api(s) if s.is_not_found() => ClusterError::NotFound(format!("{action}: not found")),
-        // 409: changed since read; 422 from a JSON patch: a `test` failed.
-        kube::Error::Api(s) if s.is_conflict() || s.code == 422 => {
-            ClusterError::Conflict(format!("{action}: {}", s.message))
-        }
-        other => ClusterError::Api { action, source: Box::new(other) },
-    }
+    move |e| ApiFailure::of(action, e).into()
 }
 
 impl Record {

@@ -7,7 +7,10 @@
 pub mod publish;
 pub mod status;
 
-use kuryr_policy_core::{Compiler, Namespace, NetworkPolicy, Pod};
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use kuryr_policy_core::{Compiler, Namespace, NetworkPolicy, Pod, PodKey};
 
 /// The kind of a watched object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,7 +33,7 @@ pub struct ObjKey {
 /// An object as the compiler reads it.
 #[derive(Clone, Debug)]
 pub enum Object {
-    Pod(Pod),
+    Pod(WatchedPod),
     Namespace(Namespace),
     /// A NetworkPolicy with its uid, or why its spec cannot be read at all.
     NetworkPolicy {
@@ -39,6 +42,40 @@ pub enum Object {
     },
     /// A body that does not match its kind, or of a kind not compiled.
     Unreadable,
+}
+
+/// A pod as watched: the compiler's view (addresses from `status.podIPs`), its uid, and whether
+/// it finished.
+#[derive(Clone, Debug)]
+pub struct WatchedPod {
+    pub pod: Pod,
+    pub uid: String,
+    /// Phase Succeeded or Failed: its addresses may already be another pod's, so it has none
+    /// (not even its VIF's).
+    pub finished: bool,
+}
+
+/// A pod's addresses as its VIF record (the allocator's PodVif) holds them. They count for a
+/// pod of that uid while its status has none yet: the kubelet reports a pod's addresses only
+/// after its sandbox is up, and a pod a policy selects is isolated from the moment its VIF is
+/// recorded, not from that later report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VifAddresses {
+    /// The pod the VIF was allocated to.
+    pub uid: String,
+    /// Primary interface addresses.
+    pub ips: Vec<IpAddr>,
+}
+
+/// A change of the recorded VIFs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VifChange {
+    /// Every recorded VIF (a complete list), replacing what was known.
+    Listed(HashMap<PodKey, VifAddresses>),
+    /// One pod's VIF recorded or changed.
+    Set(PodKey, VifAddresses),
+    /// One pod's VIF record gone.
+    Gone(PodKey),
 }
 
 /// One event of the watcher's stream.

@@ -22,7 +22,7 @@ use kuryr_stream::SharedLog;
 use kuryr_stream::log::lock;
 
 use super::status::{Report, Tracker};
-use super::{Change, Enforcer, Kind, ObjKey, Object};
+use super::{Change, Enforcer, Kind, ObjKey, Object, VifAddresses, VifChange, WatchedPod};
 use crate::metrics::Metrics;
 
 /// An item of one node's state.
@@ -72,6 +72,10 @@ pub struct Publisher {
     known: HashSet<ObjKey>,
     /// Pod addresses, for naming the pod of an isolation.
     pod_ips: HashMap<PodKey, Vec<IpAddr>>,
+    /// Every recorded VIF's addresses ([`VifChange`]).
+    vifs: HashMap<PodKey, VifAddresses>,
+    /// Pods as watched whose status has no addresses yet: they take their VIF's.
+    addressless: HashMap<PodKey, WatchedPod>,
     owners: HashMap<IpAddr, PodKey>,
     /// Inside a snapshot: the objects it named so far (after a RESET), or an empty set (the
     /// first one). `None` when live.
@@ -96,6 +100,8 @@ impl Publisher {
             published: HashMap::new(),
             known: HashSet::new(),
             pod_ips: HashMap::new(),
+            vifs: HashMap::new(),
+            addressless: HashMap::new(),
             owners: HashMap::new(),
             snapshot: Some(HashSet::new()),
             invalid: BTreeMap::new(),
@@ -168,7 +174,8 @@ impl Publisher {
 
     fn upsert(&mut self, key: &ObjKey, o: Object) {
         match (key.kind, o) {
-            (Kind::Pod, Object::Pod(pod)) => {
+            (Kind::Pod, Object::Pod(watched)) => {
+                let pod = self.with_vif_addresses(watched);
                 self.set_pod_ips(pod.key(), pod.ips.clone());
                 self.compiler.upsert_pod(pod);
             }
@@ -210,6 +217,7 @@ impl Publisher {
                 let key = PodKey { namespace: namespace.into(), name: name.into() };
                 self.set_pod_ips(key.clone(), Vec::new());
                 self.pod_ips.remove(&key);
+                self.addressless.remove(&key);
                 self.compiler.remove_pod(&key);
             }
             Kind::Namespace => self.compiler.remove_namespace(name),
@@ -220,6 +228,57 @@ impl Publisher {
                 self.compiler.remove_policy(&key);
             }
             Kind::Other(_) => {}
+        }
+    }
+
+    /// The pod the compiler gets: as watched, or, while its status has no addresses, with its
+    /// VIF's (a VIF recorded for this very pod, by uid). Finished and host-network pods get none.
+    fn with_vif_addresses(&mut self, watched: WatchedPod) -> kuryr_policy_core::Pod {
+        let key = watched.pod.key();
+        if !watched.pod.ips.is_empty() || watched.finished || watched.pod.host_network {
+            self.addressless.remove(&key);
+            return watched.pod;
+        }
+        let mut pod = watched.pod.clone();
+        if let Some(vif) = self.vifs.get(&key).filter(|v| v.uid == watched.uid) {
+            pod.ips.clone_from(&vif.ips);
+        }
+        self.addressless.insert(key, watched);
+        pod
+    }
+
+    /// Applies a change of the recorded VIFs: the pods without addresses in their status that
+    /// it concerns are compiled again (and published, when live).
+    pub fn vif(&mut self, change: VifChange) {
+        let affected: Vec<PodKey> = match change {
+            VifChange::Listed(all) => {
+                self.vifs = all;
+                self.addressless.keys().cloned().collect()
+            }
+            VifChange::Set(key, vif) => {
+                if self.vifs.get(&key) == Some(&vif) {
+                    return;
+                }
+                self.vifs.insert(key.clone(), vif);
+                vec![key]
+            }
+            VifChange::Gone(key) => {
+                if self.vifs.remove(&key).is_none() {
+                    return;
+                }
+                vec![key]
+            }
+        };
+        for key in affected {
+            let Some(watched) = self.addressless.get(&key).cloned() else { continue };
+            let pod = self.with_vif_addresses(watched);
+            if self.pod_ips.get(&key) == Some(&pod.ips) {
+                continue;
+            }
+            self.set_pod_ips(key.clone(), pod.ips.clone());
+            self.compiler.upsert_pod(pod);
+            let obj = ObjKey { kind: Kind::Pod, namespace: key.namespace, name: key.name };
+            self.changed(&obj);
         }
     }
 

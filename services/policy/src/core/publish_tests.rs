@@ -119,3 +119,72 @@ fn a_deleted_pod_frees_its_address_for_the_next_owner() {
     p.apply(ev(EventType::Applied, Some(pod("db-2", "n1", "10.0.1.2", "db"))));
     assert_eq!(items(&log, "n1"), ["group i 1 [\"ns/db\"]", "isolation 10.0.1.2 ns/db-2 in=true eg=false"]);
 }
+
+/// A pod as watched before the kubelet reported its addresses, with its uid and phase.
+fn addressless(name: &str, uid: &str, phase: &str, app: &str) -> Object {
+    let mut o = pod(name, "n1", "", app);
+    o.uid = uid.into();
+    if let Some(Body::Pod(p)) = &mut o.body {
+        p.pod_ips.clear();
+        p.phase = phase.into();
+    }
+    o
+}
+
+fn vif(uid: &str, ip: &str) -> VifAddresses {
+    VifAddresses { uid: uid.into(), ips: vec![ip.parse().unwrap()] }
+}
+
+fn key(name: &str) -> PodKey {
+    PodKey { namespace: "ns".into(), name: name.into() }
+}
+
+#[test]
+fn a_pod_is_isolated_from_its_recorded_vif_before_its_status_has_addresses() {
+    let (mut p, log) = publisher();
+    p.apply(ev(EventType::Applied, Some(policy())));
+    p.apply(ev(EventType::SnapshotComplete, None));
+    // Recorded before the pod is seen: taken when it is.
+    p.vif(VifChange::Listed([(key("db-1"), vif("u1", "10.0.1.1"))].into()));
+    p.apply(ev(EventType::Applied, Some(addressless("db-1", "u1", "Pending", "db"))));
+    // No app=web pod: the group admits nobody.
+    assert_eq!(items(&log, "n1"), ["group i 0 [\"ns/db\"]", "isolation 10.0.1.1 ns/db-1 in=true eg=false"]);
+
+    // Recorded after the pod is seen: published then.
+    p.apply(ev(EventType::Applied, Some(addressless("db-2", "u2", "Pending", "db"))));
+    assert_eq!(items(&log, "n1").len(), 2);
+    p.vif(VifChange::Set(key("db-2"), vif("u2", "10.0.1.2")));
+    assert!(items(&log, "n1").contains(&"isolation 10.0.1.2 ns/db-2 in=true eg=false".to_string()));
+
+    // The status takes over with the same address: nothing changes.
+    let revision = lock(&log).revision();
+    p.apply(ev(EventType::Applied, Some(pod("db-2", "n1", "10.0.1.2", "db"))));
+    assert_eq!(lock(&log).revision(), revision);
+    // Once the status holds the addresses, the VIF record no longer counts for the pod.
+    p.vif(VifChange::Gone(key("db-2")));
+    assert!(items(&log, "n1").contains(&"isolation 10.0.1.2 ns/db-2 in=true eg=false".to_string()));
+
+    // The record of db-1 gone while its status is still empty: the address leaves the rules.
+    p.vif(VifChange::Gone(key("db-1")));
+    assert!(!items(&log, "n1").iter().any(|i| i.contains("10.0.1.1")), "{:?}", items(&log, "n1"));
+}
+
+#[test]
+fn a_vif_of_another_pod_of_the_name_or_a_finished_pod_gives_no_address() {
+    let (mut p, log) = publisher();
+    p.apply(ev(EventType::Applied, Some(policy())));
+    p.apply(ev(EventType::SnapshotComplete, None));
+    // The record of an earlier pod of that name (another uid).
+    p.vif(VifChange::Set(key("db-1"), vif("old", "10.0.1.1")));
+    p.apply(ev(EventType::Applied, Some(addressless("db-1", "new", "Pending", "db"))));
+    assert!(items(&log, "n1").iter().all(|i| !i.starts_with("isolation")), "{:?}", items(&log, "n1"));
+    p.vif(VifChange::Set(key("db-1"), vif("new", "10.0.1.7")));
+    assert!(items(&log, "n1").contains(&"isolation 10.0.1.7 ns/db-1 in=true eg=false".to_string()));
+    // Finished: its address may be another pod's already.
+    p.apply(ev(EventType::Applied, Some(addressless("db-1", "new", "Succeeded", "db"))));
+    assert!(items(&log, "n1").iter().all(|i| !i.starts_with("isolation")), "{:?}", items(&log, "n1"));
+    // Deleted: a later record of the name does nothing.
+    p.apply(ev(EventType::Deleted, Some(addressless("db-1", "new", "Succeeded", "db"))));
+    p.vif(VifChange::Set(key("db-1"), vif("new", "10.0.1.8")));
+    assert!(items(&log, "n1").iter().all(|i| !i.starts_with("isolation")), "{:?}", items(&log, "n1"));
+}

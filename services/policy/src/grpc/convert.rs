@@ -41,7 +41,13 @@ pub fn change(ev: &SubscribeResponse) -> Change {
         return Change::Deleted(key);
     }
     let object = match kind {
-        core::Kind::Pod => pod(o).map_or(core::Object::Unreadable, core::Object::Pod),
+        core::Kind::Pod => match pod(o) {
+            Some(pod) => {
+                let done = matches!(&o.body, Some(Body::Pod(p)) if finished(&p.phase));
+                core::Object::Pod(core::WatchedPod { pod, uid: o.uid.clone(), finished: done })
+            }
+            None => core::Object::Unreadable,
+        },
         core::Kind::Namespace => core::Object::Namespace(namespace(o)),
         core::Kind::NetworkPolicy => match policy(o) {
             Some(p) => core::Object::NetworkPolicy { uid: o.uid.clone(), policy: p.map_err(|e| e.to_string()) },
@@ -52,12 +58,20 @@ pub fn change(ev: &SubscribeResponse) -> Change {
     Change::Applied(key, object)
 }
 
+/// Whether a pod of `phase` finished (and no longer holds its addresses).
+fn finished(phase: &str) -> bool {
+    matches!(phase, "Succeeded" | "Failed")
+}
+
 /// A pod as the compiler sees it. Pods that finished (Succeeded, Failed) no longer hold their
 /// addresses, which may already be another pod's: they keep none here.
 pub fn pod(o: &Object) -> Option<Pod> {
     let Some(Body::Pod(p)) = &o.body else { return None };
-    let finished = matches!(p.phase.as_str(), "Succeeded" | "Failed");
-    let ips = if finished { Vec::new() } else { p.pod_ips.iter().filter_map(|s| s.parse::<IpAddr>().ok()).collect() };
+    let ips = if finished(&p.phase) {
+        Vec::new()
+    } else {
+        p.pod_ips.iter().filter_map(|s| s.parse::<IpAddr>().ok()).collect()
+    };
     let ports = p
         .named_ports
         .iter()

@@ -15,7 +15,9 @@ use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::follow::follow_watcher;
 use kuryr_runtime::readiness::Conditions;
 use kuryr_stream::{FollowConfig, Followed};
+use tokio::sync::mpsc;
 
+use crate::core::VifChange;
 use crate::core::publish::{Effect, Publisher};
 use crate::core::status;
 use crate::grpc::convert;
@@ -63,6 +65,23 @@ pub struct Follower {
     pub follow: FollowConfig,
     /// Where the policies' statuses go ([`crate::core::status`], written by [`crate::k8s`]); `None`: not reported.
     pub status: Option<ReportSender>,
+    /// The recorded VIFs' changes ([`crate::k8s::podvifs`]); `None`: pods have the addresses of
+    /// their status only.
+    pub vifs: Option<mpsc::UnboundedReceiver<VifChange>>,
+}
+
+/// The next recorded-VIF change; pending forever without a watch or once it ended.
+async fn next_vif(vifs: &mut Option<mpsc::UnboundedReceiver<VifChange>>) -> Option<VifChange> {
+    match vifs {
+        Some(rx) => match rx.recv().await {
+            Some(change) => Some(change),
+            None => {
+                *vifs = None;
+                None
+            }
+        },
+        None => std::future::pending().await,
+    }
 }
 
 impl Follower {
@@ -86,6 +105,10 @@ impl Follower {
                     if let (false, Some(tx)) = (reports.is_empty(), &self.status) {
                         let _ = tx.send(reports);
                     }
+                    continue;
+                }
+                Some(change) = next_vif(&mut self.vifs) => {
+                    self.publisher.vif(change);
                     continue;
                 }
                 () = shutdown.clone().wait() => return,

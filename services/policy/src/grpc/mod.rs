@@ -18,7 +18,8 @@ use kuryr_proto::policy::v1::policies_server::Policies;
 use std::time::Duration;
 
 use kuryr_runtime::Shutdown;
-use kuryr_runtime::auth::{self, Caller};
+use kuryr_runtime::auth;
+use kuryr_runtime::validate::{node_name, own_node, resume_from, subscriber};
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -29,10 +30,6 @@ use crate::shards::Shards;
 
 /// Responses buffered per stream before the stream task waits for the subscriber to read.
 const STREAM_BUFFER: usize = 256;
-/// Bounds on request fields: a resume point is ~40 bytes, node names are DNS subdomains.
-const MAX_RESUME_FROM: usize = 128;
-const MAX_SUBSCRIBER: usize = 253;
-const MAX_NODE_NAME: usize = 253;
 
 /// The Policies service.
 #[derive(Debug, Clone)]
@@ -68,45 +65,11 @@ impl PolicyService {
     }
 }
 
-/// PERMISSION_DENIED when the caller's credentials are bound to a node other than `node`: a
-/// binder reads its own node's policy only. Callers bound to no node (an operator's token,
-/// `--auth none`) are not held to one.
-pub fn own_node(caller: Option<&Caller>, node: &str) -> Result<(), Status> {
-    match caller.and_then(Caller::node) {
-        Some(bound) if bound != node => Err(Status::permission_denied(format!(
-            "node_name: `{node}` is not the node this caller's token is bound to ({bound})"
-        ))),
-        _ => Ok(()),
-    }
-}
-
-/// An RFC 1123 subdomain: node names.
-fn node_name(value: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(Status::invalid_argument("node_name: required"));
-    }
-    let ok = value.len() <= MAX_NODE_NAME
-        && value.split('.').all(|l| {
-            !l.is_empty()
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        });
-    if ok { Ok(()) } else { Err(Status::invalid_argument(format!("node_name: `{value}` is not a valid node name"))) }
-}
-
 /// Checks a WatchPolicies request, naming the offending field.
 pub fn validate_watch(req: &pb::WatchPoliciesRequest) -> Result<(), Status> {
-    node_name(&req.node_name)?;
-    if req.resume_from.len() > MAX_RESUME_FROM || req.resume_from.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!(
-            "resume_from: at most {MAX_RESUME_FROM} bytes of printable text; pass a resume_point back exactly as received"
-        )));
-    }
-    if req.subscriber.len() > MAX_SUBSCRIBER || req.subscriber.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!("subscriber: at most {MAX_SUBSCRIBER} bytes of printable text")));
-    }
-    Ok(())
+    node_name("node_name", &req.node_name)?;
+    resume_from(&req.resume_from)?;
+    subscriber("subscriber", &req.subscriber)
 }
 
 fn protocol(p: Protocol) -> pb::Protocol {
@@ -229,7 +192,7 @@ impl Policies for PolicyService {
         let caller = auth::caller(&req).cloned();
         let req = req.into_inner();
         validate_watch(&req)?;
-        own_node(caller.as_ref(), &req.node_name)?;
+        own_node(caller.as_ref(), "node_name", &req.node_name)?;
         self.shards.check(&req.node_name, "WatchPolicies")?;
         let subscriber = if req.subscriber.is_empty() { peer.clone() } else { req.subscriber.clone() };
         let span = tracing::info_span!("subscriber", node = %req.node_name, subscriber = %subscriber, peer = %peer);
@@ -261,8 +224,8 @@ impl Policies for PolicyService {
     ) -> Result<Response<pb::NodePolicy>, Status> {
         let caller = auth::caller(&req).cloned();
         let req = req.into_inner();
-        node_name(&req.node_name)?;
-        own_node(caller.as_ref(), &req.node_name)?;
+        node_name("node_name", &req.node_name)?;
+        own_node(caller.as_ref(), "node_name", &req.node_name)?;
         self.shards.check(&req.node_name, "GetNodePolicy")?;
         let log = kuryr_stream::log::lock(&self.log);
         if !log.is_ready() {
@@ -310,28 +273,6 @@ mod tests {
             assert!(e.message().starts_with(&format!("{field}:")), "{}", e.message());
         }
         assert!(watch("node-1.example", "abc-3", "binder/node-1").is_ok());
-    }
-
-    #[test]
-    fn a_node_bound_caller_reads_its_own_node_only() {
-        use kuryr_runtime::auth::Account;
-
-        let binder = |node: Option<&str>| {
-            Caller::Account(Account {
-                namespace: "kuryr-system".into(),
-                name: "kuryr-binder".into(),
-                node: node.map(Into::into),
-                pod: None,
-            })
-        };
-        assert!(own_node(Some(&binder(Some("n1"))), "n1").is_ok());
-        let e = own_node(Some(&binder(Some("n2"))), "n1").unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(e.message().contains("n2"), "{}", e.message());
-        // Not bound to a node (an operator's token), or not checked: not held to one.
-        assert!(own_node(Some(&binder(None)), "n1").is_ok());
-        assert!(own_node(Some(&Caller::Unchecked), "n1").is_ok());
-        assert!(own_node(None, "n1").is_ok());
     }
 
     #[test]

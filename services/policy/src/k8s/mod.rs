@@ -3,6 +3,9 @@
 //! `kubectl describe networkpolicy` shows them. Each Event is retried a few times with backoff;
 //! one that cannot be written is logged and counted
 //! (`kuryr_policy_status_events{result="error"}`): it never holds up the compiled state.
+//! [`podvifs`]: the pods' recorded VIFs, whose addresses count until a pod's status has its own.
+
+pub mod podvifs;
 
 use std::time::Duration;
 

@@ -218,22 +218,3 @@ async fn a_node_gets_its_vifs_and_the_other_nodes_routes_then_deltas() {
         }
     }
 }
-
-#[test]
-fn a_node_bound_caller_acts_for_its_node_only() {
-    use kuryr_runtime::auth::{Account, Caller};
-    let bound = |node: Option<&str>| {
-        Caller::Account(Account {
-            namespace: "kuryr-system".into(),
-            name: "kuryr-binder".into(),
-            node: node.map(Into::into),
-            pod: None,
-        })
-    };
-    assert!(own_node(Some(&bound(Some("n1"))), "node_name", "n1").is_ok());
-    let e = own_node(Some(&bound(Some("n1"))), "node_name", "n2").unwrap_err();
-    assert_eq!(e.code(), tonic::Code::PermissionDenied);
-    assert!(e.message().starts_with("node_name:") && e.message().contains("(n1)"), "{}", e.message());
-    assert!(own_node(Some(&bound(None)), "node_name", "n2").is_ok());
-    assert!(own_node(None, "node_name", "n2").is_ok());
-}

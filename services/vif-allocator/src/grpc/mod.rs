@@ -26,7 +26,8 @@ use kuryr_proto::allocator::v1::{
     GetVifRequest, ReportPluggedRequest, ReportPluggedResponse, Vif, VifEventType, WatchVifsRequest, WatchVifsResponse,
 };
 use kuryr_runtime::Shutdown;
-use kuryr_runtime::auth::{self, Caller};
+use kuryr_runtime::auth;
+use kuryr_runtime::validate::{node_name, own_node, required, resume_from, subscriber};
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -40,9 +41,6 @@ use crate::shards::Shards;
 
 /// Responses buffered per stream before the stream task waits for the binder to read.
 const STREAM_BUFFER: usize = 128;
-/// Bounds on request fields: a resume point is ~40 bytes, names are DNS names.
-const MAX_RESUME_FROM: usize = 128;
-const MAX_NAME: usize = 253;
 /// The heartbeat interval unless told otherwise (`--stream-heartbeat`).
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 
@@ -88,59 +86,11 @@ impl<C> AllocatorService<C> {
     }
 }
 
-fn required(field: &str, value: &str) -> Result<(), Status> {
-    if value.trim().is_empty() {
-        return Err(Status::invalid_argument(format!("{field}: required")));
-    }
-    Ok(())
-}
-
-/// An RFC 1123 label.
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// An RFC 1123 subdomain: node names.
-fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= MAX_NAME && s.split('.').all(is_dns_label)
-}
-
-fn node_name(field: &str, value: &str) -> Result<(), Status> {
-    required(field, value)?;
-    if !is_dns_subdomain(value) {
-        return Err(Status::invalid_argument(format!("{field}: `{value}` is not a valid node name")));
-    }
-    Ok(())
-}
-
-/// PERMISSION_DENIED when the caller's credentials are bound to a node other than `node`: a
-/// binder acts for its own node only. Callers bound to no node (an operator's token, `--auth
-/// none`) are not held to one.
-pub fn own_node(caller: Option<&Caller>, field: &str, node: &str) -> Result<(), Status> {
-    match caller.and_then(Caller::node) {
-        Some(bound) if bound != node => Err(Status::permission_denied(format!(
-            "{field}: `{node}` is not the node this caller's token is bound to ({bound})"
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// Checks a WatchVifs request, naming the offending field.
 pub fn validate_watch(req: &WatchVifsRequest) -> Result<(), Status> {
     node_name("node_name", &req.node_name)?;
-    if req.resume_from.len() > MAX_RESUME_FROM {
-        return Err(Status::invalid_argument(format!(
-            "resume_from: longer than {MAX_RESUME_FROM} bytes; pass a resume_point back exactly as received"
-        )));
-    }
-    if req.binder_id.len() > MAX_NAME || req.binder_id.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!("binder_id: at most {MAX_NAME} bytes of printable text")));
-    }
-    Ok(())
+    resume_from(&req.resume_from)?;
+    subscriber("binder_id", &req.binder_id)
 }
 
 #[tonic::async_trait]

@@ -11,6 +11,7 @@ use kuryr_proto::allocator::v1::pool_manager_server::PoolManager;
 use kuryr_proto::allocator::v1::{
     FreePoolRequest, FreePoolResponse, ListPoolsRequest, ListPoolsResponse, Pool, PoolKey, PopulatePoolRequest,
 };
+use kuryr_runtime::validate::is_dns_subdomain;
 use tonic::{Request, Response, Status};
 
 use crate::backend::neutron::NeutronBackend;
@@ -82,21 +83,13 @@ fn key_of(backend: &NeutronBackend, field: &str, key: Option<&PoolKey>) -> Resul
     if node.is_empty() {
         return Err(Status::invalid_argument(format!("{field}.node_name: required")));
     }
-    if node.len() > 253 || !node.split('.').all(is_dns_label) {
+    if !is_dns_subdomain(node) {
         return Err(Status::invalid_argument(format!("{field}.node_name: `{node}` is not a valid node name")));
     }
     if key.security_groups.iter().any(|s| s.trim().is_empty()) {
         return Err(Status::invalid_argument(format!("{field}.security_groups: empty id in the list")));
     }
     Ok(backend.complete_key(node, key.project_id.trim(), key.network_id.trim(), &key.security_groups))
-}
-
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 fn to_proto(v: PoolView, limits: pool::Limits) -> Pool {

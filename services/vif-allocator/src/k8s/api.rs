@@ -15,6 +15,7 @@
 //! The VIFs it reads and writes are [`crate::core`]'s; they become the PodVif's stored types
 //! ([`crate::k8s::crd`]) here, on the way in and out.
 
+use kuryr_runtime::k8s::ApiFailure;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -223,14 +224,7 @@ fn json_ops(ops: serde_json::Value, what: &str) -> Result<json_patch::Patch, Clu
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterError {
     let action = action.into();
-    move |e| match e {
-        kube::Error::Api(s) if s.is_not_found() => ClusterError::NotFound(format!("{action}: not found")),
-        // 409: changed since read; 422 from a JSON patch: a `test` failed.
-        kube::Error::Api(s) if s.is_conflict() || s.code == 422 => {
-            ClusterError::Conflict(format!("{action}: {}", s.message))
-        }
-        other => ClusterError::Api { action, source: Box::new(other) },
-    }
+    move |e| ApiFailure::of(action, e).into()
 }
 
 impl KubeCluster {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use kuryr_proto::watcher::v1::watcher_server::Watcher;
 use kuryr_proto::watcher::v1::{EventType, Kind, Object, SubscribeRequest, SubscribeResponse};
 use kuryr_runtime::Shutdown;
+use kuryr_runtime::validate::{is_dns_label, is_dns_subdomain, resume_from, subscriber};
 use kuryr_stream::{Event, How, Options, Subscriber};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -25,9 +26,6 @@ use crate::selector::{Selector, kind_label};
 
 /// Responses buffered per stream before the stream task waits for the client to read.
 const STREAM_BUFFER: usize = 128;
-/// Bounds on request fields: a resume point is ~40 bytes, names are DNS names.
-const MAX_RESUME_FROM: usize = 128;
-const MAX_SUBSCRIBER: usize = 253;
 
 /// The Watcher service.
 #[derive(Debug, Clone)]
@@ -133,31 +131,9 @@ pub fn validate(req: &SubscribeRequest) -> Result<Selector, Status> {
         selector.namespace = Some(filter.namespace);
     }
     selector.exclude_host_network = filter.exclude_host_network;
-    if req.resume_from.len() > MAX_RESUME_FROM {
-        return Err(Status::invalid_argument(format!(
-            "resume_from: longer than {MAX_RESUME_FROM} bytes; pass a resume_point back exactly as received"
-        )));
-    }
-    if req.subscriber.len() > MAX_SUBSCRIBER || req.subscriber.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!(
-            "subscriber: at most {MAX_SUBSCRIBER} bytes of printable text (for example \"binder/node-1\")"
-        )));
-    }
+    resume_from(&req.resume_from)?;
+    subscriber("subscriber", &req.subscriber)?;
     Ok(selector)
-}
-
-/// An RFC 1123 label: namespace names.
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// An RFC 1123 subdomain: node names.
-fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
 /// One Subscribe stream: what it selects, and how its events become `SubscribeResponse`s.

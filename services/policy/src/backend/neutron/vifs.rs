@@ -7,11 +7,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::StreamExt as _;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::api::{Api, DynamicObject};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kuryr_policy_core::PodKey;
 use kuryr_runtime::Shutdown;
 use tokio::sync::watch;
+
+use crate::k8s::podvifs;
 
 /// A pod's Neutron port.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,11 +29,8 @@ pub type Vifs = Arc<BTreeMap<PodKey, Vif>>;
 
 /// The port of a PodVif, if it has a Neutron VIF.
 pub fn vif_of(o: &DynamicObject) -> Option<(PodKey, Vif)> {
-    let namespace = o.metadata.namespace.clone()?;
-    let name = o.metadata.name.clone()?;
-    // `spec.vif`; PodVifs written by earlier allocators hold it in `status.vif`.
-    let vif =
-        o.data.get("spec").and_then(|s| s.get("vif")).or_else(|| o.data.get("status").and_then(|s| s.get("vif")))?;
+    let key = podvifs::pod_key(o)?;
+    let vif = podvifs::recorded_vif(o)?;
     if vif.get("backend").and_then(|b| b.as_str()) != Some("neutron") {
         return None;
     }
@@ -45,7 +44,7 @@ pub fn vif_of(o: &DynamicObject) -> Option<(PodKey, Vif)> {
         .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
         .unwrap_or_default();
     default_groups.sort();
-    Some((PodKey { namespace, name }, Vif { port, default_groups }))
+    Some((key, Vif { port, default_groups }))
 }
 
 /// Follows every PodVif into `tx` until shutdown (the watch re-lists by itself after errors,
@@ -56,9 +55,7 @@ pub async fn follow(
     errors: prometheus_client::metrics::counter::Counter,
     shutdown: Shutdown,
 ) {
-    let gvk = GroupVersionKind::gvk("kuryr.openstack.org", "v1alpha1", "PodVif");
-    let ar = ApiResource::from_gvk_with_plural(&gvk, "podvifs");
-    let api: Api<DynamicObject> = Api::all_with(client, &ar);
+    let api: Api<DynamicObject> = Api::all_with(client, &podvifs::resource());
     let mut stream = watcher::watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
     let mut current: BTreeMap<PodKey, Vif> = BTreeMap::new();
     let mut init: Option<BTreeMap<PodKey, Vif>> = None;

@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kuryr_runtime::k8s::ApiFailure;
 use serde_json::json;
 
 use crate::error::ClusterError;
@@ -35,13 +36,7 @@ impl NamespaceMeta {
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterError {
     let action = action.into();
-    move |e| match e {
-        kube::Error::Api(s) if s.is_not_found() => ClusterError::NotFound(format!("{action}: not found")),
-        kube::Error::Api(s) if s.is_conflict() || s.code == 422 => {
-            ClusterError::Conflict(format!("{action}: {}", s.message))
-        }
-        other => ClusterError::Api { action, source: Box::new(other) },
-    }
+    move |e| ApiFailure::of(action, e).into()
 }
 
 /// Namespaces, NamespaceNetworks and Events.

@@ -29,8 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::{Cluster, ClusterNode, ClusterOptions, ServiceKind, StreamTiming, run_scenario};

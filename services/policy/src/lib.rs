@@ -114,8 +114,8 @@ pub struct Config {
     pub status_events: bool,
 
     /// Take a pod's addresses from its PodVif (the VIF the allocator recorded, before the binder
-    /// plugs it) while its status has none, so that a pod a policy selects is isolated from its
-    /// first packet rather than from the kubelet's status report; needs `list` and `watch` on
+    /// plugs it) while its status has none, so that a pod a policy selects is isolated once its
+    /// VIF is recorded, not only after the kubelet's later status report; needs `list` and `watch` on
     /// podvifs (kuryr.openstack.org).
     #[arg(long, env = "KURYR_POLICY_VIF_ADDRESSES", default_value_t = true, action = clap::ArgAction::Set)]
     pub vif_addresses: bool,

@@ -1,7 +1,8 @@
 //! The pods' recorded VIFs: the PodVif records the allocator writes (`kuryr.openstack.org/v1alpha1`,
 //! one per pod, named after it, created with the VIF before the binder plugs it), read with a
 //! Kubernetes watch. Their addresses stand for a pod's while its status has none
-//! ([`crate::core::VifAddresses`]), so a pod a policy selects is isolated from its first packet.
+//! ([`crate::core::VifAddresses`]), so a pod a policy selects is isolated once its VIF is recorded,
+//! not only after the kubelet's later status report.
 
 use std::collections::HashMap;
 use std::net::IpAddr;

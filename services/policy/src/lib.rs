@@ -49,14 +49,14 @@ use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
 use kuryr_shard::{Ownership, ShardHandle, ShardMetrics};
 use kuryr_stream::{Epoch, Log};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tracing::Instrument as _;
 
 use crate::backend::neutron;
-use crate::core::VifChange;
 use crate::core::publish::{PolicyLog, Publisher};
 use crate::grpc::PolicyService;
 use crate::grpc::follow::{self, Readiness};
+use crate::k8s::podvifs;
 use crate::metrics::Metrics;
 use crate::shards::Shards;
 
@@ -168,12 +168,22 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
     let (shards, shard_handle) = start_shards(&config, &mut rt)?;
     let mut publisher = Publisher::new(log.clone(), metrics.clone());
+    // One PodVif watch: the addresses of pods whose status has none yet, and the Neutron ports.
+    let mut sinks: Vec<Box<dyn podvifs::Sink>> = Vec::new();
     if config.backend == BackendKind::Neutron {
-        let enforcer = neutron::start(&config, &mut rt, shards.ownership_changes()).await?;
+        let (enforcer, ports) = neutron::start(&config, &mut rt, shards.ownership_changes())?;
         publisher = publisher.with_enforcer(Box::new(enforcer));
+        sinks.push(Box::new(ports));
+    }
+    let vifs = config.vif_addresses.then(|| {
+        let (sink, rx) = podvifs::AddressSink::new();
+        sinks.push(Box::new(sink));
+        rx
+    });
+    if !sinks.is_empty() {
+        watch_pod_vifs(&config, &metrics, &rt, sinks);
     }
     let status = config.status_events.then(|| status_events(&config, &metrics, &rt));
-    let vifs = config.vif_addresses.then(|| vif_addresses(&config, &metrics, &rt));
     let follower = follow::Follower {
         channel: watcher,
         publisher,
@@ -231,10 +241,8 @@ fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Ar
     Ok((shards, handle_slot))
 }
 
-/// Starts the PodVif watch (its Kubernetes client built with retries); returns where its changes
-/// arrive.
-fn vif_addresses(config: &Config, metrics: &Metrics, rt: &Runtime) -> mpsc::UnboundedReceiver<VifChange> {
-    let (tx, rx) = mpsc::unbounded_channel();
+/// Starts the PodVif watch into `sinks` (its Kubernetes client built with retries).
+fn watch_pod_vifs(config: &Config, metrics: &Metrics, rt: &Runtime, sinks: Vec<Box<dyn podvifs::Sink>>) {
     let (kubeconfig, errors, shutdown) =
         (config.kubeconfig.clone(), metrics.podvif_watch_errors.clone(), rt.shutdown());
     tokio::spawn(async move {
@@ -244,10 +252,9 @@ fn vif_addresses(config: &Config, metrics: &Metrics, rt: &Runtime) -> mpsc::Unbo
             })
             .await;
         if let Some(client) = client {
-            k8s::podvifs::follow(client, tx, errors, shutdown).await;
+            podvifs::follow(client, sinks, errors, shutdown).await;
         }
     });
-    rx
 }
 
 /// Starts the task writing the policies' status Events (its Kubernetes client built with

@@ -120,7 +120,7 @@ impl Metrics {
         );
         registry.register(
             "kuryr_policy_podvif_watch_errors",
-            "Failed calls of the PodVif watch (the addresses of pods whose status has none yet); retried",
+            "Failed calls of the PodVif watch (the addresses of pods whose status has none yet, the Neutron ports); retried",
             m.podvif_watch_errors.clone(),
         );
         m

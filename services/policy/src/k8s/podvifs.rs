@@ -45,53 +45,79 @@ pub fn addresses(o: &DynamicObject) -> Option<VifAddresses> {
     (!ips.is_empty()).then_some(VifAddresses { uid, ips })
 }
 
-/// Follows every PodVif into `tx` until shutdown or until `tx`'s receiver is gone. The watch
-/// re-lists by itself after errors, with kube's backoff; errors are logged and counted in
-/// `errors`.
+/// What consumes the PodVif watch: each event in turn (the initial list as `Init`, `InitApply`
+/// per object, `InitDone`; then `Apply` and `Delete`). Returns false once it has nobody to deliver
+/// to.
+pub trait Sink: Send {
+    fn handle(&mut self, ev: &watcher::Event<DynamicObject>) -> bool;
+}
+
+/// The recorded VIFs' addresses, as [`VifChange`]s for the publisher.
+#[derive(Debug)]
+pub struct AddressSink {
+    tx: mpsc::UnboundedSender<VifChange>,
+    listing: Option<HashMap<PodKey, VifAddresses>>,
+}
+
+impl AddressSink {
+    /// A sink, and where its changes arrive.
+    pub fn new() -> (Self, mpsc::UnboundedReceiver<VifChange>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { tx, listing: None }, rx)
+    }
+}
+
+impl Sink for AddressSink {
+    fn handle(&mut self, ev: &watcher::Event<DynamicObject>) -> bool {
+        let change = match ev {
+            watcher::Event::Init => {
+                self.listing = Some(HashMap::new());
+                return true;
+            }
+            watcher::Event::InitApply(o) => {
+                if let (Some(all), Some(key), Some(v)) = (self.listing.as_mut(), pod_key(o), addresses(o)) {
+                    all.insert(key, v);
+                }
+                return true;
+            }
+            watcher::Event::InitDone => VifChange::Listed(self.listing.take().unwrap_or_default()),
+            watcher::Event::Apply(o) => match (pod_key(o), addresses(o)) {
+                (Some(key), Some(v)) => VifChange::Set(key, v),
+                (Some(key), None) => VifChange::Gone(key),
+                (None, _) => return true,
+            },
+            watcher::Event::Delete(o) => match pod_key(o) {
+                Some(key) => VifChange::Gone(key),
+                None => return true,
+            },
+        };
+        self.tx.send(change).is_ok()
+    }
+}
+
+/// Follows every PodVif into `sinks` until shutdown or until no sink has anybody to deliver to.
+/// The watch re-lists by itself after errors, with kube's backoff; errors are logged and counted
+/// in `errors`.
 pub async fn follow(
     client: kube::Client,
-    tx: mpsc::UnboundedSender<VifChange>,
+    mut sinks: Vec<Box<dyn Sink>>,
     errors: prometheus_client::metrics::counter::Counter,
     shutdown: Shutdown,
 ) {
     let api: Api<DynamicObject> = Api::all_with(client, &resource());
     let mut stream = watcher::watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
-    let mut listing: Option<HashMap<PodKey, VifAddresses>> = None;
-    loop {
+    while !sinks.is_empty() {
         let ev = tokio::select! {
             ev = stream.next() => ev,
             () = shutdown.clone().wait() => return,
         };
-        let Some(ev) = ev else { return };
-        let change = match ev {
-            Ok(watcher::Event::Init) => {
-                listing = Some(HashMap::new());
-                continue;
-            }
-            Ok(watcher::Event::InitApply(o)) => {
-                if let (Some(all), Some(key), Some(v)) = (listing.as_mut(), pod_key(&o), addresses(&o)) {
-                    all.insert(key, v);
-                }
-                continue;
-            }
-            Ok(watcher::Event::InitDone) => VifChange::Listed(listing.take().unwrap_or_default()),
-            Ok(watcher::Event::Apply(o)) => match (pod_key(&o), addresses(&o)) {
-                (Some(key), Some(v)) => VifChange::Set(key, v),
-                (Some(key), None) => VifChange::Gone(key),
-                (None, _) => continue,
-            },
-            Ok(watcher::Event::Delete(o)) => match pod_key(&o) {
-                Some(key) => VifChange::Gone(key),
-                None => continue,
-            },
-            Err(e) => {
+        match ev {
+            None => return,
+            Some(Ok(ev)) => sinks.retain_mut(|s| s.handle(&ev)),
+            Some(Err(e)) => {
                 errors.inc();
                 tracing::warn!(error = %e, "watching PodVifs failed; retrying");
-                continue;
             }
-        };
-        if tx.send(change).is_err() {
-            return;
         }
     }
 }
@@ -131,5 +157,28 @@ mod tests {
         assert_eq!(addresses(&podvif(serde_json::json!({"spec": {"podUid": "u1"}}))), None);
         let junk = serde_json::json!({"ips": [{"address": "junk"}]});
         assert_eq!(addresses(&podvif(serde_json::json!({"spec": {"podUid": "u1", "vif": junk}}))), None);
+    }
+
+    #[test]
+    fn the_address_sink_sends_the_list_whole_then_each_change() {
+        let (mut sink, mut rx) = AddressSink::new();
+        let vif = serde_json::json!({"ips": [{"address": "10.244.0.5/24"}]});
+        let o = podvif(serde_json::json!({"spec": {"podUid": "u1", "vif": vif}}));
+        let bare = podvif(serde_json::json!({"spec": {"podUid": "u1"}}));
+        let key = PodKey { namespace: "ns".into(), name: "p".into() };
+        let want = VifAddresses { uid: "u1".into(), ips: vec!["10.244.0.5".parse().unwrap()] };
+        assert!(sink.handle(&watcher::Event::Init));
+        assert!(sink.handle(&watcher::Event::InitApply(o.clone())));
+        assert!(rx.try_recv().is_err(), "nothing before the list is complete");
+        assert!(sink.handle(&watcher::Event::InitDone));
+        assert_eq!(rx.try_recv().unwrap(), VifChange::Listed([(key.clone(), want.clone())].into()));
+        assert!(sink.handle(&watcher::Event::Apply(o.clone())));
+        assert_eq!(rx.try_recv().unwrap(), VifChange::Set(key.clone(), want));
+        assert!(sink.handle(&watcher::Event::Apply(bare)));
+        assert_eq!(rx.try_recv().unwrap(), VifChange::Gone(key.clone()));
+        assert!(sink.handle(&watcher::Event::Delete(o.clone())));
+        assert_eq!(rx.try_recv().unwrap(), VifChange::Gone(key));
+        drop(rx);
+        assert!(!sink.handle(&watcher::Event::Delete(o)), "nobody to deliver to");
     }
 }

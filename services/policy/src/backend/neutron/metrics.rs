@@ -32,8 +32,6 @@ pub struct NeutronMetrics {
     /// holds (equal when converged).
     pub desired_generation: Gauge,
     pub applied_generation: Gauge,
-    /// Failures of the PodVif watch.
-    pub vif_watch_errors: Counter,
 }
 
 impl NeutronMetrics {
@@ -47,7 +45,6 @@ impl NeutronMetrics {
             port_updates: Counter::default(),
             desired_generation: Gauge::default(),
             applied_generation: Gauge::default(),
-            vif_watch_errors: Counter::default(),
         };
         registry.register(
             "kuryr_policy_neutron_converge_seconds",
@@ -71,11 +68,6 @@ impl NeutronMetrics {
             "kuryr_policy_neutron_applied_generation",
             "Last generation of the desired state Neutron fully holds",
             m.applied_generation.clone(),
-        );
-        registry.register(
-            "kuryr_policy_neutron_vif_watch_errors",
-            "Failures of the PodVif watch",
-            m.vif_watch_errors.clone(),
         );
         m
     }

@@ -140,25 +140,24 @@ impl NeutronArgs {
     }
 }
 
-/// Starts the backend (the PodVif watch and the reconciler); returns where the publisher hands
-/// the desired state. With several replicas only one writes to Neutron: the one holding shard 0
-/// of `ownership` (every replica when unsharded).
-pub async fn start(
+/// Starts the backend (the reconciler); returns where the publisher hands the desired state, and
+/// the sink that takes the pods' ports from kuryr-policy's PodVif watch. With several replicas
+/// only one writes to Neutron: the one holding shard 0 of `ownership` (every replica when
+/// unsharded).
+pub fn start(
     config: &crate::Config,
     rt: &mut kuryr_runtime::Runtime,
     ownership: tokio::sync::watch::Receiver<std::sync::Arc<kuryr_shard::Ownership>>,
-) -> anyhow::Result<Enforcer> {
+) -> anyhow::Result<(Enforcer, vifs::PortSink)> {
     let args = &config.neutron;
     args.validate()?;
     let os_metrics = kuryr_openstack::Metrics::register(rt.registry());
     let client = args.client(os_metrics)?;
     let metrics = sync::NeutronMetrics::register(rt.registry());
-    let kube = kuryr_runtime::kube_client(config.kubeconfig.as_deref()).await?;
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
     let (vifs_tx, vifs_rx) = tokio::sync::watch::channel(None);
     let (plain_tx, mut plain_rx) = tokio::sync::watch::channel(vifs::Vifs::default());
     let shutdown = rt.shutdown();
-    tokio::spawn(vifs::follow(kube, plain_tx, metrics.vif_watch_errors.clone(), shutdown.clone()));
     // The reconciler starts on the first complete list of PodVifs.
     tokio::spawn(async move {
         while plain_rx.changed().await.is_ok() {
@@ -190,7 +189,7 @@ pub async fn start(
         )
     };
     tokio::spawn(lead(ownership, shutdown, reconciler));
-    Ok(Enforcer(desired_tx))
+    Ok((Enforcer(desired_tx), vifs::PortSink::new(plain_tx)))
 }
 
 /// Where the publisher hands the compiled state: the desired Neutron state is computed from it

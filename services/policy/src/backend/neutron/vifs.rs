@@ -1,16 +1,14 @@
 //! The pods' Neutron ports: the PodVif records the allocator writes (`kuryr.openstack.org/v1alpha1`,
-//! one per pod, named after it), read with a Kubernetes watch. Only VIFs of the `neutron`
+//! one per pod, named after it), taken from kuryr-policy's PodVif watch ([`podvifs`]). Only VIFs of the `neutron`
 //! backend count; the port id is the VIF id, and the groups recorded at allocation are what a
 //! pod no policy selects gets back.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use futures::StreamExt as _;
-use kube::api::{Api, DynamicObject};
-use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::api::DynamicObject;
+use kube::runtime::watcher;
 use kuryr_policy_core::PodKey;
-use kuryr_runtime::Shutdown;
 use tokio::sync::watch;
 
 use crate::k8s::podvifs;
@@ -47,62 +45,50 @@ pub fn vif_of(o: &DynamicObject) -> Option<(PodKey, Vif)> {
     Some((key, Vif { port, default_groups }))
 }
 
-/// Follows every PodVif into `tx` until shutdown (the watch re-lists by itself after errors,
-/// with kube's backoff; errors are logged and counted in `errors`).
-pub async fn follow(
-    client: kube::Client,
+/// Every pod's Neutron port, sent whole after each change (the reconciler starts on the first
+/// complete list).
+#[derive(Debug)]
+pub struct PortSink {
     tx: watch::Sender<Vifs>,
-    errors: prometheus_client::metrics::counter::Counter,
-    shutdown: Shutdown,
-) {
-    let api: Api<DynamicObject> = Api::all_with(client, &podvifs::resource());
-    let mut stream = watcher::watcher(api, kuryr_runtime::watch_config()).default_backoff().boxed();
-    let mut current: BTreeMap<PodKey, Vif> = BTreeMap::new();
-    let mut init: Option<BTreeMap<PodKey, Vif>> = None;
-    loop {
-        let ev = tokio::select! {
-            ev = stream.next() => ev,
-            () = shutdown.clone().wait() => return,
-        };
-        let Some(ev) = ev else { return };
-        match ev {
-            Ok(watcher::Event::Init) => init = Some(BTreeMap::new()),
-            Ok(watcher::Event::InitApply(o)) => {
-                if let (Some(m), Some((k, v))) = (init.as_mut(), vif_of(&o)) {
+    current: BTreeMap<PodKey, Vif>,
+    init: Option<BTreeMap<PodKey, Vif>>,
+}
+
+impl PortSink {
+    /// A sink sending into `tx`.
+    pub fn new(tx: watch::Sender<Vifs>) -> Self {
+        Self { tx, current: BTreeMap::new(), init: None }
+    }
+}
+
+impl podvifs::Sink for PortSink {
+    fn handle(&mut self, ev: &watcher::Event<DynamicObject>) -> bool {
+        let changed = match ev {
+            watcher::Event::Init => {
+                self.init = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(o) => {
+                if let (Some(m), Some((k, v))) = (self.init.as_mut(), vif_of(o)) {
                     m.insert(k, v);
                 }
+                false
             }
-            Ok(watcher::Event::InitDone) => {
-                current = init.take().unwrap_or_default();
-                tx.send_replace(Arc::new(current.clone()));
+            watcher::Event::InitDone => {
+                self.current = self.init.take().unwrap_or_default();
+                true
             }
-            Ok(watcher::Event::Apply(o)) => {
-                let key = PodKey {
-                    namespace: o.metadata.namespace.clone().unwrap_or_default(),
-                    name: o.metadata.name.clone().unwrap_or_default(),
-                };
-                let changed = match vif_of(&o) {
-                    Some((k, v)) => current.insert(k, v.clone()) != Some(v),
-                    None => current.remove(&key).is_some(),
-                };
-                if changed {
-                    tx.send_replace(Arc::new(current.clone()));
-                }
-            }
-            Ok(watcher::Event::Delete(o)) => {
-                let key = PodKey {
-                    namespace: o.metadata.namespace.clone().unwrap_or_default(),
-                    name: o.metadata.name.clone().unwrap_or_default(),
-                };
-                if current.remove(&key).is_some() {
-                    tx.send_replace(Arc::new(current.clone()));
-                }
-            }
-            Err(e) => {
-                errors.inc();
-                tracing::warn!(error = %e, "watching PodVifs failed; retrying");
-            }
+            watcher::Event::Apply(o) => match (vif_of(o), podvifs::pod_key(o)) {
+                (Some((k, v)), _) => self.current.insert(k, v.clone()) != Some(v),
+                (None, Some(key)) => self.current.remove(&key).is_some(),
+                (None, None) => false,
+            },
+            watcher::Event::Delete(o) => podvifs::pod_key(o).is_some_and(|key| self.current.remove(&key).is_some()),
+        };
+        if changed {
+            self.tx.send_replace(Arc::new(self.current.clone()));
         }
+        !self.tx.is_closed()
     }
 }
 

@@ -316,7 +316,22 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
     let after = node_pool(&alloc, &w.node.host).await.unwrap();
     assert_eq!(after.in_use, 2, "{after:?}");
     let ids = |p: &Pool| p.free_port_ids.iter().cloned().collect::<BTreeSet<_>>();
-    assert_eq!(ids(&after), ids(&before), "the free ports recovered from Neutron");
+    if ids(&after) != ids(&before) {
+        // What Neutron says of the ports that moved, to tell a recovery bug from a port that changed.
+        let mut seen = Vec::new();
+        for id in ids(&before).symmetric_difference(&ids(&after)) {
+            seen.push(match w.neutron.get_port(id).await {
+                Ok(p) => {
+                    format!("{id}: status {} device_id {:?} vif_type {:?}", p.status, p.device_id, p.binding_vif_type)
+                }
+                Err(e) => format!("{id}: {e}"),
+            });
+        }
+        panic!(
+            "the free ports recovered from Neutron differ: before {before:?}\nafter {after:?}\n{seen:#?}\n{}",
+            alloc.proc.logs()
+        );
+    }
     for uid in [&uid_a, &uid_b] {
         let mine = w.neutron.list_ports(&Filter::new().device_id(uid.as_str())).await.unwrap();
         assert_eq!(mine.len(), 1, "pod {uid} holds {} ports", mine.len());

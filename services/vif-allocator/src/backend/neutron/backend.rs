@@ -52,6 +52,13 @@ impl VifBackend for NeutronBackend {
         guard(&self.watched).remove(&port.id);
         let outcome = if keep {
             match self.neutron.update_port(&port.id, &recycled(&self.reset_groups), None).await {
+                // The pool may have stopped being served during the update (its namespace's
+                // network is being removed, and that removal already drained it): the port
+                // goes, rather than into a pool nothing drains again.
+                Ok(p) if !self.serves(&key) => match self.delete_port(&p.id, "released").await {
+                    Err(ClusterError::Neutron { source, .. }) if source.is_not_found() => Ok(()),
+                    other => other,
+                },
                 Ok(p) => {
                     guard(&self.inv).put_recycling(&key, p, Instant::now());
                     self.metrics.recycles.inc();

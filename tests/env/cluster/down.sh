@@ -20,7 +20,6 @@ S="$(cd "$1" && pwd)"
 PURGE=0
 [[ "${2:-}" == --purge ]] && PURGE=1
 GRACE="${CLUSTER_STOP_GRACE:-10}"
-CGROUP_CONTROLLERS=(cpu cpuacct cpuset memory pids blkio devices freezer systemd)
 failures=0
 
 log() { printf 'cluster/down.sh: %s\n' "$*" >&2; }
@@ -119,8 +118,9 @@ done
 for i in $(seq "$NODE_COUNT"); do
     cg="${E[NODE${i}_CGROUP]:-}"
     [[ -n "$cg" ]] || continue
-    for c in "${CGROUP_CONTROLLERS[@]}"; do
-        d="/sys/fs/cgroup/$c/$cg"
+    # Every hierarchy, not only the controllers up.sh made it in: runc also makes the pods'
+    # cgroups in the others it finds (the hybrid layout's `unified` one).
+    for d in /sys/fs/cgroup/*/"$cg"; do
         [[ -d "$d" ]] || continue
         find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
         [[ -d "$d" ]] && { log "cgroup $d remains"; failures=$((failures + 1)); }

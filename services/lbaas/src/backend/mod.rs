@@ -54,6 +54,9 @@ pub struct BackendError {
     pub observed: Option<Observed>,
 }
 
+/// [`Maintenance::holds`]: (Service key, uid) → whether that Service is there and load-balanced.
+pub type HoldsFn = std::sync::Arc<dyn Fn(&str, &str) -> bool + Send + Sync>;
+
 /// What a backend's background maintenance (drift repair, garbage collection) may use.
 #[derive(Clone)]
 pub struct Maintenance {
@@ -69,6 +72,13 @@ pub struct Maintenance {
     pub serves: std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>,
     /// Notified when shards were gained: a pass for them runs at once.
     pub kick: std::sync::Arc<tokio::sync::Notify>,
+    /// Whether the Services are known as of a complete snapshot of the watcher's: garbage
+    /// collection waits for it.
+    pub settled: std::sync::Arc<dyn Fn() -> bool + Send + Sync>,
+    /// Whether the Service of a key with this uid is there and load-balanced: a load balancer it
+    /// owns that has no record yet (made before this lbaas ran, or adopted from Kuryr) is its
+    /// reconcile's to take or remove, not an orphan.
+    pub holds: HoldsFn,
 }
 
 impl std::fmt::Debug for Maintenance {

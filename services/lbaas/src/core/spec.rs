@@ -85,6 +85,12 @@ pub fn effective<'a>(svc: &'a Service, class: Option<&str>) -> std::borrow::Cow<
     std::borrow::Cow::Borrowed(svc)
 }
 
+/// Whether `svc` gets a load balancer at all: of a type kuryr load-balances and not headless
+/// (what [`desired`] answers `Lb` for, whatever its ports).
+pub fn load_balanced(svc: &Service) -> bool {
+    matches!(svc.r#type.as_str(), "ClusterIP" | "" | "NodePort" | "LoadBalancer") && !is_headless(svc)
+}
+
 fn is_headless(svc: &Service) -> bool {
     svc.cluster_ips.iter().all(|ip| ip.is_empty() || ip == "None")
 }

@@ -135,6 +135,20 @@ impl View {
         self.services.is_empty()
     }
 
+    /// Whether the Services held are the cluster's as of a complete snapshot: false before the
+    /// first one has ended, and while a re-list is under way.
+    pub fn settled(&self) -> bool {
+        self.resync.is_none()
+    }
+
+    /// Whether the Service `key` of `uid` is held, not being deleted, and load-balanced
+    /// ([`crate::core::spec::load_balanced`]).
+    pub fn holds(&self, key: &str, uid: &str) -> bool {
+        self.services
+            .get(key)
+            .is_some_and(|e| e.uid == uid && !e.deleting && crate::core::spec::load_balanced(&e.service))
+    }
+
     /// Applies one event of the watcher's stream.
     pub fn apply(&mut self, ev: Event) -> Vec<Effect> {
         match ev {
@@ -328,5 +342,28 @@ mod tests {
         assert_eq!(v.keys(), ["ns/a"]);
         assert!(v.slices("ns/a").is_empty());
         assert_eq!(v.slices("ns/b").len(), 1, "a slice can outlive its Service");
+    }
+
+    #[test]
+    fn a_service_holds_its_load_balancers_once_the_snapshot_is_complete() {
+        let mut v = View::default();
+        assert!(!v.settled(), "nothing known before the first snapshot ends");
+        let headless = Service { r#type: "ClusterIP".into(), cluster_ips: vec!["None".into()], ..Default::default() };
+        let alias = Service { r#type: "ExternalName".into(), ..Default::default() };
+        v.apply(svc("a", "ua", &[]));
+        v.apply(Event::ServiceApplied(meta("h", "uh"), Box::new(headless)));
+        v.apply(Event::ServiceApplied(meta("x", "ux"), Box::new(alias)));
+        v.apply(Event::SnapshotComplete);
+        assert!(v.settled());
+        assert!(v.holds("ns/a", "ua"));
+        assert!(!v.holds("ns/a", "another uid"), "a Service of the name made again");
+        assert!(!v.holds("ns/b", "ub"), "no such Service");
+        assert!(!v.holds("ns/h", "uh"), "headless: no load balancer");
+        assert!(!v.holds("ns/x", "ux"), "ExternalName: no load balancer");
+        let Event::ServiceApplied(_, a) = svc("a", "ua", &[]) else { unreachable!() };
+        v.apply(Event::ServiceApplied(Meta { deleting: true, ..meta("a", "ua") }, a));
+        assert!(!v.holds("ns/a", "ua"), "being deleted");
+        v.apply(Event::Reset);
+        assert!(!v.settled(), "a re-list under way");
     }
 }

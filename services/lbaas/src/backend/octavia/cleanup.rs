@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// How often garbage collection looks whether the Services are known yet.
+const SETTLE_POLL: Duration = Duration::from_millis(100);
+
 impl Inner {
     /// Deletes a load balancer with everything in it and waits until it is gone.
     pub(super) async fn delete_lb(&self, id: &str, t: &mut Tally) -> Result<(), BackendError> {
@@ -80,6 +83,10 @@ impl Inner {
     }
 
     pub(super) async fn maintenance_pass(&self, ctx: &Maintenance, repair: bool) {
+        // An orphan is told from a Service not reconciled yet by the Services: known first.
+        while !(ctx.settled)() {
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
         let mut t = Tally::default();
         let filter = self.filter_tags(&[plan::cluster_tag(&self.shape.cluster)]);
         t.calls += 1;
@@ -109,6 +116,15 @@ impl Inner {
                 continue;
             }
             let orphan = owner.as_ref().is_none_or(|(key, uid)| wanted.get(key) != Some(uid));
+            if orphan
+                && let Some((key, uid)) = &owner
+                && (ctx.holds)(key, uid)
+            {
+                // Its Service is here without a record yet (a load balancer made before this
+                // lbaas ran, or Kuryr's adopted by a migration): its reconcile decides.
+                (ctx.enqueue)(key);
+                continue;
+            }
             if orphan && lb.provisioning_status != ProvisioningStatus::PendingDelete {
                 tracing::info!(lb = lb.id, name = lb.name, owner = ?owner, "deleting a load balancer whose Service is gone");
                 if let Err(e) = self.delete_lb(&lb.id, &mut t).await {

@@ -132,3 +132,41 @@ impl Binder {
             .unwrap_or(0)
     }
 }
+
+/// How many [`HostTable`]s are held in this process.
+static HOST_TABLE_HOLDERS: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+
+/// The nftables table a binder programs in its network namespace, for a binder a suite runs in
+/// the host's (its TCP listener, or the API server it asks, on the host's loopback): as on a
+/// node, the binder leaves its table when it stops. The first claim in the process requires
+/// that the host has none (a binder of this host's own would share it); the table is deleted
+/// when the last claim is dropped. Hold it longer than the binder process.
+#[derive(Debug)]
+pub struct HostTable(());
+
+impl HostTable {
+    /// Claims the host's table; an error when the host has one that is not this process's.
+    pub fn claim() -> Result<Self> {
+        let mut holders = HOST_TABLE_HOLDERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *holders == 0 {
+            let out = std::process::Command::new("nft").args(["list", "table", "inet", "kuryr"]).output()?;
+            anyhow::ensure!(
+                !out.status.success(),
+                "the host's network namespace already has the table inet kuryr (a kuryr binder on this host?): \
+                 a binder started here would program it; remove it or run the suite elsewhere"
+            );
+        }
+        *holders += 1;
+        Ok(Self(()))
+    }
+}
+
+impl Drop for HostTable {
+    fn drop(&mut self) {
+        let mut holders = HOST_TABLE_HOLDERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *holders -= 1;
+        if *holders == 0 {
+            let _ = std::process::Command::new("nft").args(["delete", "table", "inet", "kuryr"]).status();
+        }
+    }
+}

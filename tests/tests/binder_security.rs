@@ -473,7 +473,7 @@ async fn tcp_when_asked_for_is_authenticated_like_the_services() {
     .map(ToString::to_string)
     .collect();
     // Declared before the binder, so dropped after it is killed.
-    let _table = HostTable::claim();
+    let _table = kuryr_tests::binder::HostTable::claim().unwrap();
     let binder = ServiceProcess::spawn("kuryr-binder", &args, dir.path()).unwrap();
     // Health stays open over TCP.
     wait_until("the binder's TCP listener", Duration::from_secs(30), || async {
@@ -500,28 +500,4 @@ async fn tcp_when_asked_for_is_authenticated_like_the_services() {
     let allowed = kube.kuryr_token("kuryr-system", "cni-tool", None).await.unwrap();
     let v = call(Some(&allowed)).await.unwrap_or_else(|e| panic!("{e}\n{}", binder.logs()));
     assert_eq!(v.binder_version, env!("CARGO_PKG_VERSION"));
-}
-
-/// The nftables table a binder programs in its network namespace, here the host's: the binder
-/// of the TCP test runs there (its TCP listener and the API server it asks are on the host's
-/// loopback) and, as on a node, leaves its table when it stops. Claimed only while the host has
-/// none (a binder of this host's own would share it), and deleted when dropped.
-struct HostTable;
-
-impl HostTable {
-    fn claim() -> Self {
-        let out = std::process::Command::new("nft").args(["list", "table", "inet", "kuryr"]).output().unwrap();
-        assert!(
-            !out.status.success(),
-            "the host's network namespace already has the table inet kuryr (a kuryr binder on this host?): \
-             this test's binder would program it; remove it or run the test elsewhere"
-        );
-        Self
-    }
-}
-
-impl Drop for HostTable {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("nft").args(["delete", "table", "inet", "kuryr"]).status();
-    }
 }

@@ -68,6 +68,8 @@ struct Running {
     unix: String,
     socket: std::path::PathBuf,
     metrics: String,
+    /// After `proc`: dropped once the process is.
+    _host_table: Option<kuryr_tests::binder::HostTable>,
 }
 
 fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<Running> {
@@ -90,9 +92,12 @@ fn start(svc: &Svc, dir: &std::path::Path, extra: &[String]) -> anyhow::Result<R
         "3s".to_string(),
     ];
     args.extend_from_slice(extra);
+    // A binder here runs in the host's network namespace.
+    let host_table = if svc.bin == "kuryr-binder" { Some(kuryr_tests::binder::HostTable::claim()?) } else { None };
     let proc = ServiceProcess::spawn(svc.bin, &args, dir)?;
     Ok(Running {
         proc,
+        _host_table: host_table,
         tcp,
         unix: format!("unix://{}", socket.display()),
         socket,

@@ -215,15 +215,13 @@ impl<B: Backend, C: Cluster> Controller<B, C> {
         });
         let shards = self.shards.clone();
         let serves = Arc::new(move |key: &str| shards.serves(key));
-        let (view, view2) = (self.view.clone(), self.view.clone());
         self.backend.maintain(Maintenance {
             records: self.records.clone(),
             enqueue,
             shutdown,
             serves,
             kick: self.kick.clone(),
-            settled: Arc::new(move || locked(&view).settled()),
-            holds: Arc::new(move |key: &str, uid: &str| locked(&view2).holds(key, uid)),
+            view: self.view.clone(),
         });
     }
 

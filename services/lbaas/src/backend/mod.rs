@@ -54,9 +54,6 @@ pub struct BackendError {
     pub observed: Option<Observed>,
 }
 
-/// [`Maintenance::holds`]: (Service key, uid) → whether that Service is there and load-balanced.
-pub type HoldsFn = std::sync::Arc<dyn Fn(&str, &str) -> bool + Send + Sync>;
-
 /// What a backend's background maintenance (drift repair, garbage collection) may use.
 #[derive(Clone)]
 pub struct Maintenance {
@@ -72,13 +69,13 @@ pub struct Maintenance {
     pub serves: std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>,
     /// Notified when shards were gained: a pass for them runs at once.
     pub kick: std::sync::Arc<tokio::sync::Notify>,
-    /// Whether the Services are known as of a complete snapshot of the watcher's: garbage
-    /// collection waits for it.
-    pub settled: std::sync::Arc<dyn Fn() -> bool + Send + Sync>,
-    /// Whether the Service of a key with this uid is there and load-balanced: a load balancer it
-    /// owns that has no record yet (made before this lbaas ran, or adopted from Kuryr) is its
-    /// reconcile's to take or remove, not an orphan.
-    pub holds: HoldsFn,
+    /// The Services: garbage collection waits until they are known ([`View::settled`]), and a
+    /// load balancer without a record whose Service is there ([`View::holds`]: made before this
+    /// lbaas ran, or adopted from Kuryr) is that Service's reconcile's to take or remove.
+    ///
+    /// [`View::settled`]: crate::core::view::View::settled
+    /// [`View::holds`]: crate::core::view::View::holds
+    pub view: crate::core::view::SharedView,
 }
 
 impl std::fmt::Debug for Maintenance {

@@ -84,7 +84,7 @@ impl Inner {
 
     pub(super) async fn maintenance_pass(&self, ctx: &Maintenance, repair: bool) {
         // An orphan is told from a Service not reconciled yet by the Services: known first.
-        while !(ctx.settled)() {
+        while !locked(&ctx.view).settled() {
             tokio::time::sleep(SETTLE_POLL).await;
         }
         let mut t = Tally::default();
@@ -118,7 +118,7 @@ impl Inner {
             let orphan = owner.as_ref().is_none_or(|(key, uid)| wanted.get(key) != Some(uid));
             if orphan
                 && let Some((key, uid)) = &owner
-                && (ctx.holds)(key, uid)
+                && locked(&ctx.view).holds(key, uid)
             {
                 // Its Service is here without a record yet (a load balancer made before this
                 // lbaas ran, or Kuryr's adopted by a migration): its reconcile decides.

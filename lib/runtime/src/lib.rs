@@ -5,7 +5,8 @@
 //! - [`server`]: [`Runtime`]: serve gRPC with grpc.health.v1 and reflection v1 + v1alpha on every
 //!   listener, Prometheus metrics over HTTP, graceful shutdown with a bounded drain.
 //! - [`health`]: readiness per service; [`deps`]: NOT_SERVING while a dependency is unreachable.
-//! - [`metrics`]: the registry, per-call gRPC metrics with millisecond buckets.
+//! - [`metrics`]: the registry, per-call gRPC metrics with millisecond buckets, [`metric_set!`]
+//!   (a struct of metrics declared once: field, name and help together).
 //! - [`client`]: channels to other services over TCP or unix sockets; [`follow`]: streams between
 //!   services at the gRPC edge (heartbeat and idle-timeout flags, the watcher's Subscribe as a
 //!   source for the one follower of `kuryr_stream::follow`).

@@ -21,11 +21,14 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+pub use prometheus_client::registry::Registry;
 
 use crate::health::Health;
 use crate::shutdown::Shutdown;
+
+mod set;
 
 /// Latency buckets in seconds, from half a millisecond to a minute.
 pub const LATENCY_BUCKETS: &[f64] = &[

@@ -15,7 +15,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpStep {
@@ -104,54 +103,27 @@ struct OpCode {
     code: String,
 }
 
-/// CNI metrics; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct CniMetrics {
-    requests: Family<OpCode, Counter>,
-    duration: Family<OpCode, Histogram, fn() -> Histogram>,
-    vif_wait: Histogram,
-    ready_wait: Histogram,
-    steps: Family<OpStep, Histogram, fn() -> Histogram>,
+kuryr_runtime::metric_set! {
+    /// CNI metrics; cheap to clone.
+    pub struct CniMetrics {
+        requests: Family<OpCode, Counter>
+            => "kuryr_cni_requests", "CNI operations by operation and CNI result code (0: success)";
+        duration: Family<OpCode, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram)
+            => "kuryr_cni_request_duration_seconds",
+            "CNI operation duration in the binder, by operation and CNI result code";
+        vif_wait: Histogram = latency_histogram()
+            => "kuryr_cni_add_vif_wait_seconds", "Time ADD waited for the pod's VIF to be known";
+        ready_wait: Histogram = latency_histogram()
+            => "kuryr_cni_add_ready_wait_seconds",
+            "Time ADD waited, once the VIF was plugged and reported, for the backend to make it ready";
+        steps: Family<OpStep, Histogram, fn() -> Histogram> = Family::new_with_constructor(step_histogram)
+            => "kuryr_cni_step_duration_seconds",
+            "Time of each step of successful CNI ADDs and DELs in the binder, by operation and step \
+             (docs: README, Benchmarks)";
+    }
 }
 
 impl CniMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            requests: Family::default(),
-            duration: Family::new_with_constructor(latency_histogram),
-            vif_wait: latency_histogram(),
-            ready_wait: latency_histogram(),
-            steps: Family::new_with_constructor(step_histogram),
-        };
-        registry.register(
-            "kuryr_cni_requests",
-            "CNI operations by operation and CNI result code (0: success)",
-            m.requests.clone(),
-        );
-        registry.register(
-            "kuryr_cni_request_duration_seconds",
-            "CNI operation duration in the binder, by operation and CNI result code",
-            m.duration.clone(),
-        );
-        registry.register(
-            "kuryr_cni_add_vif_wait_seconds",
-            "Time ADD waited for the pod's VIF to be known",
-            m.vif_wait.clone(),
-        );
-        registry.register(
-            "kuryr_cni_add_ready_wait_seconds",
-            "Time ADD waited, once the VIF was plugged and reported, for the backend to make it ready",
-            m.ready_wait.clone(),
-        );
-        registry.register(
-            "kuryr_cni_step_duration_seconds",
-            "Time of each step of successful CNI ADDs and DELs in the binder, by operation and step \
-             (docs: README, Benchmarks)",
-            m.steps.clone(),
-        );
-        m
-    }
-
     pub fn observe(&self, op: &str, code: Option<u32>, took: Duration) {
         let labels = OpCode { op: op.into(), code: code.unwrap_or(0).to_string() };
         self.requests.get_or_create(&labels).inc();
@@ -176,6 +148,8 @@ impl CniMetrics {
 
 #[cfg(test)]
 mod tests {
+    use prometheus_client::registry::Registry;
+
     use super::*;
 
     #[test]

@@ -8,7 +8,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 /// How a WatchPolicies stream began.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -26,106 +25,50 @@ pub struct EventLabels {
     pub result: &'static str,
 }
 
-/// The metrics; cheap to clone (each is a handle to shared state).
-#[derive(Clone, Debug)]
-pub struct Metrics {
-    /// Time from a watched change to its nodes' states written to the log.
-    pub publish: Histogram,
-    /// Log changes (items applied or deleted) written.
-    pub changes: Counter,
-    /// Items the log holds, over every node (groups and isolations).
-    pub items: Gauge,
-    /// Pods, policies, interned selectors and groups the compiler holds.
-    pub pods: Gauge,
-    pub policies: Gauge,
-    pub selectors: Gauge,
-    pub groups: Gauge,
-    /// Policies with parts that match nothing (the API server would have refused them).
-    pub invalid_policies: Counter,
-    /// Set and map elements of every node's state (what the binders program), over every node.
-    pub elements: Gauge,
-    /// Policy status Events written (or not), by type.
-    pub status_events: Family<EventLabels, Counter>,
-    /// Open WatchPolicies streams.
-    pub subscribers: Gauge,
-    /// WatchPolicies streams begun, by how.
-    pub subscriptions: Family<StartLabels, Counter>,
-    /// Times the watcher's stream broke or could not be opened.
-    pub watcher_reconnects: Counter,
-    /// Failed calls of the PodVif watch (retried).
-    pub podvif_watch_errors: Counter,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self {
-            publish: kuryr_runtime::metrics::latency_histogram(),
-            changes: Counter::default(),
-            items: Gauge::default(),
-            pods: Gauge::default(),
-            policies: Gauge::default(),
-            selectors: Gauge::default(),
-            groups: Gauge::default(),
-            invalid_policies: Counter::default(),
-            elements: Gauge::default(),
-            status_events: Family::default(),
-            subscribers: Gauge::default(),
-            subscriptions: Family::default(),
-            watcher_reconnects: Counter::default(),
-            podvif_watch_errors: Counter::default(),
-        }
+kuryr_runtime::metric_set! {
+    /// The metrics; cheap to clone (each is a handle to shared state).
+    pub struct Metrics {
+        /// Time from a watched change to its nodes' states written to the log.
+        pub publish: Histogram = kuryr_runtime::metrics::latency_histogram()
+            => "kuryr_policy_publish_seconds", "Time to compile a watched change and write the changed nodes' states";
+        /// Log changes (items applied or deleted) written.
+        pub changes: Counter => "kuryr_policy_changes", "Items applied or deleted in the streamed state";
+        /// Items the log holds, over every node (groups and isolations).
+        pub items: Gauge => "kuryr_policy_items", "Groups and isolations streamed, over every node";
+        /// Pods, policies, interned selectors and groups the compiler holds.
+        pub pods: Gauge => "kuryr_policy_pods", "Pods the compiler holds";
+        pub policies: Gauge => "kuryr_policy_policies", "NetworkPolicies the compiler holds";
+        pub selectors: Gauge => "kuryr_policy_selectors", "Distinct peer selectors of every policy";
+        pub groups: Gauge => "kuryr_policy_groups", "Groups of pods judged alike";
+        /// Policies with parts that match nothing (the API server would have refused them).
+        pub invalid_policies: Counter
+            => "kuryr_policy_invalid_policies",
+            "NetworkPolicy versions with parts that match nothing (refused by a validating API server)";
+        /// Set and map elements of every node's state (what the binders program), over every node.
+        pub elements: Gauge
+            => "kuryr_policy_elements",
+            "Set and map elements of the compiled node states (what the binders program), over every node";
+        /// Policy status Events written (or not), by type.
+        pub status_events: Family<EventLabels, Counter>
+            => "kuryr_policy_status_events",
+            "NetworkPolicy status Events by type (Normal, Warning) and result (ok, error)";
+        /// Open WatchPolicies streams.
+        pub subscribers: Gauge => "kuryr_policy_watch_subscribers", "Open WatchPolicies streams";
+        /// WatchPolicies streams begun, by how.
+        pub subscriptions: Family<StartLabels, Counter>
+            => "kuryr_policy_watch_subscriptions",
+            "WatchPolicies streams begun, by how they began (snapshot, resume, reset, lagged)";
+        /// Times the watcher's stream broke or could not be opened.
+        pub watcher_reconnects: Counter
+            => "kuryr_policy_watcher_reconnects", "Times the watcher's Subscribe stream broke or could not be opened";
+        /// Failed calls of the PodVif watch (retried).
+        pub podvif_watch_errors: Counter
+            => "kuryr_policy_podvif_watch_errors",
+            "Failed calls of the PodVif watch (the addresses of pods whose status has none yet, the Neutron ports); retried";
     }
 }
 
 impl Metrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "kuryr_policy_publish_seconds",
-            "Time to compile a watched change and write the changed nodes' states",
-            m.publish.clone(),
-        );
-        registry.register("kuryr_policy_changes", "Items applied or deleted in the streamed state", m.changes.clone());
-        registry.register("kuryr_policy_items", "Groups and isolations streamed, over every node", m.items.clone());
-        registry.register("kuryr_policy_pods", "Pods the compiler holds", m.pods.clone());
-        registry.register("kuryr_policy_policies", "NetworkPolicies the compiler holds", m.policies.clone());
-        registry.register("kuryr_policy_selectors", "Distinct peer selectors of every policy", m.selectors.clone());
-        registry.register("kuryr_policy_groups", "Groups of pods judged alike", m.groups.clone());
-        registry.register(
-            "kuryr_policy_invalid_policies",
-            "NetworkPolicy versions with parts that match nothing (refused by a validating API server)",
-            m.invalid_policies.clone(),
-        );
-        registry.register(
-            "kuryr_policy_elements",
-            "Set and map elements of the compiled node states (what the binders program), over every node",
-            m.elements.clone(),
-        );
-        registry.register(
-            "kuryr_policy_status_events",
-            "NetworkPolicy status Events by type (Normal, Warning) and result (ok, error)",
-            m.status_events.clone(),
-        );
-        registry.register("kuryr_policy_watch_subscribers", "Open WatchPolicies streams", m.subscribers.clone());
-        registry.register(
-            "kuryr_policy_watch_subscriptions",
-            "WatchPolicies streams begun, by how they began (snapshot, resume, reset, lagged)",
-            m.subscriptions.clone(),
-        );
-        registry.register(
-            "kuryr_policy_watcher_reconnects",
-            "Times the watcher's Subscribe stream broke or could not be opened",
-            m.watcher_reconnects.clone(),
-        );
-        registry.register(
-            "kuryr_policy_podvif_watch_errors",
-            "Failed calls of the PodVif watch (the addresses of pods whose status has none yet, the Neutron ports); retried",
-            m.podvif_watch_errors.clone(),
-        );
-        m
-    }
-
     /// Counts one status Event.
     pub fn status_event(&self, r#type: &'static str, ok: bool) {
         self.status_events.get_or_create(&EventLabels { r#type, result: if ok { "ok" } else { "error" } }).inc();

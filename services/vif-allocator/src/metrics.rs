@@ -2,12 +2,12 @@
 //! call metrics, and the embedded IPAM's ([`IpamMetrics`]: its Kubernetes API calls and the
 //! addresses per node). The Neutron backend registers its own beside them.
 
+use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 use crate::backend::ipam::IpamMetrics;
 
@@ -27,105 +27,53 @@ pub struct StartLabels {
     pub start: &'static str,
 }
 
-/// The metrics; cheap to clone (each is a handle to shared state).
-#[derive(Clone, Debug)]
-pub struct Metrics {
-    /// VIFs handed out (recorded and published for a pod that had none).
-    pub allocations: Counter,
-    /// Pods whose addresses were released.
-    pub releases: Counter,
-    /// Failed reconciles, each retried with backoff.
-    pub failures: Family<FailureLabels, Counter>,
-    /// Pod uids waiting for a worker.
-    pub queue_depth: Gauge,
-    /// Pod uids whose last reconcile failed.
-    pub queue_failing: Gauge,
-    /// VIFs held (and streamed).
-    pub vifs: Gauge,
-    /// From a pod first seen scheduled to its VIF published.
-    pub vif_latency: Histogram,
-    /// From a pod first seen scheduled to its VIF recorded READY (plugged by the binder and,
-    /// with Neutron, the port ACTIVE): the allocator's view of the pod's network-ready latency.
-    pub ready_latency: Histogram,
-    /// Open WatchVifs streams.
-    pub subscribers: Gauge,
-    /// WatchVifs streams begun, by how.
-    pub subscriptions: Family<StartLabels, Counter>,
-    /// Times the watcher's stream broke or could not be opened.
-    pub watcher_reconnects: Counter,
-    /// Allocations given back because the pod's PodVif recorded another VIF that it still held.
-    pub lost_races: Counter,
-    /// The embedded IPAM's backend calls and addresses (no series with `--backend neutron`).
-    pub ipam: IpamMetrics,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self {
-            allocations: Counter::default(),
-            releases: Counter::default(),
-            failures: Family::default(),
-            queue_depth: Gauge::default(),
-            queue_failing: Gauge::default(),
-            vifs: Gauge::default(),
-            vif_latency: kuryr_runtime::metrics::latency_histogram(),
-            ready_latency: kuryr_runtime::metrics::latency_histogram(),
-            subscribers: Gauge::default(),
-            subscriptions: Family::default(),
-            watcher_reconnects: Counter::default(),
-            lost_races: Counter::default(),
-            ipam: IpamMetrics::default(),
-        }
+kuryr_runtime::metric_set! {
+    /// The metrics; cheap to clone (each is a handle to shared state).
+    pub struct Metrics {
+        /// VIFs handed out (recorded and published for a pod that had none).
+        pub allocations: Counter => "kuryr_allocator_allocations", "VIFs handed out";
+        /// Pods whose addresses were released.
+        pub releases: Counter => "kuryr_allocator_releases", "Pods whose addresses were released";
+        /// Failed reconciles, each retried with backoff.
+        pub failures: Family<FailureLabels, Counter>
+            => "kuryr_allocator_failures", "Failed reconciles by operation and reason (each retried with backoff)";
+        /// Pod uids waiting for a worker.
+        pub queue_depth: Gauge => "kuryr_allocator_queue_depth", "Pods waiting for a worker";
+        /// Pod uids whose last reconcile failed.
+        pub queue_failing: Gauge
+            => "kuryr_allocator_queue_failing", "Pods whose last reconcile failed and is being retried";
+        /// VIFs held (and streamed).
+        pub vifs: Gauge => "kuryr_allocator_vifs", "VIFs held and streamed to binders";
+        /// From a pod first seen scheduled to its VIF published.
+        pub vif_latency: Histogram = latency_histogram()
+            => "kuryr_allocator_vif_ready_seconds",
+            "Time from a pod first seen scheduled to its VIF published to its node's stream";
+        /// From a pod first seen scheduled to its VIF recorded READY (plugged by the binder and,
+        /// with Neutron, the port ACTIVE): the allocator's view of the pod's network-ready latency.
+        pub ready_latency: Histogram = latency_histogram()
+            => "kuryr_allocator_pod_ready_seconds",
+            "Time from a pod first seen scheduled to its VIF recorded READY (plugged, and confirmed by the backend)";
+        /// Open WatchVifs streams.
+        pub subscribers: Gauge => "kuryr_allocator_watchvifs_subscribers", "Open WatchVifs streams";
+        /// WatchVifs streams begun, by how.
+        pub subscriptions: Family<StartLabels, Counter>
+            => "kuryr_allocator_watchvifs_subscriptions",
+            "WatchVifs streams begun, by how they began (snapshot, resume, reset, lagged)";
+        /// Times the watcher's stream broke or could not be opened.
+        pub watcher_reconnects: Counter
+            => "kuryr_allocator_watcher_reconnects", "Times the watcher's Subscribe stream broke or could not be opened";
+        /// Allocations given back because the pod's PodVif recorded another VIF that it still held.
+        pub lost_races: Counter
+            => "kuryr_allocator_lost_races",
+            "Allocations given back because the pod's PodVif already recorded another VIF (another replica's)";
+    }
+    nested {
+        /// The embedded IPAM's backend calls and addresses (no series with `--backend neutron`).
+        pub ipam: IpamMetrics,
     }
 }
 
 impl Metrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self { ipam: IpamMetrics::register(registry), ..Self::default() };
-        registry.register("kuryr_allocator_allocations", "VIFs handed out", m.allocations.clone());
-        registry.register("kuryr_allocator_releases", "Pods whose addresses were released", m.releases.clone());
-        registry.register(
-            "kuryr_allocator_failures",
-            "Failed reconciles by operation and reason (each retried with backoff)",
-            m.failures.clone(),
-        );
-        registry.register("kuryr_allocator_queue_depth", "Pods waiting for a worker", m.queue_depth.clone());
-        registry.register(
-            "kuryr_allocator_queue_failing",
-            "Pods whose last reconcile failed and is being retried",
-            m.queue_failing.clone(),
-        );
-        registry.register("kuryr_allocator_vifs", "VIFs held and streamed to binders", m.vifs.clone());
-        registry.register(
-            "kuryr_allocator_vif_ready_seconds",
-            "Time from a pod first seen scheduled to its VIF published to its node's stream",
-            m.vif_latency.clone(),
-        );
-        registry.register(
-            "kuryr_allocator_pod_ready_seconds",
-            "Time from a pod first seen scheduled to its VIF recorded READY (plugged, and confirmed by the backend)",
-            m.ready_latency.clone(),
-        );
-        registry.register("kuryr_allocator_watchvifs_subscribers", "Open WatchVifs streams", m.subscribers.clone());
-        registry.register(
-            "kuryr_allocator_watchvifs_subscriptions",
-            "WatchVifs streams begun, by how they began (snapshot, resume, reset, lagged)",
-            m.subscriptions.clone(),
-        );
-        registry.register(
-            "kuryr_allocator_watcher_reconnects",
-            "Times the watcher's Subscribe stream broke or could not be opened",
-            m.watcher_reconnects.clone(),
-        );
-        registry.register(
-            "kuryr_allocator_lost_races",
-            "Allocations given back because the pod's PodVif already recorded another VIF (another replica's)",
-            m.lost_races.clone(),
-        );
-        m
-    }
-
     /// Counts a failed reconcile.
     pub fn failed(&self, op: &'static str, reason: &'static str) {
         self.failures.get_or_create(&FailureLabels { op, reason }).inc();

@@ -5,7 +5,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 /// A kind of object (`pod`, `service`, `endpointslice`, `namespace`, `networkpolicy`, `node`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -21,41 +20,27 @@ pub struct StartLabels {
     pub start: &'static str,
 }
 
-/// The metrics; cheap to clone (each is a handle to shared state).
-#[derive(Clone, Debug, Default)]
-pub struct Metrics {
-    /// Errors reported by the Kubernetes watches, by kind; each is retried with backoff.
-    pub watch_errors: Family<KindLabels, Counter>,
-    /// Objects held in the index, by kind.
-    pub objects: Family<KindLabels, Gauge>,
-    /// Deltas recorded (reduced objects that changed), by kind.
-    pub deltas: Family<KindLabels, Counter>,
-    /// Open Subscribe streams.
-    pub subscribers: Gauge,
-    /// Subscribe streams begun (or restarted after lagging), by how.
-    pub subscriptions: Family<StartLabels, Counter>,
+kuryr_runtime::metric_set! {
+    /// The metrics; cheap to clone (each is a handle to shared state).
+    pub struct Metrics {
+        /// Errors reported by the Kubernetes watches, by kind; each is retried with backoff.
+        pub watch_errors: Family<KindLabels, Counter>
+            => "kuryr_watcher_watch_errors", "Errors of the Kubernetes watches, by kind (each retried with backoff)";
+        /// Objects held in the index, by kind.
+        pub objects: Family<KindLabels, Gauge> => "kuryr_watcher_objects", "Objects held in the index, by kind";
+        /// Deltas recorded (reduced objects that changed), by kind.
+        pub deltas: Family<KindLabels, Counter>
+            => "kuryr_watcher_deltas", "Changes of reduced objects recorded, by kind";
+        /// Open Subscribe streams.
+        pub subscribers: Gauge => "kuryr_watcher_subscribers", "Open Subscribe streams";
+        /// Subscribe streams begun (or restarted after lagging), by how.
+        pub subscriptions: Family<StartLabels, Counter>
+            => "kuryr_watcher_subscriptions",
+            "Subscribe streams begun, by how they began (snapshot, resume, reset, lagged)";
+    }
 }
 
 impl Metrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "kuryr_watcher_watch_errors",
-            "Errors of the Kubernetes watches, by kind (each retried with backoff)",
-            m.watch_errors.clone(),
-        );
-        registry.register("kuryr_watcher_objects", "Objects held in the index, by kind", m.objects.clone());
-        registry.register("kuryr_watcher_deltas", "Changes of reduced objects recorded, by kind", m.deltas.clone());
-        registry.register("kuryr_watcher_subscribers", "Open Subscribe streams", m.subscribers.clone());
-        registry.register(
-            "kuryr_watcher_subscriptions",
-            "Subscribe streams begun, by how they began (snapshot, resume, reset, lagged)",
-            m.subscriptions.clone(),
-        );
-        m
-    }
-
     /// Counts a subscription start.
     pub fn started(&self, start: &'static str) {
         self.subscriptions.get_or_create(&StartLabels { start }).inc();

@@ -10,7 +10,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Kind {
@@ -30,59 +29,27 @@ struct EventType {
     r#type: String,
 }
 
-/// Service dataplane metrics; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct LbMetrics {
-    program: Family<Kind, Histogram, fn() -> Histogram>,
-    transactions: Family<KindResult, Counter>,
-    events: Family<EventType, Counter>,
-    invalid: Counter,
-    stream_breaks: Counter,
-    synced: Gauge,
-    services: Gauge,
+kuryr_runtime::metric_set! {
+    /// Service dataplane metrics; cheap to clone.
+    pub struct LbMetrics {
+        program: Family<Kind, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram)
+            => "kuryr_binder_lb_program_seconds",
+            "From an update of kuryr-lbaas's stream arriving to its rules programmed in nftables";
+        transactions: Family<KindResult, Counter>
+            => "kuryr_binder_lb_transactions",
+            "nftables transactions of the Service dataplane by kind (delta, full) and result";
+        events: Family<EventType, Counter> => "kuryr_binder_lb_events", "WatchLoadBalancers events received by type";
+        invalid: Counter
+            => "kuryr_binder_lb_invalid_specs", "Load balancer specs that could not be programmed (see the log for why)";
+        stream_breaks: Counter
+            => "kuryr_binder_lb_stream_breaks", "Times the WatchLoadBalancers stream could not be opened or broke";
+        synced: Gauge
+            => "kuryr_binder_lb_synced", "1 when the Service rules reflect kuryr-lbaas's complete, live view; 0 otherwise";
+        services: Gauge => "kuryr_binder_lb_services", "Services programmed";
+    }
 }
 
 impl LbMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            program: Family::new_with_constructor(latency_histogram),
-            transactions: Family::default(),
-            events: Family::default(),
-            invalid: Counter::default(),
-            stream_breaks: Counter::default(),
-            synced: Gauge::default(),
-            services: Gauge::default(),
-        };
-        registry.register(
-            "kuryr_binder_lb_program_seconds",
-            "From an update of kuryr-lbaas's stream arriving to its rules programmed in nftables",
-            m.program.clone(),
-        );
-        registry.register(
-            "kuryr_binder_lb_transactions",
-            "nftables transactions of the Service dataplane by kind (delta, full) and result",
-            m.transactions.clone(),
-        );
-        registry.register("kuryr_binder_lb_events", "WatchLoadBalancers events received by type", m.events.clone());
-        registry.register(
-            "kuryr_binder_lb_invalid_specs",
-            "Load balancer specs that could not be programmed (see the log for why)",
-            m.invalid.clone(),
-        );
-        registry.register(
-            "kuryr_binder_lb_stream_breaks",
-            "Times the WatchLoadBalancers stream could not be opened or broke",
-            m.stream_breaks.clone(),
-        );
-        registry.register(
-            "kuryr_binder_lb_synced",
-            "1 when the Service rules reflect kuryr-lbaas's complete, live view; 0 otherwise",
-            m.synced.clone(),
-        );
-        registry.register("kuryr_binder_lb_services", "Services programmed", m.services.clone());
-        m
-    }
-
     pub fn transaction(&self, kind: &str, ok: bool, since_update: Option<Duration>) {
         let result = if ok { "ok" } else { "error" };
         self.transactions.get_or_create(&KindResult { kind: kind.into(), result: result.into() }).inc();

@@ -10,7 +10,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindResult {
@@ -20,66 +19,32 @@ struct KindResult {
     result: &'static str,
 }
 
-/// NetworkPolicy dataplane metrics; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct PolicyMetrics {
-    program: Histogram,
-    transactions: Family<KindResult, Counter>,
-    stream_breaks: Counter,
-    invalid: Counter,
-    synced: Gauge,
-    elements: Gauge,
-    groups: Gauge,
-    rules: Gauge,
+kuryr_runtime::metric_set! {
+    /// NetworkPolicy dataplane metrics; cheap to clone.
+    pub struct PolicyMetrics {
+        program: Histogram = latency_histogram()
+            => "kuryr_binder_policy_program_seconds",
+            "From a change of kuryr-policy's stream arriving to its rules programmed in nftables";
+        transactions: Family<KindResult, Counter>
+            => "kuryr_binder_policy_transactions",
+            "nftables transactions of the NetworkPolicy dataplane by kind (delta, replace) and result";
+        stream_breaks: Counter
+            => "kuryr_binder_policy_stream_breaks", "Times the WatchPolicies stream could not be opened or broke";
+        invalid: Counter
+            => "kuryr_binder_policy_invalid",
+            "Parts of kuryr-policy's stream that could not be programmed (see the log for why)";
+        synced: Gauge
+            => "kuryr_binder_policy_synced",
+            "1 when the NetworkPolicy rules reflect kuryr-policy's complete view; 0 otherwise";
+        elements: Gauge => "kuryr_binder_policy_elements", "Set and map elements programmed";
+        groups: Gauge => "kuryr_binder_policy_groups", "Groups of peers programmed (a chain each)";
+        rules: Gauge
+            => "kuryr_binder_policy_rules",
+            "Rules of the groups' chains programmed (a fixed number per group: the per-packet cost does not grow with peers)";
+    }
 }
 
 impl PolicyMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            program: latency_histogram(),
-            transactions: Family::default(),
-            stream_breaks: Counter::default(),
-            invalid: Counter::default(),
-            synced: Gauge::default(),
-            elements: Gauge::default(),
-            groups: Gauge::default(),
-            rules: Gauge::default(),
-        };
-        registry.register(
-            "kuryr_binder_policy_program_seconds",
-            "From a change of kuryr-policy's stream arriving to its rules programmed in nftables",
-            m.program.clone(),
-        );
-        registry.register(
-            "kuryr_binder_policy_transactions",
-            "nftables transactions of the NetworkPolicy dataplane by kind (delta, replace) and result",
-            m.transactions.clone(),
-        );
-        registry.register(
-            "kuryr_binder_policy_stream_breaks",
-            "Times the WatchPolicies stream could not be opened or broke",
-            m.stream_breaks.clone(),
-        );
-        registry.register(
-            "kuryr_binder_policy_invalid",
-            "Parts of kuryr-policy's stream that could not be programmed (see the log for why)",
-            m.invalid.clone(),
-        );
-        registry.register(
-            "kuryr_binder_policy_synced",
-            "1 when the NetworkPolicy rules reflect kuryr-policy's complete view; 0 otherwise",
-            m.synced.clone(),
-        );
-        registry.register("kuryr_binder_policy_elements", "Set and map elements programmed", m.elements.clone());
-        registry.register("kuryr_binder_policy_groups", "Groups of peers programmed (a chain each)", m.groups.clone());
-        registry.register(
-            "kuryr_binder_policy_rules",
-            "Rules of the groups' chains programmed (a fixed number per group: the per-packet cost does not grow with peers)",
-            m.rules.clone(),
-        );
-        m
-    }
-
     pub fn transaction(&self, kind: &'static str, ok: bool, since_change: Option<Duration>) {
         let result = if ok { "ok" } else { "error" };
         self.transactions.get_or_create(&KindResult { kind, result }).inc();

@@ -8,11 +8,11 @@
 
 use std::time::Duration;
 
+use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 /// What one reconcile cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -44,81 +44,39 @@ fn calls_histogram() -> Histogram {
     Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0])
 }
 
-/// The metrics; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct OctaviaMetrics {
-    /// Changes made, by kind.
-    pub changes: Family<KindLabels, Counter>,
-    /// Change accepted → ACTIVE observed, by kind.
-    pub active: Family<KindLabels, Histogram, fn() -> Histogram>,
-    /// How late ACTIVE may have been seen: the time since the last poll that was still pending.
-    pub poll_lag: Histogram,
-    /// Octavia API calls per reconcile, by outcome.
-    pub calls: Family<OutcomeLabels, Histogram, fn() -> Histogram>,
-    /// Reconcile time not spent waiting for Octavia, for reconciles that changed something.
-    pub overhead: Histogram,
-    /// Drift-repair passes made.
-    pub drift_passes: Counter,
-    /// Load balancers of this cluster deleted because their Service was gone.
-    pub orphans_deleted: Counter,
-    /// Maintenance steps that failed (retried at the next pass).
-    pub maintenance_failures: Counter,
-}
-
-impl Default for OctaviaMetrics {
-    fn default() -> Self {
-        Self {
-            changes: Family::default(),
-            active: Family::new_with_constructor(kuryr_runtime::metrics::latency_histogram),
-            poll_lag: kuryr_runtime::metrics::latency_histogram(),
-            calls: Family::new_with_constructor(calls_histogram),
-            overhead: kuryr_runtime::metrics::latency_histogram(),
-            drift_passes: Counter::default(),
-            orphans_deleted: Counter::default(),
-            maintenance_failures: Counter::default(),
-        }
+kuryr_runtime::metric_set! {
+    /// The metrics; cheap to clone.
+    pub struct OctaviaMetrics {
+        /// Changes made, by kind.
+        pub changes: Family<KindLabels, Counter> => "kuryr_lbaas_octavia_changes", "Octavia changes made, by kind";
+        /// Change accepted → ACTIVE observed, by kind.
+        pub active: Family<KindLabels, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram)
+            => "kuryr_lbaas_octavia_active_seconds", "Octavia change accepted to load balancer ACTIVE observed, by kind";
+        /// How late ACTIVE may have been seen: the time since the last poll that was still pending.
+        pub poll_lag: Histogram = latency_histogram()
+            => "kuryr_lbaas_octavia_poll_lag_seconds",
+            "Upper bound on how late ACTIVE was observed (time since the last pending poll)";
+        /// Octavia API calls per reconcile, by outcome.
+        pub calls: Family<OutcomeLabels, Histogram, fn() -> Histogram> = Family::new_with_constructor(calls_histogram)
+            => "kuryr_lbaas_octavia_calls_per_reconcile",
+            "Octavia API calls per reconcile (changes, reads, polls), by outcome";
+        /// Reconcile time not spent waiting for Octavia, for reconciles that changed something.
+        pub overhead: Histogram = latency_histogram()
+            => "kuryr_lbaas_octavia_overhead_seconds",
+            "Time of a changing reconcile not spent waiting for Octavia to finish its changes";
+        /// Drift-repair passes made.
+        pub drift_passes: Counter => "kuryr_lbaas_octavia_drift_passes", "Drift-repair passes";
+        /// Load balancers of this cluster deleted because their Service was gone.
+        pub orphans_deleted: Counter
+            => "kuryr_lbaas_octavia_orphans_deleted",
+            "Load balancers of this cluster deleted because their Service was gone";
+        /// Maintenance steps that failed (retried at the next pass).
+        pub maintenance_failures: Counter
+            => "kuryr_lbaas_octavia_maintenance_failures", "Maintenance steps (listing, orphan deletion) that failed";
     }
 }
 
 impl OctaviaMetrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register("kuryr_lbaas_octavia_changes", "Octavia changes made, by kind", m.changes.clone());
-        registry.register(
-            "kuryr_lbaas_octavia_active_seconds",
-            "Octavia change accepted to load balancer ACTIVE observed, by kind",
-            m.active.clone(),
-        );
-        registry.register(
-            "kuryr_lbaas_octavia_poll_lag_seconds",
-            "Upper bound on how late ACTIVE was observed (time since the last pending poll)",
-            m.poll_lag.clone(),
-        );
-        registry.register(
-            "kuryr_lbaas_octavia_calls_per_reconcile",
-            "Octavia API calls per reconcile (changes, reads, polls), by outcome",
-            m.calls.clone(),
-        );
-        registry.register(
-            "kuryr_lbaas_octavia_overhead_seconds",
-            "Time of a changing reconcile not spent waiting for Octavia to finish its changes",
-            m.overhead.clone(),
-        );
-        registry.register("kuryr_lbaas_octavia_drift_passes", "Drift-repair passes", m.drift_passes.clone());
-        registry.register(
-            "kuryr_lbaas_octavia_orphans_deleted",
-            "Load balancers of this cluster deleted because their Service was gone",
-            m.orphans_deleted.clone(),
-        );
-        registry.register(
-            "kuryr_lbaas_octavia_maintenance_failures",
-            "Maintenance steps (listing, orphan deletion) that failed",
-            m.maintenance_failures.clone(),
-        );
-        m
-    }
-
     /// Counts a change of `kind`.
     pub fn changed(&self, kind: &'static str) {
         self.changes.get_or_create(&KindLabels { kind }).inc();

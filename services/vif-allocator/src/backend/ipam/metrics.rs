@@ -11,7 +11,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 use super::assign::Parsed;
 use crate::core::ipam::Family as IpFamily;
@@ -46,50 +45,26 @@ pub struct AddressLabels {
     pub state: &'static str,
 }
 
-/// The store's metrics; cheap to clone. [`IpamMetrics::default`] makes them unregistered (kept,
-/// exported nowhere), which is what a store built without a registry uses.
-#[derive(Clone, Debug)]
-pub struct IpamMetrics {
-    calls: Family<OperationLabels, Histogram, fn() -> Histogram>,
-    errors: Family<ErrorLabels, Counter>,
-    addresses: Family<AddressLabels, Gauge>,
-}
-
-impl Default for IpamMetrics {
-    fn default() -> Self {
-        Self {
-            calls: Family::new_with_constructor(kuryr_runtime::metrics::latency_histogram),
-            errors: Family::default(),
-            addresses: Family::default(),
-        }
+kuryr_runtime::metric_set! {
+    /// The store's metrics; cheap to clone. [`IpamMetrics::default`] makes them unregistered (kept,
+    /// exported nowhere), which is what a store built without a registry uses.
+    pub struct IpamMetrics {
+        calls: Family<OperationLabels, Histogram, fn() -> Histogram>
+            = Family::new_with_constructor(kuryr_runtime::metrics::latency_histogram)
+            => "kuryr_allocator_ipam_api_request_duration_seconds",
+            "Kubernetes API calls of the embedded IPAM, by operation, successful or not";
+        errors: Family<ErrorLabels, Counter>
+            => "kuryr_allocator_ipam_api_errors",
+            "Failed Kubernetes API calls of the embedded IPAM, by operation and reason (conflict: a write lost \
+             to another writer and was retried)";
+        addresses: Family<AddressLabels, Gauge>
+            => "kuryr_allocator_ipam_addresses",
+            "Pod addresses in each node's address blocks by family and state (free, used), as this replica \
+             last read or wrote them";
     }
 }
 
 impl IpamMetrics {
-    /// Creates the metrics and registers them (`kuryr_allocator_ipam_*`).
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        let r = registry.sub_registry_with_prefix("kuryr_allocator_ipam");
-        r.register(
-            "api_request_duration_seconds",
-            "Kubernetes API calls of the embedded IPAM, by operation, successful or not",
-            m.calls.clone(),
-        );
-        r.register(
-            "api_errors",
-            "Failed Kubernetes API calls of the embedded IPAM, by operation and reason (conflict: a write lost \
-             to another writer and was retried)",
-            m.errors.clone(),
-        );
-        r.register(
-            "addresses",
-            "Pod addresses in each node's address blocks by family and state (free, used), as this replica \
-             last read or wrote them",
-            m.addresses.clone(),
-        );
-        m
-    }
-
     /// Records one API call.
     pub(super) fn call(&self, operation: &'static str, took: Duration, error: Option<&kube::Error>) {
         self.calls.get_or_create(&OperationLabels { operation }).observe(took.as_secs_f64());

@@ -1,12 +1,12 @@
 //! Metrics of the Neutron backend, next to the allocator's own (the client's per-call metrics,
 //! `kuryr_openstack_*`, are registered beside them and count every Neutron call).
 
+use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 /// Where something happened or came from.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -50,105 +50,54 @@ pub struct PoolLabels {
     pub state: &'static str,
 }
 
-/// The metrics; cheap to clone.
-#[derive(Clone, Debug)]
-pub struct NeutronMetrics {
-    /// Ports created, by path.
-    pub creations: Family<PathLabels, Counter>,
-    /// VIFs handed out, by where their port came from.
-    pub sources: Family<PathLabels, Counter>,
-    /// Ports deleted, by why.
-    pub deletions: Family<WhyLabels, Counter>,
-    /// Released ports put back into a pool.
-    pub recycles: Counter,
-    /// Ports per pool and state.
-    pub pool_ports: Family<PoolLabels, Gauge>,
-    /// From the binder's plug report to Neutron's ACTIVE seen by the status poller.
-    pub active_latency: Histogram,
-    /// Status list calls (each covers many ports).
-    pub status_polls: Counter,
-    /// Status list calls that failed.
-    pub status_poll_failures: Counter,
-    /// With events: the reconciling status reads, by why (`interval`: ports waiting longer than
-    /// the resync interval; `reconnect`: every waiting port after a (re)connection).
-    pub status_safety_reads: Family<SourceLabels, Counter>,
-    /// Watched ports found ACTIVE, by how (`event`, `poll`, `safety`).
-    pub ready_sources: Family<SourceLabels, Counter>,
-    /// The port event link.
-    pub events: super::events::EventMetrics,
-    /// Background pool refills that failed (retried with backoff), by reason.
-    pub refill_failures: Family<ReasonLabels, Counter>,
-    /// Per-namespace networks.
-    pub namespaces: super::namespaces::metrics::NamespaceMetrics,
-}
-
-impl Default for NeutronMetrics {
-    fn default() -> Self {
-        Self {
-            creations: Family::default(),
-            sources: Family::default(),
-            deletions: Family::default(),
-            recycles: Counter::default(),
-            pool_ports: Family::default(),
-            active_latency: kuryr_runtime::metrics::latency_histogram(),
-            status_polls: Counter::default(),
-            status_poll_failures: Counter::default(),
-            status_safety_reads: Family::default(),
-            ready_sources: Family::default(),
-            events: super::events::EventMetrics::default(),
-            refill_failures: Family::default(),
-            namespaces: super::namespaces::metrics::NamespaceMetrics::default(),
-        }
+kuryr_runtime::metric_set! {
+    /// The metrics; cheap to clone.
+    pub struct NeutronMetrics {
+        /// Ports created, by path.
+        pub creations: Family<PathLabels, Counter>
+            => "kuryr_allocator_neutron_port_creations", "Neutron ports created, by path (add: for a pod; pool: refill)";
+        /// VIFs handed out, by where their port came from.
+        pub sources: Family<PathLabels, Counter>
+            => "kuryr_allocator_neutron_vif_sources",
+            "VIFs handed out, by where the port came from (pool, add, existing)";
+        /// Ports deleted, by why.
+        pub deletions: Family<WhyLabels, Counter>
+            => "kuryr_allocator_neutron_port_deletions", "Neutron ports deleted, by why";
+        /// Released ports put back into a pool.
+        pub recycles: Counter => "kuryr_allocator_neutron_port_recycles", "Released ports put back into their pool";
+        /// Ports per pool and state.
+        pub pool_ports: Family<PoolLabels, Gauge>
+            => "kuryr_allocator_neutron_pool_ports", "Ports per pool node and state (free, recycling, in_use)";
+        /// From the binder's plug report to Neutron's ACTIVE seen by the status poller.
+        pub active_latency: Histogram = latency_histogram()
+            => "kuryr_allocator_neutron_active_seconds", "From the binder's plug report to the port seen ACTIVE in Neutron";
+        /// Status list calls (each covers many ports).
+        pub status_polls: Counter => "kuryr_allocator_neutron_status_polls", "Batched port status reads";
+        /// Status list calls that failed.
+        pub status_poll_failures: Counter
+            => "kuryr_allocator_neutron_status_poll_failures", "Batched port status reads that failed";
+        /// With events: the reconciling status reads, by why (`interval`: ports waiting longer than
+        /// the resync interval; `reconnect`: every waiting port after a (re)connection).
+        pub status_safety_reads: Family<SourceLabels, Counter>
+            => "kuryr_allocator_neutron_status_safety_reads",
+            "With port events: reconciling batched status reads, by why (interval, reconnect)";
+        /// Watched ports found ACTIVE, by how (`event`, `poll`, `safety`).
+        pub ready_sources: Family<SourceLabels, Counter>
+            => "kuryr_allocator_neutron_ready_sources", "Plugged ports found ACTIVE, by how (event, poll, safety)";
+        /// Background pool refills that failed (retried with backoff), by reason.
+        pub refill_failures: Family<ReasonLabels, Counter>
+            => "kuryr_allocator_neutron_pool_refill_failures",
+            "Background pool refills that failed and will be retried, by reason (neutron_quota_exceeded, ...)";
+    }
+    nested {
+        /// The port event link.
+        pub events: super::events::EventMetrics,
+        /// Per-namespace networks.
+        pub namespaces: super::namespaces::metrics::NamespaceMetrics,
     }
 }
 
 impl NeutronMetrics {
-    /// Creates the metrics and registers them.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            namespaces: super::namespaces::metrics::NamespaceMetrics::register(registry),
-            events: super::events::EventMetrics::register(registry),
-            ..Self::default()
-        };
-        let r = registry.sub_registry_with_prefix("kuryr_allocator_neutron");
-        r.register(
-            "port_creations",
-            "Neutron ports created, by path (add: for a pod; pool: refill)",
-            m.creations.clone(),
-        );
-        r.register(
-            "vif_sources",
-            "VIFs handed out, by where the port came from (pool, add, existing)",
-            m.sources.clone(),
-        );
-        r.register("port_deletions", "Neutron ports deleted, by why", m.deletions.clone());
-        r.register("port_recycles", "Released ports put back into their pool", m.recycles.clone());
-        r.register("pool_ports", "Ports per pool node and state (free, recycling, in_use)", m.pool_ports.clone());
-        r.register(
-            "active_seconds",
-            "From the binder's plug report to the port seen ACTIVE in Neutron",
-            m.active_latency.clone(),
-        );
-        r.register("status_polls", "Batched port status reads", m.status_polls.clone());
-        r.register("status_poll_failures", "Batched port status reads that failed", m.status_poll_failures.clone());
-        r.register(
-            "status_safety_reads",
-            "With port events: reconciling batched status reads, by why (interval, reconnect)",
-            m.status_safety_reads.clone(),
-        );
-        r.register(
-            "ready_sources",
-            "Plugged ports found ACTIVE, by how (event, poll, safety)",
-            m.ready_sources.clone(),
-        );
-        r.register(
-            "pool_refill_failures",
-            "Background pool refills that failed and will be retried, by reason (neutron_quota_exceeded, ...)",
-            m.refill_failures.clone(),
-        );
-        m
-    }
-
     /// Counts a creation.
     pub fn created(&self, path: &'static str, n: u64) {
         self.creations.get_or_create(&PathLabels { path }).inc_by(n);

@@ -45,7 +45,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::watch;
@@ -79,39 +78,30 @@ pub struct ResultLabels {
     pub result: &'static str,
 }
 
-/// Metrics of the event link; cheap to clone.
-#[derive(Clone, Debug, Default)]
-pub struct EventMetrics {
-    /// 1 while consuming.
-    pub connected: Gauge,
-    /// Connection attempts by result (`ok`, `failed`).
-    pub connections: Family<ResultLabels, Counter>,
-    /// Consumed messages by result (`decoded`, `undecodable`, `not_push`).
-    pub messages: Family<ResultLabels, Counter>,
-    /// Pushed ports by what the allocator made of them: `ready` (a waiting port turned ACTIVE),
-    /// `pending` (a waiting port, not ACTIVE), `early` (ACTIVE before its plug was reported),
-    /// `recycled` (a released port seen unplugged), `gone` (a waiting port deleted), `stale`
-    /// (an older or repeated revision, or another pod's), `foreign` (not a port of this
-    /// allocator's).
-    pub ports: Family<ResultLabels, Counter>,
+kuryr_runtime::metric_set! {
+    /// Metrics of the event link; cheap to clone.
+    pub struct EventMetrics {
+        /// 1 while consuming.
+        pub connected: Gauge
+            => "kuryr_allocator_neutron_events_connected", "1 while Neutron's port events are consumed from RabbitMQ";
+        /// Connection attempts by result (`ok`, `failed`).
+        pub connections: Family<ResultLabels, Counter>
+            => "kuryr_allocator_neutron_events_connections", "Connections to RabbitMQ by result (ok, failed)";
+        /// Consumed messages by result (`decoded`, `undecodable`, `not_push`).
+        pub messages: Family<ResultLabels, Counter>
+            => "kuryr_allocator_neutron_events_messages", "Messages consumed by result (decoded, undecodable, not_push)";
+        /// Pushed ports by what the allocator made of them: `ready` (a waiting port turned ACTIVE),
+        /// `pending` (a waiting port, not ACTIVE), `early` (ACTIVE before its plug was reported),
+        /// `recycled` (a released port seen unplugged), `gone` (a waiting port deleted), `stale`
+        /// (an older or repeated revision, or another pod's), `foreign` (not a port of this
+        /// allocator's).
+        pub ports: Family<ResultLabels, Counter>
+            => "kuryr_allocator_neutron_events_ports",
+            "Pushed ports by outcome (ready, pending, early, recycled, gone, stale, foreign)";
+    }
 }
 
 impl EventMetrics {
-    /// Registers them under `kuryr_allocator_neutron_events_*`.
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        let r = registry.sub_registry_with_prefix("kuryr_allocator_neutron_events");
-        r.register("connected", "1 while Neutron's port events are consumed from RabbitMQ", m.connected.clone());
-        r.register("connections", "Connections to RabbitMQ by result (ok, failed)", m.connections.clone());
-        r.register("messages", "Messages consumed by result (decoded, undecodable, not_push)", m.messages.clone());
-        r.register(
-            "ports",
-            "Pushed ports by outcome (ready, pending, early, recycled, gone, stale, foreign)",
-            m.ports.clone(),
-        );
-        m
-    }
-
     /// Counts a pushed port's outcome.
     pub fn port(&self, result: &'static str) {
         self.ports.get_or_create(&ResultLabels { result }).inc();

@@ -28,6 +28,7 @@ pub use prometheus_client::registry::Registry;
 use crate::health::Health;
 use crate::shutdown::Shutdown;
 
+pub mod labels;
 mod set;
 
 /// Latency buckets in seconds, from half a millisecond to a minute.

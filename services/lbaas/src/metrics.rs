@@ -3,41 +3,18 @@
 
 use std::collections::BTreeMap;
 
+pub use kuryr_runtime::metrics::labels::{FailureLabels, ResultLabels, StartLabels};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-/// How a reconcile ended.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
-    /// `applied`, `deleted`, `skipped` (ExternalName), `ignored` (headless),
-    /// `elsewhere` (its shard is served by another replica) or `error`.
-    pub result: &'static str,
-}
-
-/// Why a reconcile failed.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FailureLabels {
-    /// `apply` or `cleanup`.
-    pub op: &'static str,
-    /// The error's kind: `conflict`, `not_found`, `api`, `backend`.
-    pub reason: &'static str,
-}
-
 /// Load balancers by state.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     /// The provisioning status (`PROGRAMMED`, ...), or `PENDING` before the backend reported.
     pub state: String,
-}
-
-/// How a WatchLoadBalancers stream began.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StartLabels {
-    /// `snapshot`, `resume`, `reset` or `lagged`.
-    pub start: &'static str,
 }
 
 kuryr_runtime::metric_set! {

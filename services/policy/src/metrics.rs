@@ -3,18 +3,12 @@
 
 use std::time::Duration;
 
+pub use kuryr_runtime::metrics::labels::StartLabels;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-
-/// How a WatchPolicies stream began.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StartLabels {
-    /// `snapshot`, `resume`, `reset` or `lagged`.
-    pub start: &'static str,
-}
 
 /// A status Event's type and whether it was written.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -3,29 +3,13 @@
 //! addresses per node). The Neutron backend registers its own beside them.
 
 use kuryr_runtime::metrics::latency_histogram;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::backend::ipam::IpamMetrics;
-
-/// Why a reconcile failed.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FailureLabels {
-    /// `apply` (giving a pod its VIF) or `cleanup` (releasing it).
-    pub op: &'static str,
-    /// The error's kind, e.g. `ipam_exhausted`, `api`, `conflict` (see `ClusterError::reason`).
-    pub reason: &'static str,
-}
-
-/// How a WatchVifs stream began.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StartLabels {
-    /// `snapshot`, `resume`, `reset` (a resume point that could not be honoured) or `lagged`.
-    pub start: &'static str,
-}
+pub use kuryr_runtime::metrics::labels::{FailureLabels, StartLabels};
 
 kuryr_runtime::metric_set! {
     /// The metrics; cheap to clone (each is a handle to shared state).

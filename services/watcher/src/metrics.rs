@@ -1,24 +1,10 @@
 //! The watcher's own Prometheus metrics, registered on the runtime's registry next to the gRPC
 //! call metrics.
 
-use prometheus_client::encoding::EncodeLabelSet;
+pub use kuryr_runtime::metrics::labels::{KindLabels, StartLabels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-
-/// A kind of object (`pod`, `service`, `endpointslice`, `namespace`, `networkpolicy`, `node`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    pub kind: &'static str,
-}
-
-/// How a subscription began.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StartLabels {
-    /// `snapshot` (no resume point), `resume`, `reset` (a resume point that could not be
-    /// honoured), or `lagged` (a stream fell out of the history and was sent a new snapshot).
-    pub start: &'static str,
-}
 
 kuryr_runtime::metric_set! {
     /// The metrics; cheap to clone (each is a handle to shared state).

@@ -22,7 +22,6 @@ use base64::Engine as _;
 use futures::future::BoxFuture;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use kube::api::{Api, PostParams};
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
@@ -68,13 +67,9 @@ fn bounded_insert<V>(map: &mut HashMap<Digest, (V, Instant)>, key: Digest, value
     map.insert(key, value);
 }
 
-/// Labels of a token check.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
-    /// `cached`, `reviewed`, `refused` (by the API server or the cache of refusals),
-    /// `malformed`, `expired`, `unavailable`.
-    pub result: &'static str,
-}
+/// Labels of a token check: `cached`, `reviewed`, `refused` (by the API server or the cache of
+/// refusals), `malformed`, `expired`, `unavailable`.
+pub use crate::metrics::labels::ResultLabels;
 
 /// Checks ServiceAccount tokens; share it in an `Arc`.
 pub struct TokenReviewer {

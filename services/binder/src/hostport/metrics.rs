@@ -1,23 +1,15 @@
 //! Metrics of host ports: the map elements programmed, and the transactions that programmed them
 //! by kind and result.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use kuryr_runtime::metrics::labels::KindResultLabels;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindResult {
-    /// "delta" (one attachment's change) or "full" (the host port part rebuilt).
-    kind: String,
-    /// "ok" or "error".
-    result: String,
-}
-
 kuryr_runtime::metric_set! {
     /// Host port metrics; cheap to clone.
     pub struct HostPortMetrics {
-        transactions: Family<KindResult, Counter>
+        transactions: Family<KindResultLabels, Counter>
             => "kuryr_binder_hostport_transactions", "nftables transactions of host ports by kind (delta, full) and result";
         programmed: Gauge
             => "kuryr_binder_hostports", "Host port map elements programmed (one per mapping and pod address family)";
@@ -25,9 +17,9 @@ kuryr_runtime::metric_set! {
 }
 
 impl HostPortMetrics {
-    pub fn transaction(&self, kind: &str, ok: bool) {
+    pub fn transaction(&self, kind: &'static str, ok: bool) {
         let result = if ok { "ok" } else { "error" };
-        self.transactions.get_or_create(&KindResult { kind: kind.into(), result: result.into() }).inc();
+        self.transactions.get_or_create(&KindResultLabels { kind, result }).inc();
     }
 
     pub fn set_programmed(&self, n: usize) {

@@ -169,7 +169,7 @@ impl HostPorts {
         self
     }
 
-    fn observe(&self, kind: &str, ok: bool, programmed: usize) {
+    fn observe(&self, kind: &'static str, ok: bool, programmed: usize) {
         if let Some(m) = &self.metrics {
             m.transaction(kind, ok);
             if ok {

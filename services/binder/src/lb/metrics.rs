@@ -4,25 +4,13 @@
 
 use std::time::Duration;
 
+use kuryr_runtime::metrics::labels::{KindLabels, KindResultLabels};
 use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Kind {
-    /// "delta" (some Services) or "full" (the whole table).
-    kind: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindResult {
-    kind: String,
-    /// "ok" or "error".
-    result: String,
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EventType {
@@ -32,10 +20,10 @@ struct EventType {
 kuryr_runtime::metric_set! {
     /// Service dataplane metrics; cheap to clone.
     pub struct LbMetrics {
-        program: Family<Kind, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram)
+        program: Family<KindLabels, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram)
             => "kuryr_binder_lb_program_seconds",
             "From an update of kuryr-lbaas's stream arriving to its rules programmed in nftables";
-        transactions: Family<KindResult, Counter>
+        transactions: Family<KindResultLabels, Counter>
             => "kuryr_binder_lb_transactions",
             "nftables transactions of the Service dataplane by kind (delta, full) and result";
         events: Family<EventType, Counter> => "kuryr_binder_lb_events", "WatchLoadBalancers events received by type";
@@ -50,11 +38,11 @@ kuryr_runtime::metric_set! {
 }
 
 impl LbMetrics {
-    pub fn transaction(&self, kind: &str, ok: bool, since_update: Option<Duration>) {
+    pub fn transaction(&self, kind: &'static str, ok: bool, since_update: Option<Duration>) {
         let result = if ok { "ok" } else { "error" };
-        self.transactions.get_or_create(&KindResult { kind: kind.into(), result: result.into() }).inc();
+        self.transactions.get_or_create(&KindResultLabels { kind, result }).inc();
         if let (true, Some(d)) = (ok, since_update) {
-            self.program.get_or_create(&Kind { kind: kind.into() }).observe(d.as_secs_f64());
+            self.program.get_or_create(&KindLabels { kind }).observe(d.as_secs_f64());
         }
     }
 

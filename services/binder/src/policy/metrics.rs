@@ -4,20 +4,12 @@
 
 use std::time::Duration;
 
+use kuryr_runtime::metrics::labels::KindResultLabels;
 use kuryr_runtime::metrics::latency_histogram;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindResult {
-    /// "delta" (the difference from what is programmed) or "replace" (every set refilled).
-    kind: &'static str,
-    /// "ok" or "error".
-    result: &'static str,
-}
 
 kuryr_runtime::metric_set! {
     /// NetworkPolicy dataplane metrics; cheap to clone.
@@ -25,7 +17,7 @@ kuryr_runtime::metric_set! {
         program: Histogram = latency_histogram()
             => "kuryr_binder_policy_program_seconds",
             "From a change of kuryr-policy's stream arriving to its rules programmed in nftables";
-        transactions: Family<KindResult, Counter>
+        transactions: Family<KindResultLabels, Counter>
             => "kuryr_binder_policy_transactions",
             "nftables transactions of the NetworkPolicy dataplane by kind (delta, replace) and result";
         stream_breaks: Counter
@@ -47,7 +39,7 @@ kuryr_runtime::metric_set! {
 impl PolicyMetrics {
     pub fn transaction(&self, kind: &'static str, ok: bool, since_change: Option<Duration>) {
         let result = if ok { "ok" } else { "error" };
-        self.transactions.get_or_create(&KindResult { kind, result }).inc();
+        self.transactions.get_or_create(&KindResultLabels { kind, result }).inc();
         if let (true, Some(d)) = (ok, since_change) {
             self.program.observe(d.as_secs_f64());
         }

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+pub use kuryr_runtime::metrics::labels::KindLabels;
 use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -23,14 +24,6 @@ pub struct Tally {
     pub changes: u32,
     /// Time spent waiting for Octavia to finish changes.
     pub waited: Duration,
-}
-
-/// The kind of a change.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    /// `lb_create`, `lb_delete`, `listener_create`, `listener_delete`, `pool_create`,
-    /// `pool_delete`, `pool_update`, `members_replace`.
-    pub kind: &'static str,
 }
 
 /// How a reconcile ended.

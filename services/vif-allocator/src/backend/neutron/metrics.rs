@@ -1,6 +1,7 @@
 //! Metrics of the Neutron backend, next to the allocator's own (the client's per-call metrics,
 //! `kuryr_openstack_*`, are registered beside them and count every Neutron call).
 
+pub use kuryr_runtime::metrics::labels::ReasonLabels;
 use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -14,13 +15,6 @@ pub struct PathLabels {
     /// For creations: `add` (on a pod's allocation path) or `pool` (a refill). For VIF sources:
     /// `pool`, `add` (created for the pod) or `existing` (the pod's port was found in Neutron).
     pub path: &'static str,
-}
-
-/// Why something failed.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    /// [`crate::error::ClusterError::reason`]: `neutron_quota_exceeded`, `neutron_unavailable`, ...
-    pub reason: &'static str,
 }
 
 /// Why a port was deleted.

@@ -41,7 +41,6 @@ use amqprs::connection::{Connection, OpenConnectionArguments};
 use amqprs::tls::TlsAdaptor;
 use amqprs::{Ack, BasicProperties, Cancel, Close, CloseChannel, FieldTable, FieldValue, Nack, Return};
 use kuryr_runtime::Shutdown;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -51,6 +50,7 @@ use tokio::sync::watch;
 
 use self::config::{BrokerHost, EventConfig, TlsFiles};
 use self::decode::PortEvent;
+pub use kuryr_runtime::metrics::labels::ResultLabels;
 
 /// Heartbeat asked of the broker: a silent broker is given up after about twice this.
 const HEARTBEAT_SECS: u16 = 30;
@@ -69,13 +69,6 @@ pub struct Link {
     pub connected: bool,
     /// Grows by one at each successful connection.
     pub epoch: u64,
-}
-
-/// A result label.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
-    /// What became of it.
-    pub result: &'static str,
 }
 
 kuryr_runtime::metric_set! {

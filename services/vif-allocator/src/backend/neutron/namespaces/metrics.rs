@@ -1,26 +1,10 @@
 //! Metrics of per-namespace networks (`kuryr_allocator_namespace_network_*`).
 
-use prometheus_client::encoding::EncodeLabelSet;
+pub use kuryr_runtime::metrics::labels::{FailureLabels, OpLabels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-
-/// What was being done.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabels {
-    /// `create` or `delete`.
-    pub op: &'static str,
-}
-
-/// A failure.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FailureLabels {
-    /// `create` or `delete`.
-    pub op: &'static str,
-    /// The error's bounded label (`neutron_unavailable`, `neutron`, `api`, `conflict`, ...).
-    pub reason: &'static str,
-}
 
 kuryr_runtime::metric_set! {
     /// The metrics; cheap to clone.

@@ -17,12 +17,12 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use http_body::{Body, Frame};
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::net::TcpListener;
 
+pub use prometheus_client::encoding::EncodeLabelSet;
 pub use prometheus_client::registry::Registry;
 
 use crate::health::Health;

@@ -12,7 +12,6 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
@@ -21,11 +20,12 @@ use tonic::Status;
 
 use crate::{Ownership, ShardHandle};
 
-/// Refusals by method.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RedirectLabels {
-    /// The gRPC method refused (`WatchVifs`, `GetNodePolicy`, ...).
-    pub method: &'static str,
+kuryr_runtime::label_set! {
+    /// Refusals by method.
+    pub struct RedirectLabels {
+        /// The gRPC method refused (`WatchVifs`, `GetNodePolicy`, ...).
+        method,
+    }
 }
 
 /// The keys this replica serves; cheap to clone (clones share the loaded set and the counters).

@@ -16,10 +16,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OpStep {
-    op: &'static str,
-    step: &'static str,
+kuryr_runtime::label_set! {
+    struct OpStep { op, step }
 }
 
 /// Buckets of the per-step histogram, in seconds: 10 µs to 1 s (a step is mostly well under a

@@ -4,19 +4,19 @@
 use std::time::Duration;
 
 pub use kuryr_runtime::metrics::labels::StartLabels;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-/// A status Event's type and whether it was written.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EventLabels {
-    /// `Normal` or `Warning`.
-    pub r#type: &'static str,
-    /// `ok` or `error`.
-    pub result: &'static str,
+kuryr_runtime::label_set! {
+    /// A status Event's type and whether it was written.
+    pub struct EventLabels {
+        /// `Normal` or `Warning`.
+        r#type,
+        /// `ok` or `error`.
+        result,
+    }
 }
 
 kuryr_runtime::metric_set! {

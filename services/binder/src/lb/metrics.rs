@@ -6,15 +6,13 @@ use std::time::Duration;
 
 use kuryr_runtime::metrics::labels::{KindLabels, KindResultLabels};
 use kuryr_runtime::metrics::latency_histogram;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct EventType {
-    r#type: String,
+kuryr_runtime::label_set! {
+    struct EventType { r#type }
 }
 
 kuryr_runtime::metric_set! {
@@ -46,8 +44,8 @@ impl LbMetrics {
         }
     }
 
-    pub fn event(&self, t: &str) {
-        self.events.get_or_create(&EventType { r#type: t.into() }).inc();
+    pub fn event(&self, t: &'static str) {
+        self.events.get_or_create(&EventType { r#type: t }).inc();
     }
 
     pub fn invalid_spec(&self) {

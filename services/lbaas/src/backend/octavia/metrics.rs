@@ -10,7 +10,6 @@ use std::time::Duration;
 
 pub use kuryr_runtime::metrics::labels::KindLabels;
 use kuryr_runtime::metrics::latency_histogram;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -26,11 +25,12 @@ pub struct Tally {
     pub waited: Duration,
 }
 
-/// How a reconcile ended.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    /// `changed`, `unchanged` or `failed`.
-    pub outcome: &'static str,
+kuryr_runtime::label_set! {
+    /// How a reconcile ended.
+    pub struct OutcomeLabels {
+        /// `changed`, `unchanged` or `failed`.
+        outcome,
+    }
 }
 
 fn calls_histogram() -> Histogram {

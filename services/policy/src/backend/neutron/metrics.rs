@@ -1,17 +1,17 @@
 //! The Neutron backend's metrics (the Neutron calls themselves are counted by the OpenStack
 //! client).
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-/// The operation that failed.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabels {
-    /// `read`, `group_create`, `rule_create`, `rule_delete`, `port_update`, `group_delete`.
-    pub operation: &'static str,
+kuryr_runtime::label_set! {
+    /// The operation that failed.
+    pub struct OpLabels {
+        /// `read`, `group_create`, `rule_create`, `rule_delete`, `port_update`, `group_delete`.
+        operation,
+    }
 }
 
 kuryr_runtime::metric_set! {

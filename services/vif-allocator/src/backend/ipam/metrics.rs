@@ -15,21 +15,20 @@ use prometheus_client::metrics::histogram::Histogram;
 use super::assign::Parsed;
 use crate::core::ipam::Family as IpFamily;
 
-/// One kind of API call of the store.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OperationLabels {
-    /// `get_network`, `apply_network`, `update_network_status`, `list_blocks`, `create_block`,
-    /// `get_block` or `write_block_status`.
-    pub operation: &'static str,
-}
-
-/// A failed API call.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ErrorLabels {
-    /// As in [`OperationLabels`].
-    pub operation: &'static str,
-    /// See [`error_reason`].
-    pub reason: &'static str,
+kuryr_runtime::label_set! {
+    /// One kind of API call of the store.
+    pub struct OperationLabels {
+        /// `get_network`, `apply_network`, `update_network_status`, `list_blocks`, `create_block`,
+        /// `get_block` or `write_block_status`.
+        operation,
+    }
+    /// A failed API call.
+    pub struct ErrorLabels {
+        /// As in [`OperationLabels`].
+        operation,
+        /// See [`error_reason`].
+        reason,
+    }
 }
 
 /// Addresses of one node's blocks of one family.

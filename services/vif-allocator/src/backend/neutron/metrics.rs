@@ -9,30 +9,27 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-/// Where something happened or came from.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PathLabels {
-    /// For creations: `add` (on a pod's allocation path) or `pool` (a refill). For VIF sources:
-    /// `pool`, `add` (created for the pod) or `existing` (the pod's port was found in Neutron).
-    pub path: &'static str,
-}
-
-/// Why a port was deleted.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WhyLabels {
-    /// `released` (pool full or off), `binding_failed`, `freed` (pool API), `recycle_timeout`,
-    /// `duplicate`, `namespace_deleted` (a pool port of a namespace network being removed),
-    /// `lost_to_record` (created by a replica that lost the race for the pod's PodVif).
-    pub why: &'static str,
-}
-
-/// How a port was learnt ACTIVE, or why a status read was made.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SourceLabels {
-    /// `event` (Neutron's push), `poll` (the status poller: no events, or the broker away),
-    /// `safety` (the reconciling read with events), `nested` (a trunk subport already known
-    /// ACTIVE when its pod's plug was reported). For reads: `interval` or `reconnect`.
-    pub source: &'static str,
+kuryr_runtime::label_set! {
+    /// Where something happened or came from.
+    pub struct PathLabels {
+        /// For creations: `add` (on a pod's allocation path) or `pool` (a refill). For VIF sources:
+        /// `pool`, `add` (created for the pod) or `existing` (the pod's port was found in Neutron).
+        path,
+    }
+    /// Why a port was deleted.
+    pub struct WhyLabels {
+        /// `released` (pool full or off), `binding_failed`, `freed` (pool API), `recycle_timeout`,
+        /// `duplicate`, `namespace_deleted` (a pool port of a namespace network being removed),
+        /// `lost_to_record` (created by a replica that lost the race for the pod's PodVif).
+        why,
+    }
+    /// How a port was learnt ACTIVE, or why a status read was made.
+    pub struct SourceLabels {
+        /// `event` (Neutron's push), `poll` (the status poller: no events, or the broker away),
+        /// `safety` (the reconciling read with events), `nested` (a trunk subport already known
+        /// ACTIVE when its pod's plug was reported). For reads: `interval` or `reconnect`.
+        source,
+    }
 }
 
 /// A pool's node.

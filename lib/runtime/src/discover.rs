@@ -151,6 +151,18 @@ pub fn channel(target: &str, kubeconfig: Option<PathBuf>) -> anyhow::Result<Chan
     Ok(channel)
 }
 
+/// A channel to the peer that the flag `--{flag}` names (see [`channel`]), every call carrying
+/// `credentials`; an unusable target is an error that names the flag.
+pub fn peer(
+    flag: &str,
+    target: &str,
+    kubeconfig: Option<PathBuf>,
+    credentials: crate::auth::client::Credentials,
+) -> anyhow::Result<crate::auth::client::PeerChannel> {
+    let channel = channel(target, kubeconfig).map_err(|e| anyhow::anyhow!("--{flag}: {e}"))?;
+    Ok(crate::auth::client::with_credentials(channel, credentials))
+}
+
 /// Like [`channel`], with a client the caller already has.
 pub fn channel_with(target: &str, client: kube::Client) -> anyhow::Result<Channel> {
     if !is_service_target(target) {

@@ -32,7 +32,6 @@ use std::time::Duration;
 use clap::Parser;
 use kuryr_proto::binder::v1::cni_server::CniServer;
 use kuryr_proto::service_names;
-use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::local::LocalCallers;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::config::parse_duration;
@@ -224,9 +223,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         ));
     }
     if let Some(target) = &config.lbaas {
-        let lbaas = kuryr_runtime::discover::channel(target, config.kubeconfig.clone())
-            .map_err(|e| anyhow::anyhow!("--lbaas: {e}"))?;
-        let lbaas = with_credentials(lbaas, credentials.clone());
+        let lbaas = kuryr_runtime::discover::peer("lbaas", target, config.kubeconfig.clone(), credentials.clone())?;
         tracing::info!(lbaas = target, "Service dataplane enabled");
         lb::Dataplane::new(lb::metrics::LbMetrics::register(rt.registry()), lb::nft::Nft::default(), &node).spawn(
             lbaas,

@@ -62,7 +62,7 @@ use std::time::Duration;
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
 use kuryr_proto::service_names;
-use kuryr_runtime::auth::client::{PeerChannel, with_credentials};
+use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
@@ -188,9 +188,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
     let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
     rt.set_gate(gate);
-    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
-        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
-    let watcher = with_credentials(watcher, config.common.auth.credentials());
+    let watcher = kuryr_runtime::discover::peer(
+        "watcher",
+        &config.watcher,
+        config.kubeconfig.clone(),
+        config.common.auth.credentials(),
+    )?;
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
     let shard_metrics = ShardMetrics::register(rt.registry());

@@ -43,7 +43,6 @@ use std::sync::{Arc, OnceLock};
 use clap::Parser;
 use kuryr_proto::policy::v1::policies_server::PoliciesServer;
 use kuryr_proto::service_names;
-use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
@@ -158,9 +157,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-policy", &config.common)?;
     let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
     rt.set_gate(gate);
-    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
-        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
-    let watcher = with_credentials(watcher, config.common.auth.credentials());
+    let watcher = kuryr_runtime::discover::peer(
+        "watcher",
+        &config.watcher,
+        config.kubeconfig.clone(),
+        config.common.auth.credentials(),
+    )?;
     let metrics = Metrics::register(rt.registry());
     let log: PolicyLog = Log::new(Epoch::random(), HISTORY).shared();
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");

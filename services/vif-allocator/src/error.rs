@@ -153,13 +153,4 @@ pub enum PlugError {
 }
 
 /// An error and its causes on one line, for logs and Events.
-pub fn chain(e: &(dyn StdError + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use kuryr_runtime::telemetry::error_chain as chain;

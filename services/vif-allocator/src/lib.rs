@@ -81,7 +81,6 @@ use clap::Parser;
 use kuryr_proto::allocator::v1::pool_manager_server::PoolManagerServer;
 use kuryr_proto::allocator::v1::vif_allocator_server::VifAllocatorServer;
 use kuryr_proto::service_names;
-use kuryr_runtime::auth::client::with_credentials;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
@@ -268,9 +267,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
     let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
     rt.set_gate(gate);
-    let watcher = kuryr_runtime::discover::channel(&config.watcher, config.kubeconfig.clone())
-        .map_err(|e| anyhow::anyhow!("--watcher: {e}"))?;
-    let watcher = with_credentials(watcher, config.common.auth.credentials());
+    let watcher = kuryr_runtime::discover::peer(
+        "watcher",
+        &config.watcher,
+        config.kubeconfig.clone(),
+        config.common.auth.credentials(),
+    )?;
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
     let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
+use kuryr_runtime::telemetry::error_chain;
 use nix::errno::Errno;
 use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth, LinkMessage};
 use rtnetlink::{LinkBridge, LinkMessageBuilder, LinkUnspec, LinkVeth};
@@ -298,18 +299,6 @@ impl Drop for Rollback {
             }
         }
     }
-}
-
-/// An error with its causes, for a log line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
 }
 
 /// Removes what [`plug`] made; success when it is already gone, when the namespace is gone or

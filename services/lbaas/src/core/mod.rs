@@ -17,13 +17,4 @@ pub fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// An error and its causes on one line, for logs and Events.
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use kuryr_runtime::telemetry::error_chain as chain;

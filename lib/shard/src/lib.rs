@@ -25,6 +25,7 @@
 
 pub mod config;
 pub mod hash;
+pub mod joining;
 pub mod lease;
 pub mod metrics;
 pub mod ownership;
@@ -34,6 +35,7 @@ pub mod served;
 
 pub use config::{ShardArgs, ShardConfig};
 pub use hash::shard_of;
+pub use joining::Joining;
 pub use lease::{ENDPOINT_ANNOTATION, ShardHandle, start};
 pub use metrics::ShardMetrics;
 pub use ownership::{Owner, Ownership};

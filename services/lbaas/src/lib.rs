@@ -55,9 +55,8 @@ pub mod ready;
 pub mod shards;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use clap::Parser;
 use kuryr_proto::lbaas::v1::load_balancers_server::LoadBalancersServer;
@@ -66,7 +65,7 @@ use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services, Shutdown};
-use kuryr_shard::{Ownership, ShardConfig, ShardHandle, ShardMetrics};
+use kuryr_shard::Joining;
 use kuryr_stream::{Epoch, Log};
 use tokio::sync::watch;
 use tracing::Instrument as _;
@@ -195,23 +194,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         config.common.auth.credentials(),
     )?;
     let metrics = Metrics::register(rt.registry());
-    let shard_config = config.shard.resolve("kuryr-lbaas", &config.listen)?;
-    let shard_metrics = ShardMetrics::register(rt.registry());
-    let (ownership_tx, ownership) = watch::channel(Arc::new(if shard_config.shards == 0 {
-        Ownership::everything(&shard_config.identity)
-    } else {
-        Ownership::pending(&shard_config.identity, shard_config.shards)
-    }));
+    let (joining, ownership) = Joining::new(config.shard.resolve("kuryr-lbaas", &config.listen)?, rt.registry());
     let shards = Shards::new(ownership);
     shards.register(rt.registry());
-    let shard_handle: Arc<OnceLock<ShardHandle>> = Arc::default();
     let log: LbLog = Log::new(Epoch::random(), HISTORY).shared();
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), backend = ?config.backend,
         workers = config.workers, "starting");
     let records = Records::default();
     let recovered = Arc::new(AtomicBool::new(false));
     let readiness = Readiness::default();
-    if shard_config.shards == 0 {
+    if !joining.sharded() {
         // Every record is this replica's own: none to follow.
         readiness.set(Condition::Mirror, true);
     }
@@ -229,10 +221,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     readiness,
                     metrics: metrics.clone(),
                     shards: shards.clone(),
-                    shard_config,
-                    shard_metrics,
-                    ownership_tx,
-                    shard_handle: shard_handle.clone(),
+                    joining: joining.clone(),
                 }
                 .run(rt.shutdown())
                 .instrument(tracing::info_span!("startup")),
@@ -250,20 +239,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let served = Services::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
-    if let Some(h) = shard_handle.get() {
-        let _ = tokio::time::timeout(Duration::from_secs(6), h.stopped()).await;
-    }
+    joining.released().await;
     served
-}
-
-/// Copies the shard set's ownership into the channel the rest was built with.
-async fn forward(mut from: watch::Receiver<Arc<Ownership>>, to: watch::Sender<Arc<Ownership>>) {
-    loop {
-        to.send_replace(from.borrow_and_update().clone());
-        if from.changed().await.is_err() {
-            return;
-        }
-    }
 }
 
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
@@ -278,31 +255,13 @@ struct Start<B> {
     metrics: Metrics,
     /// What this replica reconciles.
     shards: Shards,
-    shard_config: ShardConfig,
-    shard_metrics: ShardMetrics,
-    /// Where the shard set's ownership is copied to (what `shards` follows).
-    ownership_tx: watch::Sender<Arc<Ownership>>,
-    /// The running shard set, for the release at shutdown.
-    shard_handle: Arc<OnceLock<ShardHandle>>,
+    /// The shard set to join once a Kubernetes client exists (what `shards` follows).
+    joining: Joining,
 }
 
 impl<B: Backend> Start<B> {
     async fn run(self, shutdown: Shutdown) {
-        let Start {
-            config,
-            watcher,
-            backend,
-            log,
-            records,
-            recovered,
-            readiness,
-            metrics,
-            shards,
-            shard_config,
-            shard_metrics,
-            ownership_tx,
-            shard_handle,
-        } = self;
+        let Start { config, watcher, backend, log, records, recovered, readiness, metrics, shards, joining } = self;
         let kubeconfig = config.kubeconfig.clone();
         let Some(client) = kuryr_runtime::retry("building a Kubernetes client", &shutdown, || {
             kuryr_runtime::kube_client(kubeconfig.as_deref())
@@ -312,11 +271,7 @@ impl<B: Backend> Start<B> {
             return;
         };
         // The first round of Leases runs while the records are loaded.
-        if shard_config.shards > 0 {
-            let handle = kuryr_shard::start(client.clone(), shard_config, shard_metrics, shutdown.clone());
-            tokio::spawn(forward(handle.ownership(), ownership_tx));
-            let _ = shard_handle.set(handle);
-        }
+        joining.join(client.clone(), shutdown.clone());
         let instance = config.instance_name();
         let kube = Kube::new(client.clone(), Some(instance.clone()));
         // Recovery: every record, of every shard, before any reconcile; the backend gets what

@@ -38,7 +38,6 @@ pub mod metrics;
 pub mod shards;
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
 use kuryr_proto::policy::v1::policies_server::PoliciesServer;
@@ -46,9 +45,8 @@ use kuryr_proto::service_names;
 use kuryr_runtime::auth::{AccountRef, Rules};
 use kuryr_runtime::follow::{FollowArgs, HeartbeatArgs};
 use kuryr_runtime::{CommonArgs, ListenAddr, Runtime, Services};
-use kuryr_shard::{Ownership, ShardHandle, ShardMetrics};
+use kuryr_shard::Joining;
 use kuryr_stream::{Epoch, Log};
-use tokio::sync::watch;
 use tracing::Instrument as _;
 
 use crate::backend::neutron;
@@ -168,7 +166,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), follow::SERVICES, rt.shutdown());
-    let (shards, shard_handle) = start_shards(&config, &mut rt)?;
+    let (shards, joining) = start_shards(&config, &mut rt)?;
     let mut publisher = Publisher::new(log.clone(), metrics.clone());
     // One PodVif watch: the addresses of pods whose status has none yet, and the Neutron ports.
     let mut sinks: Vec<Box<dyn podvifs::Sink>> = Vec::new();
@@ -204,43 +202,31 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let served = Services::new(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
-    if let Some(h) = shard_handle.get() {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(6), h.stopped()).await;
-    }
+    joining.released().await;
     served
 }
 
 /// The nodes this replica serves: all of them with `--shards 0`, else those of the shards its
 /// Leases hold (taken in the background, with a Kubernetes client built with retries).
-fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Arc<OnceLock<ShardHandle>>)> {
-    let shard_config = config.shard.resolve("kuryr-policy", &config.listen)?;
-    let shard_metrics = ShardMetrics::register(rt.registry());
-    let handle_slot: Arc<OnceLock<ShardHandle>> = Arc::default();
-    if shard_config.shards == 0 {
-        return Ok((Shards::all(crate::shards::SERVICE), handle_slot));
+fn start_shards(config: &Config, rt: &mut Runtime) -> anyhow::Result<(Shards, Joining)> {
+    let (joining, ownership) = Joining::new(config.shard.resolve("kuryr-policy", &config.listen)?, rt.registry());
+    let shards = Shards::at_once(crate::shards::SERVICE, ownership);
+    if !joining.sharded() {
+        return Ok((shards, joining));
     }
-    let (tx, rx) = watch::channel(Arc::new(Ownership::pending(&shard_config.identity, shard_config.shards)));
-    let shards = Shards::at_once(crate::shards::SERVICE, rx);
     shards.register_redirects(rt.registry(), "kuryr_policy_redirects");
-    let (kubeconfig, shutdown, slot) = (config.kubeconfig.clone(), rt.shutdown(), handle_slot.clone());
+    let (kubeconfig, shutdown, to_join) = (config.kubeconfig.clone(), rt.shutdown(), joining.clone());
     tokio::spawn(async move {
         let client =
             kuryr_runtime::retry::retry("building the Kubernetes client for the shard Leases", &shutdown, || {
                 kuryr_runtime::k8s::kube_client(kubeconfig.as_deref())
             })
             .await;
-        let Some(client) = client else { return };
-        let handle = kuryr_shard::start(client, shard_config, shard_metrics, shutdown);
-        let mut from = handle.ownership();
-        let _ = slot.set(handle);
-        loop {
-            tx.send_replace(from.borrow_and_update().clone());
-            if from.changed().await.is_err() {
-                return;
-            }
+        if let Some(client) = client {
+            to_join.join(client, shutdown);
         }
     });
-    Ok((shards, handle_slot))
+    Ok((shards, joining))
 }
 
 /// Starts the PodVif watch into `sinks` (its Kubernetes client built with retries).

@@ -275,15 +275,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     )?;
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
-    let shard_metrics = kuryr_shard::ShardMetrics::register(rt.registry());
-    let (ownership_tx, ownership) = tokio::sync::watch::channel(Arc::new(if shard_config.shards == 0 {
-        kuryr_shard::Ownership::everything(&shard_config.identity)
-    } else {
-        kuryr_shard::Ownership::pending(&shard_config.identity, shard_config.shards)
-    }));
+    let (joining, ownership) = kuryr_shard::Joining::new(shard_config, rt.registry());
     let shards = Shards::after_loading(crate::shards::SERVICE, ownership);
     shards.register_redirects(rt.registry(), "kuryr_allocator_redirects");
-    let shard_handle = Arc::new(std::sync::OnceLock::new());
     // The Neutron side is checked before any port is bound: a bad flag fails the start.
     let neutron = match config.backend {
         BackendKind::Embedded => None,
@@ -320,10 +314,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         neutron,
         pools,
         shards: shards.clone(),
-        shard_config,
-        shard_metrics,
-        ownership_tx,
-        shard_handle: shard_handle.clone(),
+        joining: joining.clone(),
     };
     tokio::spawn(start.run(rt.shutdown()).instrument(tracing::info_span!("startup")));
     let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
@@ -333,8 +324,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .with(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(services, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
-    if let Some(h) = shard_handle.get() {
-        let _ = tokio::time::timeout(Duration::from_secs(6), kuryr_shard::ShardHandle::stopped(h)).await;
-    }
+    joining.released().await;
     served
 }

@@ -32,19 +32,6 @@ use crate::ready::{Condition, Readiness};
 use crate::shards::Shards;
 use crate::{Config, handover, tasks};
 
-/// Copies the shard set's ownership into the channel the server was built with.
-async fn forward(
-    mut from: tokio::sync::watch::Receiver<Arc<kuryr_shard::Ownership>>,
-    to: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
-) {
-    loop {
-        to.send_replace(from.borrow_and_update().clone());
-        if from.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
 /// The start-up sequence, in the background while the server already answers (NOT_SERVING).
 pub(crate) struct Start {
     pub(crate) config: Config,
@@ -59,12 +46,8 @@ pub(crate) struct Start {
     pub(crate) pools: BackendCell,
     /// What this replica serves.
     pub(crate) shards: Shards,
-    pub(crate) shard_config: kuryr_shard::ShardConfig,
-    pub(crate) shard_metrics: kuryr_shard::ShardMetrics,
-    /// Where the shard set's ownership is copied to (what `shards` follows).
-    pub(crate) ownership_tx: tokio::sync::watch::Sender<Arc<kuryr_shard::Ownership>>,
-    /// The running shard set, for the release at shutdown.
-    pub(crate) shard_handle: Arc<std::sync::OnceLock<kuryr_shard::ShardHandle>>,
+    /// The shard set to join once a Kubernetes client exists (what `shards` follows).
+    pub(crate) joining: kuryr_shard::Joining,
 }
 
 /// What the backend-specific part of the start hands on.
@@ -94,16 +77,7 @@ impl Start {
             return;
         };
         // The first round of Leases runs while the network is prepared.
-        if self.shard_config.shards > 0 {
-            let handle = kuryr_shard::start(
-                client.clone(),
-                self.shard_config.clone(),
-                self.shard_metrics.clone(),
-                shutdown.clone(),
-            );
-            tokio::spawn(forward(handle.ownership(), self.ownership_tx.clone()));
-            let _ = self.shard_handle.set(handle);
-        }
+        self.joining.join(client.clone(), shutdown.clone());
         let prepared = match self.neutron.clone() {
             None => self.prepare_embedded(&client, &shutdown).await,
             Some((os, nm)) => self.prepare_neutron(&client, os, nm, &shutdown).await,

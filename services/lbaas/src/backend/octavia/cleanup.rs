@@ -110,28 +110,24 @@ impl Inner {
             .collect();
         for lb in &lbs {
             let owner = plan::owner(&lb.tags);
-            // Only in served shards: a load balancer of another replica's shard is not an orphan
-            // (one without an owner tag belongs to the shard of the empty key).
-            if !(ctx.serves)(owner.as_ref().map_or("", |(key, _)| key.as_str())) {
-                continue;
-            }
-            let orphan = owner.as_ref().is_none_or(|(key, uid)| wanted.get(key) != Some(uid));
-            if orphan
-                && let Some((key, uid)) = &owner
-                && locked(&ctx.view).holds(key, uid)
-            {
-                // Its Service is here without a record yet (a load balancer made before this
-                // lbaas ran, or Kuryr's adopted by a migration): its reconcile decides.
-                (ctx.enqueue)(key);
-                continue;
-            }
-            if orphan && lb.provisioning_status != ProvisioningStatus::PendingDelete {
-                tracing::info!(lb = lb.id, name = lb.name, owner = ?owner, "deleting a load balancer whose Service is gone");
-                if let Err(e) = self.delete_lb(&lb.id, &mut t).await {
-                    self.metrics.maintenance_failed();
-                    tracing::warn!(lb = lb.id, error = chain(&e), "deleting an orphaned load balancer failed");
-                } else {
-                    self.metrics.orphans_deleted.inc();
+            let verdict = collect(
+                owner.as_ref(),
+                lb.provisioning_status == ProvisioningStatus::PendingDelete,
+                &wanted,
+                &*ctx.serves,
+                |key, uid| locked(&ctx.view).holds(key, uid),
+            );
+            match verdict {
+                Verdict::Keep => {}
+                Verdict::Reconcile(key) => (ctx.enqueue)(&key),
+                Verdict::Delete => {
+                    tracing::info!(lb = lb.id, name = lb.name, owner = ?owner, "deleting a load balancer whose Service is gone");
+                    if let Err(e) = self.delete_lb(&lb.id, &mut t).await {
+                        self.metrics.maintenance_failed();
+                        tracing::warn!(lb = lb.id, error = chain(&e), "deleting an orphaned load balancer failed");
+                    } else {
+                        self.metrics.orphans_deleted.inc();
+                    }
                 }
             }
         }
@@ -143,5 +139,80 @@ impl Inner {
             }
             self.metrics.drift_passes.inc();
         }
+    }
+}
+
+/// What garbage collection does with one load balancer of this cluster.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Its Service's (recorded), another replica's, or being deleted already.
+    Keep,
+    /// Its Service is here without a record yet (a load balancer made before this lbaas ran, or
+    /// Kuryr's adopted by a migration): its reconcile decides.
+    Reconcile(String),
+    /// Its Service is gone (or it names none).
+    Delete,
+}
+
+/// The verdict on a load balancer owned by `owner` (`(namespace/name, uid)` from its tags),
+/// given the recorded Services (`wanted`: key → uid), the keys this replica serves, and which
+/// Services the watcher's complete snapshot holds.
+fn collect(
+    owner: Option<&(String, String)>,
+    pending_delete: bool,
+    wanted: &HashMap<String, String>,
+    serves: &dyn Fn(&str) -> bool,
+    holds: impl Fn(&str, &str) -> bool,
+) -> Verdict {
+    // Only in served shards: a load balancer of another replica's shard is not an orphan (one
+    // without an owner tag belongs to the shard of the empty key).
+    if !serves(owner.map_or("", |(key, _)| key.as_str())) {
+        return Verdict::Keep;
+    }
+    match owner {
+        Some((key, uid)) if wanted.get(key) == Some(uid) => Verdict::Keep,
+        Some((key, uid)) if holds(key, uid) => Verdict::Reconcile(key.clone()),
+        _ if pending_delete => Verdict::Keep,
+        _ => Verdict::Delete,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner(key: &str, uid: &str) -> (String, String) {
+        (key.to_string(), uid.to_string())
+    }
+
+    #[test]
+    fn garbage_collection_deletes_only_what_no_service_holds() {
+        let wanted = HashMap::from([("ns/recorded".to_string(), "u1".to_string())]);
+        let all = |_: &str| true;
+        let present = |key: &str, uid: &str| (key, uid) == ("ns/adopted", "u2") || (key, uid) == ("ns/recorded", "u1");
+        let verdict = |o: Option<&(String, String)>, pending: bool| collect(o, pending, &wanted, &all, present);
+
+        let (recorded, adopted, gone) = (owner("ns/recorded", "u1"), owner("ns/adopted", "u2"), owner("ns/gone", "u3"));
+        assert_eq!(verdict(Some(&recorded), false), Verdict::Keep);
+        // A record-less load balancer of a Service that is there: its reconcile decides.
+        assert_eq!(verdict(Some(&adopted), false), Verdict::Reconcile("ns/adopted".into()));
+        // The Service is gone, or its name is now another Service's (another uid).
+        assert_eq!(verdict(Some(&gone), false), Verdict::Delete);
+        assert_eq!(verdict(Some(&owner("ns/recorded", "old-uid")), false), Verdict::Delete);
+        assert_eq!(verdict(None, false), Verdict::Delete);
+        // Already being deleted: nothing to do.
+        assert_eq!(verdict(Some(&gone), true), Verdict::Keep);
+    }
+
+    #[test]
+    fn garbage_collection_leaves_other_replicas_shards_alone() {
+        let wanted = HashMap::new();
+        let only_a = |key: &str| key.starts_with("a/");
+        let nothing = |_: &str, _: &str| false;
+        let (mine, theirs) = (owner("a/svc", "u"), owner("b/svc", "u"));
+        assert_eq!(collect(Some(&mine), false, &wanted, &only_a, nothing), Verdict::Delete);
+        assert_eq!(collect(Some(&theirs), false, &wanted, &only_a, nothing), Verdict::Keep);
+        // No owner tag: the shard of the empty key, not served here.
+        assert_eq!(collect(None, false, &wanted, &only_a, nothing), Verdict::Keep);
     }
 }

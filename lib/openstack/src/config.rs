@@ -19,7 +19,12 @@ use serde_json::Value;
 
 use crate::service::ServiceType;
 
+mod flags;
 mod raw;
+
+pub use flags::CloudFlags;
+#[cfg(feature = "clap")]
+pub use flags::NeutronCloudArgs;
 
 use raw::RawCloud;
 
@@ -109,6 +114,12 @@ pub enum ConfigError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("parsing {}: {source}", path.display())]
     Parse { path: PathBuf, source: Box<serde_saphyr::Error> },
+    /// A command-line flag's value ([`CloudFlags`]).
+    #[error("{flag} {reason}")]
+    Flag { flag: &'static str, reason: String },
+    /// The cloud the flags point to (clouds.yaml, `OS_*`) cannot be used.
+    #[error("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {0}")]
+    Cloud(Box<ConfigError>),
 }
 
 fn list_clouds(known: &[String]) -> String {

@@ -30,8 +30,8 @@ pub mod plan;
 
 use std::path::PathBuf;
 
-use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
-use kuryr_openstack::{CloudConfig, ConfigSource, ServiceType};
+use kuryr_openstack::config::NeutronCloudArgs;
+use kuryr_openstack::{CloudConfig, ServiceType};
 
 /// Writes one line of output (the plan, the report). A closed stdout or stderr is no reason to
 /// stop a migration half-way, so a failed write is ignored.
@@ -51,25 +51,12 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
-    /// The cloud of clouds.yaml (else $OS_CLOUD, else the OS_* variables).
-    #[arg(long, env = "KURYR_OS_CLOUD")]
-    pub os_cloud: Option<String>,
+    #[command(flatten)]
+    pub cloud: NeutronCloudArgs,
 
-    /// The clouds.yaml to read instead of the standard search path.
-    #[arg(long, env = "KURYR_CLOUDS_YAML")]
-    pub clouds_yaml: Option<PathBuf>,
-
-    /// Neutron's URL for a deployment without Keystone (with --octavia-url and --project-id).
-    #[arg(long, env = "KURYR_NEUTRON_URL")]
-    pub neutron_url: Option<String>,
-
-    /// Octavia's URL for a deployment without Keystone.
+    /// Octavia's URL for a deployment without Keystone (with --neutron-url and --project-id).
     #[arg(long, env = "KURYR_OCTAVIA_URL")]
     pub octavia_url: Option<String>,
-
-    /// The project, with --neutron-url / --octavia-url.
-    #[arg(long, env = "KURYR_PROJECT_ID")]
-    pub project_id: Option<String>,
 
     /// The allocator's pod network (its --pod-network-id): ports elsewhere are not migrated.
     #[arg(long, env = "KURYR_POD_NETWORK_ID")]
@@ -121,31 +108,6 @@ pub struct Args {
 impl Args {
     /// The OpenStack cloud: direct endpoints with --neutron-url/--octavia-url, else clouds.yaml.
     pub fn cloud(&self) -> anyhow::Result<CloudConfig> {
-        if self.neutron_url.is_some() || self.octavia_url.is_some() {
-            let mut overrides = std::collections::BTreeMap::new();
-            for (flag, url, service) in [
-                ("--neutron-url", &self.neutron_url, ServiceType::Network),
-                ("--octavia-url", &self.octavia_url, ServiceType::LoadBalancer),
-            ] {
-                if let Some(u) = url {
-                    overrides.insert(service, u.parse().map_err(|e| anyhow::anyhow!("{flag} {u:?}: {e}"))?);
-                }
-            }
-            return Ok(CloudConfig {
-                origin: "--neutron-url/--octavia-url".into(),
-                auth: AuthConfig::NoAuth { project_id: self.project_id.clone() },
-                region_name: None,
-                interface: Interface::default(),
-                tls: TlsConfig::default(),
-                endpoint_overrides: overrides,
-            });
-        }
-        let mut source = ConfigSource::from_process(self.os_cloud.clone());
-        if let Some(path) = &self.clouds_yaml {
-            anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
-            source.clouds_files = Some(vec![path.clone()]);
-        }
-        CloudConfig::load(&source)
-            .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))
+        Ok(self.cloud.flags(&[("--octavia-url", &self.octavia_url, ServiceType::LoadBalancer)]).resolve()?)
     }
 }

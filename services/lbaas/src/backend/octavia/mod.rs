@@ -49,12 +49,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::core::lb::LoadBalancerSpec;
-use kuryr_openstack::config::AuthConfig;
+use kuryr_openstack::config::CloudFlags;
 use kuryr_openstack::neutron::Neutron;
 use kuryr_openstack::octavia::{LoadBalancer, Octavia, ProvisioningStatus, SessionPersistence};
-use kuryr_openstack::{
-    ApiRequest, Client, ClientOptions, CloudConfig, ConfigSource, Error as OsError, Filter, ServiceType,
-};
+use kuryr_openstack::{ApiRequest, Client, ClientOptions, CloudConfig, Error as OsError, Filter, ServiceType};
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 use tracing::Instrument as _;
@@ -136,30 +134,19 @@ pub struct OctaviaArgs {
 impl OctaviaArgs {
     /// The cloud to talk to: direct endpoints with --octavia-url, else clouds.yaml / OS_*.
     pub fn cloud_config(&self) -> anyhow::Result<CloudConfig> {
-        let Some(octavia) = &self.octavia_url else {
-            return Ok(CloudConfig::load(&ConfigSource::from_process(self.os_cloud.clone()))?);
-        };
-        let project = self
-            .project_id
-            .clone()
-            .filter(|p| !p.trim().is_empty())
-            .ok_or_else(|| anyhow::anyhow!("--os-project-id is required with --octavia-url"))?;
-        let parse = |flag: &str, url: &str| {
-            reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("{flag} {url:?} is not a URL: {e}"))
-        };
-        let mut overrides = std::collections::BTreeMap::new();
-        overrides.insert(ServiceType::LoadBalancer, parse("--octavia-url", octavia)?);
-        if let Some(n) = &self.neutron_url {
-            overrides.insert(ServiceType::Network, parse("--neutron-url", n)?);
+        let mut flags = CloudFlags { os_cloud: self.os_cloud.as_deref(), ..CloudFlags::default() };
+        if let Some(octavia) = &self.octavia_url {
+            anyhow::ensure!(
+                self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),
+                "--os-project-id is required with --octavia-url"
+            );
+            flags.project_id = self.project_id.as_deref();
+            flags.endpoints.push(("--octavia-url", octavia, ServiceType::LoadBalancer));
+            if let Some(neutron) = &self.neutron_url {
+                flags.endpoints.push(("--neutron-url", neutron, ServiceType::Network));
+            }
         }
-        Ok(CloudConfig {
-            origin: "--octavia-url".into(),
-            auth: AuthConfig::NoAuth { project_id: Some(project) },
-            region_name: None,
-            interface: Default::default(),
-            tls: Default::default(),
-            endpoint_overrides: overrides,
-        })
+        Ok(flags.resolve()?)
     }
 
     fn shape(&self) -> anyhow::Result<Shape> {
@@ -387,6 +374,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use clap::Parser;
+
+    use kuryr_openstack::config::AuthConfig;
 
     use super::*;
 

@@ -47,24 +47,8 @@ pub fn policy_tag(p: &PolicyKey) -> String {
 /// Flags of `--backend neutron`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct NeutronArgs {
-    /// The cloud of clouds.yaml to use; else `OS_CLOUD`, else the `OS_*` variables, else a
-    /// clouds.yaml with a single cloud.
-    #[arg(long, env = "KURYR_OS_CLOUD")]
-    pub os_cloud: Option<String>,
-
-    /// The clouds.yaml to read, instead of the standard search path.
-    #[arg(long, env = "KURYR_CLOUDS_YAML")]
-    pub clouds_yaml: Option<std::path::PathBuf>,
-
-    /// Neutron's URL for deployments without Keystone: requests carry no token and
-    /// `--project-id` owns the groups. Replaces the cloud configuration.
-    #[arg(long, env = "KURYR_NEUTRON_URL")]
-    pub neutron_url: Option<String>,
-
-    /// The project owning the security groups (that of the pods' ports); by default the project
-    /// of the Keystone token. Required with --neutron-url.
-    #[arg(long, env = "KURYR_PROJECT_ID")]
-    pub project_id: Option<String>,
+    #[command(flatten)]
+    pub cloud: kuryr_openstack::config::NeutronCloudArgs,
 
     /// Names this cluster in the tag `kuryr.openstack.org/cluster=<id>` on every security group
     /// created (the allocator's `--cluster-id`).
@@ -97,12 +81,7 @@ impl NeutronArgs {
             "--cluster-id {:?}: 1-200 printable characters without commas (it becomes a Neutron tag)",
             self.cluster_id
         );
-        if self.neutron_url.is_some() {
-            anyhow::ensure!(
-                self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),
-                "--project-id is required with --neutron-url (no Keystone token to take it from)"
-            );
-        }
+        self.cloud.validate()?;
         anyhow::ensure!(self.neutron_resync >= Duration::from_secs(1), "--neutron-resync: at least 1s");
         Ok(())
     }
@@ -114,27 +93,8 @@ impl NeutronArgs {
 
     /// The OpenStack client, recording into `metrics`.
     pub fn client(&self, metrics: std::sync::Arc<kuryr_openstack::Metrics>) -> anyhow::Result<kuryr_openstack::Client> {
-        use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
-        use kuryr_openstack::{ClientOptions, CloudConfig, ConfigSource, ServiceType};
-        let cloud = if let Some(url) = &self.neutron_url {
-            let parsed = url.parse().map_err(|e| anyhow::anyhow!("--neutron-url {url:?}: {e}"))?;
-            CloudConfig {
-                origin: "--neutron-url".into(),
-                auth: AuthConfig::NoAuth { project_id: self.project_id.clone() },
-                region_name: None,
-                interface: Interface::default(),
-                tls: TlsConfig::default(),
-                endpoint_overrides: BTreeMap::from([(ServiceType::Network, parsed)]),
-            }
-        } else {
-            let mut source = ConfigSource::from_process(self.os_cloud.clone());
-            if let Some(path) = &self.clouds_yaml {
-                anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
-                source.clouds_files = Some(vec![path.clone()]);
-            }
-            CloudConfig::load(&source)
-                .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))?
-        };
+        use kuryr_openstack::ClientOptions;
+        let cloud = self.cloud.flags(&[]).resolve()?;
         let options = ClientOptions { timeout: self.neutron_timeout, ..ClientOptions::default() };
         Ok(kuryr_openstack::Client::new(&cloud, options, metrics)?)
     }

@@ -1,11 +1,10 @@
 //! The Neutron backend's flags, and the OpenStack client they describe.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
-use kuryr_openstack::{Client, ClientOptions, CloudConfig, ConfigSource, ServiceType};
+use kuryr_openstack::config::NeutronCloudArgs;
+use kuryr_openstack::{Client, ClientOptions};
 
 use super::namespaces::config::NamespaceArgs;
 use super::pool::Limits;
@@ -13,25 +12,8 @@ use super::pool::Limits;
 /// Flags of `--backend neutron`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct NeutronArgs {
-    /// The cloud of clouds.yaml to use (Keystone password or application credential); else
-    /// `OS_CLOUD`, else the `OS_*` variables, else a clouds.yaml with a single cloud.
-    #[arg(long, env = "KURYR_OS_CLOUD")]
-    pub os_cloud: Option<String>,
-
-    /// The clouds.yaml to read, instead of the standard search path (`OS_CLIENT_CONFIG_FILE`,
-    /// `./clouds.yaml`, `~/.config/openstack/`, `/etc/openstack/`).
-    #[arg(long, env = "KURYR_CLOUDS_YAML")]
-    pub clouds_yaml: Option<std::path::PathBuf>,
-
-    /// Neutron's URL for deployments without Keystone (e.g. `http://neutron:9696`): requests
-    /// carry no token and `--project-id` owns the ports. Replaces the cloud configuration.
-    #[arg(long, env = "KURYR_NEUTRON_URL")]
-    pub neutron_url: Option<String>,
-
-    /// The project owning the pods' ports; by default the project of the Keystone token.
-    /// Required with --neutron-url.
-    #[arg(long, env = "KURYR_PROJECT_ID")]
-    pub project_id: Option<String>,
+    #[command(flatten)]
+    pub cloud: NeutronCloudArgs,
 
     /// The Neutron network pods' ports are created on.
     #[arg(long, env = "KURYR_POD_NETWORK_ID")]
@@ -152,12 +134,7 @@ impl NeutronArgs {
             // Certificates and keys are read now: a bad one fails the start, not every connection.
             super::events::tls_connector(&tls)?;
         }
-        if self.neutron_url.is_some() {
-            anyhow::ensure!(
-                self.project_id.as_deref().is_some_and(|p| !p.trim().is_empty()),
-                "--project-id is required with --neutron-url (no Keystone token to take it from)"
-            );
-        }
+        self.cloud.validate()?;
         Ok(())
     }
 
@@ -166,31 +143,9 @@ impl NeutronArgs {
         format!("kuryr.openstack.org/cluster={}", self.cluster_id)
     }
 
-    /// The cloud: a direct Neutron endpoint, or clouds.yaml / `OS_*`.
-    pub fn cloud(&self) -> anyhow::Result<CloudConfig> {
-        if let Some(url) = &self.neutron_url {
-            let parsed = url.parse().map_err(|e| anyhow::anyhow!("--neutron-url {url:?}: {e}"))?;
-            return Ok(CloudConfig {
-                origin: "--neutron-url".into(),
-                auth: AuthConfig::NoAuth { project_id: self.project_id.clone() },
-                region_name: None,
-                interface: Interface::default(),
-                tls: TlsConfig::default(),
-                endpoint_overrides: BTreeMap::from([(ServiceType::Network, parsed)]),
-            });
-        }
-        let mut source = ConfigSource::from_process(self.os_cloud.clone());
-        if let Some(path) = &self.clouds_yaml {
-            anyhow::ensure!(path.is_file(), "--clouds-yaml {}: no such file", path.display());
-            source.clouds_files = Some(vec![path.clone()]);
-        }
-        CloudConfig::load(&source)
-            .map_err(|e| anyhow::anyhow!("OpenStack configuration (--os-cloud, clouds.yaml, OS_*): {e}"))
-    }
-
     /// The OpenStack client, recording into `metrics`.
     pub fn client(&self, metrics: Arc<kuryr_openstack::Metrics>) -> anyhow::Result<Client> {
-        let cloud = self.cloud()?;
+        let cloud = self.cloud.flags(&[]).resolve()?;
         let options = ClientOptions { timeout: self.neutron_timeout, ..ClientOptions::default() };
         Ok(Client::new(&cloud, options, metrics)?)
     }

@@ -211,7 +211,7 @@ impl NeutronBackend {
             None => None,
         };
         let neutron = client.network();
-        let project = match args.project_id.clone().filter(|p| !p.is_empty()) {
+        let project = match args.cloud.project_id.clone().filter(|p| !p.is_empty()) {
             Some(p) => p,
             None => client
                 .project_id()

@@ -105,6 +105,21 @@ impl Runtime {
         })
     }
 
+    /// [`Runtime::new`] with the gate of `common`'s `--auth`: the accounts `rules` name, their
+    /// tokens checked with the API server of `kubeconfig` (in-cluster when `None`).
+    #[cfg(feature = "kube")]
+    pub fn gated(
+        name: &'static str,
+        common: &CommonArgs,
+        kubeconfig: Option<std::path::PathBuf>,
+        rules: crate::auth::Rules,
+    ) -> anyhow::Result<Self> {
+        let mut rt = Self::new(name, common)?;
+        let gate = common.auth.gate(kubeconfig, rules, rt.registry());
+        rt.set_gate(gate);
+        Ok(rt)
+    }
+
     /// The registry to add the service's own metrics to.
     pub fn registry(&mut self) -> &mut Registry {
         &mut self.registry

@@ -184,9 +184,7 @@ impl Config {
 
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let mut rt = Runtime::new("kuryr-lbaas", &config.common)?;
-    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
-    rt.set_gate(gate);
+    let mut rt = Runtime::gated("kuryr-lbaas", &config.common, config.kubeconfig.clone(), rules(&config))?;
     let watcher = kuryr_runtime::discover::peer(
         "watcher",
         &config.watcher,

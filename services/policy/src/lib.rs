@@ -152,9 +152,7 @@ impl Config {
 
 /// Runs kuryr-policy until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let mut rt = Runtime::new("kuryr-policy", &config.common)?;
-    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
-    rt.set_gate(gate);
+    let mut rt = Runtime::gated("kuryr-policy", &config.common, config.kubeconfig.clone(), rules(&config))?;
     let watcher = kuryr_runtime::discover::peer(
         "watcher",
         &config.watcher,

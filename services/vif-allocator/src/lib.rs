@@ -264,9 +264,7 @@ impl Config {
 /// Runs the allocator until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let spec = config.network_spec()?;
-    let mut rt = Runtime::new("kuryr-vif-allocator", &config.common)?;
-    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
-    rt.set_gate(gate);
+    let mut rt = Runtime::gated("kuryr-vif-allocator", &config.common, config.kubeconfig.clone(), rules(&config))?;
     let watcher = kuryr_runtime::discover::peer(
         "watcher",
         &config.watcher,

@@ -105,9 +105,7 @@ pub fn rules(config: &Config) -> Rules {
 
 /// Runs the watcher until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let mut rt = Runtime::new("kuryr-watcher", &config.common)?;
-    let gate = config.common.auth.gate(config.kubeconfig.clone(), rules(&config), rt.registry());
-    rt.set_gate(gate);
+    let mut rt = Runtime::gated("kuryr-watcher", &config.common, config.kubeconfig.clone(), rules(&config))?;
     let metrics = metrics::Metrics::register(rt.registry());
     let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
     tracing::info!(epoch = %index.epoch(), history = config.history, "starting");

@@ -22,6 +22,8 @@
 //! The service reads the [`Ownership`] from a watch channel ([`ShardHandle::ownership`]):
 //! which shards it owns, and who owns every other one. With `--shards 0` nothing runs, no
 //! Lease is written, and the replica owns everything.
+//! A service joins through [`Joining`]: it is built with Joining's channel before it has a
+//! Kubernetes client, joins once it has one, and waits for the release at shutdown.
 
 pub mod config;
 pub mod hash;

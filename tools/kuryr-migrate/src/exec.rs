@@ -211,6 +211,32 @@ impl Migrator<'_> {
         }
     }
 
+    /// Says an object's plan (its steps, or why it is blocked) and counts it. The steps to run
+    /// now: none when blocked or on a dry run.
+    fn announce<S: std::fmt::Display>(
+        &mut self,
+        who: &str,
+        describe: &str,
+        note: &str,
+        planned: Result<Vec<S>, String>,
+    ) -> Vec<S> {
+        let steps = match planned {
+            Ok(s) => s,
+            Err(why) => {
+                say!("{who}: {describe}: blocked: {why}");
+                self.summary.blocked += 1;
+                return Vec::new();
+            }
+        };
+        let names: Vec<String> = steps.iter().map(ToString::to_string).collect();
+        say!("{who}: {describe}: {}{note}", names.join(", "));
+        if self.args.dry_run {
+            self.summary.steps += steps.len();
+            return Vec::new();
+        }
+        steps
+    }
+
     async fn pods(&mut self) -> anyhow::Result<()> {
         for o in list_kind(&self.kube, Kind::KuryrPort).await? {
             self.summary.pods += 1;
@@ -268,20 +294,8 @@ impl Migrator<'_> {
         } else {
             format!(" [additional interfaces not migrated: {}]", kp.extra_vifs.join(", "))
         };
-        let steps = match plan::pod_steps(&facts, &target, kuryr::POD_FINALIZER, kuryr_vif_allocator::pods::FINALIZER) {
-            Ok(s) => s,
-            Err(why) => {
-                say!("{who}: {describe}: blocked: {why}");
-                self.summary.blocked += 1;
-                return Ok(());
-            }
-        };
-        let names: Vec<String> = steps.iter().map(ToString::to_string).collect();
-        say!("{who}: {describe}: {}{extra}", names.join(", "));
-        if self.args.dry_run {
-            self.summary.steps += steps.len();
-            return Ok(());
-        }
+        let planned = plan::pod_steps(&facts, &target, kuryr::POD_FINALIZER, kuryr_vif_allocator::pods::FINALIZER);
+        let steps = self.announce(who, &describe, &extra, planned);
         for step in steps {
             match step {
                 PodStep::TagPort => {
@@ -475,20 +489,8 @@ impl Migrator<'_> {
             (Some(f), Some(_)) => format!(" [floating IP {f}: adopted]"),
             (None, _) => String::new(),
         };
-        let steps = match plan::lb_steps(&facts, kuryr::SERVICE_FINALIZER, kuryr_lbaas::core::view::FINALIZER) {
-            Ok(s) => s,
-            Err(why) => {
-                say!("{who}: {describe}: blocked: {why}");
-                self.summary.blocked += 1;
-                return Ok(());
-            }
-        };
-        let names: Vec<String> = steps.iter().map(ToString::to_string).collect();
-        say!("{who}: {describe}: {}{fip_note}", names.join(", "));
-        if self.args.dry_run {
-            self.summary.steps += steps.len();
-            return Ok(());
-        }
+        let planned = plan::lb_steps(&facts, kuryr::SERVICE_FINALIZER, kuryr_lbaas::core::view::FINALIZER);
+        let steps = self.announce(who, &describe, &fip_note, planned);
         for step in steps {
             match step {
                 LbStep::TagLoadBalancer => {

@@ -9,10 +9,14 @@
 
 use std::collections::BTreeMap;
 
+use std::time::Duration;
+
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
+
+use crate::services::wait_until;
 
 /// Creates the namespace `name`, without labels.
 pub async fn create_namespace(client: &kube::Client, name: &str) -> anyhow::Result<()> {
@@ -23,6 +27,17 @@ pub async fn create_namespace(client: &kube::Client, name: &str) -> anyhow::Resu
         .await
         .with_context(|| format!("creating namespace {name}"))?;
     Ok(())
+}
+
+/// Waits until `pods` lists no pod any more (their finalizers released), for at most `timeout`;
+/// `what` names the wait in the error, which says how many are left.
+pub async fn wait_no_pods(pods: &Api<Pod>, what: &str, timeout: Duration) -> anyhow::Result<()> {
+    wait_until(what, timeout, || async {
+        let left = pods.list(&ListParams::default()).await?.items.len();
+        anyhow::ensure!(left == 0, "{left} pods left");
+        Ok(())
+    })
+    .await
 }
 
 /// A pod being described; [`PodBuilder::build`] makes it.

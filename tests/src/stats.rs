@@ -1,4 +1,22 @@
-//! Summaries of measured samples for the benches: count, mean, percentiles and maximum.
+//! Summaries of measured samples for the benches: count, mean, percentiles and maximum; and the
+//! millisecond conversions they are reported in.
+
+use std::time::{Duration, Instant};
+
+/// `d` in milliseconds.
+#[must_use]
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `b - a` in milliseconds, negative when `b` is earlier.
+#[must_use]
+pub fn ms_between(a: Instant, b: Instant) -> f64 {
+    match b.checked_duration_since(a) {
+        Some(d) => ms(d),
+        None => -ms(a.duration_since(b)),
+    }
+}
 
 /// Summary of a sample (in whatever unit the values are; the benches use milliseconds).
 #[derive(Debug, Clone, Copy)]

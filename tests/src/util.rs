@@ -65,6 +65,26 @@ pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The 1, 5 and 15 minute load averages, as the benches print them beside their results (`?`
+/// when /proc/loadavg cannot be read).
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Where the benches' report says the binaries came from: `KURYR_BIN_DIR`, else cargo's target
+/// directories.
+pub fn bin_dir() -> String {
+    std::env::var("KURYR_BIN_DIR").unwrap_or_else(|_| "target/{debug,release}".into())
+}
+
 /// The value of the environment variable `name` (benches' knobs), `default` when unset or
 /// empty; a value that does not parse is an error naming the variable.
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>

@@ -38,6 +38,7 @@ use kuryr_tests::binder::Binder;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{self, AllocatorOptions, CniPod, NeutronCluster, SYSTEM_NAMESPACE, Svc};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::ShimOutput;
 use kuryr_tests::shim::result_ip;
@@ -433,13 +434,9 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
     for name in ["a", "b", "c", "d"] {
         pods.delete(name, &grace0).await.unwrap();
     }
-    wait_until("the pods to be gone", SLOW, || async {
-        let left = pods.list(&ListParams::default()).await?.items.len();
-        anyhow::ensure!(left == 0, "{left} pods left");
-        Ok(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
+    objects::wait_no_pods(&pods, "the pods to be gone", SLOW)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
     let podvifs: Api<PodVif> = Api::namespaced(w.admin.clone(), NS);
     assert!(podvifs.list(&ListParams::default()).await.unwrap().items.is_empty(), "PodVifs left behind");
     wait_until("every port back in the pool, free", SLOW, || async {

@@ -33,6 +33,7 @@ use kuryr_proto::allocator::v1::{FreePoolRequest, ListPoolsRequest, PoolKey, Pop
 use kuryr_proto::service_names::VIF_ALLOCATOR;
 use kuryr_tests::control::shard_holders;
 use kuryr_tests::neutron::{NeutronCluster, Svc, spawn};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_vif_allocator::k8s::crd::PodVif;
 
@@ -279,13 +280,9 @@ async fn two_replicas_split_the_pools_and_a_killed_ones_go_to_the_survivor() {
     for n in &names {
         pods.delete(n, &grace0).await.unwrap();
     }
-    wait_until("every pod gone (finalizers released)", SLOW, || async {
-        let left = pods.list(&ListParams::default()).await?.items.len();
-        anyhow::ensure!(left == 0, "{left} pods left");
-        Ok(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", survivor.proc.logs()));
+    objects::wait_no_pods(&pods, "every pod gone (finalizers released)", SLOW)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", survivor.proc.logs()));
     wait_until("every port of the cluster free in one of the survivor's pools", SLOW, || async {
         let ports = cluster_ports(&c).await;
         let held: Vec<&Port> = ports.iter().filter(|p| !p.device_id.is_empty()).collect();

@@ -29,6 +29,7 @@ use anyhow::{Context, Result, bail};
 use kuryr_tests::chaos::neutron::NeutronChaosOptions;
 use kuryr_tests::chaos::{self, ChaosOptions};
 use kuryr_tests::faultproxy::FaultRates;
+use kuryr_tests::util::loadavg;
 
 fn env_num(name: &str, default: u64) -> Result<u64> {
     match std::env::var(name) {
@@ -95,12 +96,6 @@ fn embedded_options() -> Result<ChaosOptions> {
         seed: env_num("CHAOS_SEED", d.seed)?,
         verbose: true,
     })
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
 }
 
 fn main() -> ExitCode {

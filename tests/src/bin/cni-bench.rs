@@ -26,6 +26,7 @@ use kuryr_tests::binder::Binder;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::services::bin_path;
+use kuryr_tests::stats::ms;
 use kuryr_tests::vifserver::{ScriptedAllocator, bridge_vif};
 
 const REFERENCE: &str = "/usr/lib/cni";
@@ -36,10 +37,6 @@ const STEP_METRIC: &str = "kuryr_cni_step_duration_seconds";
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[idx.min(sorted.len() - 1)]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 /// One execution of a plugin: how long from exec to exit, and what it printed.

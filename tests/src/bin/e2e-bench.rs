@@ -49,9 +49,8 @@ use kuryr_tests::cri::{Containerd, ContainerdOptions};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::{Kubelet, KubeletOptions, PodRecord};
 use kuryr_tests::services::{ServiceProcess, wait_until};
-use kuryr_tests::stats::Stats;
-use kuryr_tests::util::env_or;
-use kuryr_tests::util::{free_port, repo_root};
+use kuryr_tests::stats::{Stats, ms, ms_between};
+use kuryr_tests::util::{bin_dir, env_or, free_port, loadavg, repo_root, tail};
 use kuryr_vif_allocator::k8s::crd::PodVif;
 
 /// Namespace of the steady-rate pods.
@@ -222,27 +221,8 @@ impl Report {
     }
 }
 
-/// The 1, 5 and 15 minute load averages: the figures depend on what else the machine runs.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
 fn num_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// `b - a` in milliseconds, negative when `b` is earlier.
-fn ms_between(a: Instant, b: Instant) -> f64 {
-    match b.checked_duration_since(a) {
-        Some(d) => ms(d),
-        None => -ms(a.duration_since(b)),
-    }
 }
 
 /// Maps this process's monotonic instants onto the wall clock that log timestamps use.
@@ -440,15 +420,6 @@ async fn cluster_parts(cfg: Config, report: &mut Report) -> Result<()> {
     eprintln!("  cluster down in {:.1} s", t.elapsed().as_secs_f64());
     outcome?;
     down.map(drop)
-}
-
-fn bin_dir() -> String {
-    std::env::var("KURYR_BIN_DIR").unwrap_or_else(|_| "target/{debug,release}".into())
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let v: Vec<&str> = text.lines().collect();
-    v[v.len().saturating_sub(lines)..].join("\n")
 }
 
 async fn cluster_scenario(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<()> {

@@ -68,12 +68,13 @@ use kuryr_tests::binder::Binder;
 use kuryr_tests::kuryr_controller::{self as kuryr, KuryrConfig, KuryrController};
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc};
+use kuryr_tests::objects;
 use kuryr_tests::openstack::OctaviaLbaas;
 use kuryr_tests::procstat::{clock_ticks, cpu_ticks};
 use kuryr_tests::services::wait_until;
-use kuryr_tests::stats::Stats;
+use kuryr_tests::stats::{Stats, ms};
 use kuryr_tests::sut::{self, Sut};
-use kuryr_tests::util::env_or;
+use kuryr_tests::util::{env_or, loadavg};
 use kuryr_vif_allocator::k8s::crd::{PodVif, VifState};
 use serde_json::{Value, json};
 
@@ -93,10 +94,6 @@ const KURYR_CNI_FAILS: &str = "fails: os-vif re-declares br-int with datapath_ty
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 // ---- processes: PSS and CPU time from /proc ----
@@ -765,13 +762,9 @@ impl Bench {
                     ensure!(t.await?? == 0, "DEL failed");
                 }
                 api.delete_collection(&grace0, &ListParams::default()).await?;
-                wait_until("the phase's pods to be gone", SLOW, || async {
-                    let left = api.list(&ListParams::default()).await?.items.len();
-                    ensure!(left == 0, "{left} pods left");
-                    Ok(())
-                })
-                .await
-                .map_err(|e| anyhow::anyhow!("{e:#}\n{}", alloc.proc.logs()))?;
+                objects::wait_no_pods(&api, "the phase's pods to be gone", SLOW)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", alloc.proc.logs()))?;
                 alloc.proc.terminate(Duration::from_secs(10)).await?;
             }
         }
@@ -959,12 +952,6 @@ fn main() -> Result<()> {
     result
 }
 
-fn uptime() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 async fn run() -> Result<()> {
     let pods: usize = env_or("BENCH_KURYR_PODS", 100)?;
     let members: usize = env_or("BENCH_KURYR_MEMBERS", 10)?;
@@ -973,7 +960,7 @@ async fn run() -> Result<()> {
         members > 0 && pods >= members + changes,
         "BENCH_KURYR_PODS must be at least BENCH_KURYR_MEMBERS + BENCH_KURYR_CHANGES"
     );
-    let load_start = uptime();
+    let load_start = loadavg();
     kuryr::setup()?;
     let t0 = Instant::now();
     let c = NeutronCluster::start_with_octavia(&[NS_KURYR, NS_RS]).await?;
@@ -1089,7 +1076,7 @@ fn report(bench: &Bench, results: &[(Sys, Results)], load_start: &str) {
         bench.members,
         bench.changes,
         if cfg!(debug_assertions) { "debug" } else { "release" },
-        uptime()
+        loadavg()
     );
     for (sys, res) in results {
         println!();

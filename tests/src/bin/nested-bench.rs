@@ -28,22 +28,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kuryr_tests::nested::Vm;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::stats::Stats;
+use kuryr_tests::util::loadavg;
 
 const NS: &str = "bench-nested";
 /// Bound on one ADD and on a phase's teardown.
 const SLOW: Duration = Duration::from_secs(180);
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
 
 /// Neutron calls by operation, from an allocator's metrics; the status poller's and the
 /// reconciling batched reads (`ports.list` calls) apart as `status reads`.
@@ -211,12 +207,7 @@ async fn phase(
     for cni in &cnis {
         api.delete(&cni.name, &grace0).await?;
     }
-    wait_until("the pods gone", SLOW, || async {
-        let left = api.list(&ListParams::default()).await?.items.len();
-        ensure!(left == 0, "{left} pods left");
-        Ok(())
-    })
-    .await?;
+    objects::wait_no_pods(&api, "the pods gone", SLOW).await?;
     Ok(Phase { name: name.to_string(), add_ms, calls, fill, load })
 }
 

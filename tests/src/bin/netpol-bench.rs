@@ -54,7 +54,8 @@ use kuryr_tests::echo::{self, EchoServer, Proto};
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::nftmon::{Monitor, baseline, wait_all};
 use kuryr_tests::services::{bin_path, wait_until};
-use kuryr_tests::stats::Stats;
+use kuryr_tests::stats::{Stats, ms};
+use kuryr_tests::util::{bin_dir, env_or, loadavg, tail};
 use serde_json::{Value, json};
 
 const REAL_NS: &str = "npb-real";
@@ -77,15 +78,6 @@ const TARGET_P50_MS: f64 = 50.0;
 const TARGET_P99_MS: f64 = 200.0;
 /// Target: connection set-up with 1,000 policies / without.
 const TARGET_RATIO: f64 = 1.2;
-
-fn env_or(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a number: {e}"))
-        }
-        _ => Ok(default),
-    }
-}
 
 struct Config {
     changes: usize,
@@ -640,23 +632,4 @@ fn real_policies() -> Vec<Value> {
             ]}),
         ),
     ]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn bin_dir() -> String {
-    std::env::var("KURYR_BIN_DIR").unwrap_or_else(|_| "target/{debug,release}".into())
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -40,15 +40,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{GetVifRequest, PoolKey, PopulatePoolRequest};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum};
+use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
-use kuryr_tests::stats::Stats;
+use kuryr_tests::stats::{Stats, ms, ms_between};
 use kuryr_tests::util::env_or;
 use serde_json::Value;
 
@@ -429,13 +430,9 @@ impl Bench {
         for d in &done {
             api.delete(&d.pod.name, &grace0).await?;
         }
-        wait_until("the phase's pods to be gone", SLOW, || async {
-            let left = api.list(&ListParams::default()).await?.items.len();
-            ensure!(left == 0, "{left} pods left");
-            Ok(())
-        })
-        .await
-        .map_err(|e| anyhow::anyhow!("{e:#}\n{}", alloc.proc.logs()))?;
+        objects::wait_no_pods(&api, "the phase's pods to be gone", SLOW)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:#}\n{}", alloc.proc.logs()))?;
         let teardown = Calls::between(&before, &alloc.metrics().await?);
         Ok(Phase {
             name,
@@ -452,15 +449,6 @@ impl Bench {
             plug_to_active_seen_ms,
         })
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// `b − a` in ms, negative when `b` is earlier.
-fn ms_between(a: Instant, b: Instant) -> f64 {
-    if b >= a { ms(b - a) } else { -ms(a - b) }
 }
 
 fn met(ok: bool) -> &'static str {

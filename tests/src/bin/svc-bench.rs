@@ -36,7 +36,8 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::svc::table_has;
 use kuryr_tests::cluster::{Cluster, ClusterOptions};
 use kuryr_tests::nftmon::{Monitor, baseline, wait_all};
-use kuryr_tests::stats::Stats;
+use kuryr_tests::stats::{Stats, ms};
+use kuryr_tests::util::{bin_dir, env_or, loadavg, tail};
 
 const NAMESPACE: &str = "bench-svc";
 /// The Service whose EndpointSlice the bench writes.
@@ -51,15 +52,6 @@ const MANAGED_BY: &str = "bench.kuryr.openstack.org";
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Target for endpoint change → rules programmed on every node.
 const TARGET_MS: f64 = 100.0;
-
-fn env_or(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            v.trim().parse().map_err(|e| anyhow::anyhow!("{name}={v:?} is not a number: {e}"))
-        }
-        _ => Ok(default),
-    }
-}
 
 fn main() -> Result<()> {
     let changes = env_or("BENCH_SVC_CHANGES", 50)?;
@@ -314,23 +306,4 @@ impl PollCost {
     fn stats(&self) -> Option<Stats> {
         Stats::of(&self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn bin_dir() -> String {
-    std::env::var("KURYR_BIN_DIR").unwrap_or_else(|_| "target/{debug,release}".into())
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }

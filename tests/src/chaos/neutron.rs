@@ -49,7 +49,7 @@ use crate::forward::UnixForwarder;
 use crate::netns::Netns;
 use crate::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc, metric_sum, spawn, spawn_on};
 use crate::shim::ShimOutput;
-use crate::util::free_port;
+use crate::util::{free_port, tail};
 
 /// The IPv4 addresses of the live pods that have their network.
 fn addresses(live: &VecDeque<LivePod>) -> Vec<String> {
@@ -286,11 +286,6 @@ pub async fn run(o: &NeutronChaosOptions) -> Result<Outcome> {
         }
         Err(e) => Err(e.context(format!("the allocators' logs:\n{}", tail(&w.allocator_logs(), 120)))),
     }
-}
-
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// What the tagged `ports` show wrong now, for [`Lasting`]: `live` are the uids of the pods in

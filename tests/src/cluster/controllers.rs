@@ -19,7 +19,7 @@ use tokio::process::{Child, Command};
 
 use crate::kube::KubeEnv;
 use crate::services::tool_path;
-use crate::util::{env_script, free_port};
+use crate::util::{env_script, free_port, tail};
 
 /// The tool's name in the tools directory.
 pub const BINARY: &str = "kube-controller-manager";
@@ -155,10 +155,4 @@ impl ControllerManager {
         }
         Ok(())
     }
-}
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }

@@ -25,6 +25,8 @@
 //!   slow answers and lost answers to POSTs at configurable rates.
 //! - [`neutron`]: kuryr-vif-allocator `--backend neutron` among the real parts (API server,
 //!   Keystone, Neutron and its node), a binder on the node's OVS, CNI through the shim.
+//! - [`topology`]: the Neutron networks the OpenStack suites build (Service subnet, external
+//!   network and router).
 //! - [`sg_strategies`]: one policy as security groups with remote prefixes or a remote group,
 //!   driven directly against Neutron and its OVS agent, measured in calls and time to enforced.
 //! - [`kuryr_controller`]: Kuryr-Kubernetes' own controller from its venv, for the migration suites.
@@ -66,5 +68,6 @@ pub mod sg_strategies;
 pub mod shim;
 pub mod stats;
 pub mod sut;
+pub mod topology;
 pub mod util;
 pub mod vifserver;

@@ -40,13 +40,14 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{FixedIp, NetworkCreate, PortCreate, SubnetCreate};
+use kuryr_openstack::neutron::{FixedIp, PortCreate};
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::kuryr_controller::{self as kuryr, KuryrConfig, KuryrController, Migrate};
 use kuryr_tests::neutron::NeutronCluster;
 use kuryr_tests::openstack::OctaviaLbaas;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut;
+use kuryr_tests::topology;
 use serde_json::{Value, json};
 
 const NS: &str = "legacy-lb";
@@ -225,28 +226,7 @@ async fn kuryr_load_balancers_are_adopted_by_kuryr_rs_without_a_new_one() {
     let octavia_log = c.os.state_dir().join("logs/octavia-api.log");
 
     // The Service subnet: the API server's Service range, in Kuryr's project.
-    let svc_net = c
-        .neutron
-        .create_network(NetworkCreate {
-            name: Some("services".into()),
-            project_id: Some(ks.project_id.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let svc_sub = c
-        .neutron
-        .create_subnet(SubnetCreate {
-            network_id: svc_net.id.clone(),
-            ip_version: 4,
-            cidr: Some("10.96.0.0/16".into()),
-            project_id: Some(ks.project_id.clone()),
-            gateway_ip: Some("10.96.255.254".into()),
-            enable_dhcp: Some(false),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let (svc_net, svc_sub) = topology::service_network(&c.neutron, Some(&ks.project_id)).await.unwrap();
     // The VIP port Octavia's network driver would make (the no-op one here makes none).
     let vip_port = c
         .neutron

@@ -31,7 +31,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
-use kuryr_openstack::neutron::{ExternalGateway, NetworkCreate, RouterCreate, RouterInterface, SubnetCreate};
+use kuryr_openstack::neutron::RouterInterface;
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, Metrics};
 use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
@@ -40,6 +40,7 @@ use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
+use kuryr_tests::topology;
 use kuryr_tests::util::unique_id;
 use serde_json::{Value, json};
 
@@ -578,40 +579,9 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
     let n = client.network();
     // The Service network: the API server's Service range (10.96.0.0/16), its gateway away from
     // the addresses Services get; behind a router to an external network.
-    let svc_net =
-        n.create_network(NetworkCreate { name: Some("services".into()), ..Default::default() }).await.unwrap();
-    let svc_sub = n
-        .create_subnet(SubnetCreate {
-            network_id: svc_net.id.clone(),
-            ip_version: 4,
-            cidr: Some("10.96.0.0/16".into()),
-            gateway_ip: Some("10.96.255.254".into()),
-            enable_dhcp: Some(false),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let ext = n
-        .create_network(NetworkCreate { name: Some("public".into()), external: Some(true), ..Default::default() })
-        .await
-        .unwrap();
-    n.create_subnet(SubnetCreate {
-        network_id: ext.id.clone(),
-        ip_version: 4,
-        cidr: Some("203.0.113.0/24".into()),
-        enable_dhcp: Some(false),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let router = n
-        .create_router(RouterCreate {
-            name: Some("services".into()),
-            external_gateway_info: Some(ExternalGateway { network_id: ext.id.clone(), enable_snat: None }),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let (svc_net, svc_sub) = topology::service_network(&n, None).await.unwrap();
+    let (ext, _) = topology::external_network(&n, "public").await.unwrap();
+    let router = topology::router_to(&n, "services", &ext.id).await.unwrap();
     n.add_router_interface(&router.id, &RouterInterface::SubnetId(svc_sub.id.clone())).await.unwrap();
 
     let watcher = start_watcher(c);

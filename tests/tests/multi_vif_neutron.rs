@@ -28,12 +28,13 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{FixedIp, NetworkCreate, Port, PortCreate, SubnetCreate};
+use kuryr_openstack::neutron::{FixedIp, NetworkCreate, Port, PortCreate};
 use kuryr_proto::allocator::v1::{BindingDriver, Vif};
 use kuryr_tests::nested::vsctl;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc};
 use kuryr_tests::services::wait_until;
+use kuryr_tests::topology;
 use kuryr_tests::util::repo_root;
 use kuryr_vif_allocator::backend::neutron::attach::ATTACH_OWNER;
 use kuryr_vif_allocator::k8s::crd::{NetworkAttachmentDefinition, NetworkAttachmentDefinitionSpec};
@@ -95,38 +96,11 @@ async fn neutron_pods_get_a_port_per_attachment_network_and_leak_none() {
     let project = c.net.project_id.clone();
 
     // Two networks of the pods' project: red (IPv4) and blue (IPv6).
-    let mk_net = |name: &str| NetworkCreate {
-        name: Some(name.into()),
-        project_id: Some(project.clone()),
-        admin_state_up: Some(true),
-        ..NetworkCreate::default()
-    };
+    let mk_net = |name: &str| NetworkCreate { admin_state_up: Some(true), ..topology::network(name, Some(&project)) };
     let red = c.neutron.create_network(mk_net("mvn-red")).await.unwrap();
     let blue = c.neutron.create_network(mk_net("mvn-blue")).await.unwrap();
-    let red_v4 = c
-        .neutron
-        .create_subnet(SubnetCreate {
-            network_id: red.id.clone(),
-            ip_version: 4,
-            cidr: Some("10.77.0.0/24".into()),
-            project_id: Some(project.clone()),
-            enable_dhcp: Some(false),
-            ..SubnetCreate::default()
-        })
-        .await
-        .unwrap();
-    let blue_v6 = c
-        .neutron
-        .create_subnet(SubnetCreate {
-            network_id: blue.id.clone(),
-            ip_version: 6,
-            cidr: Some("fd77:77::/64".into()),
-            project_id: Some(project.clone()),
-            enable_dhcp: Some(false),
-            ..SubnetCreate::default()
-        })
-        .await
-        .unwrap();
+    let red_v4 = c.neutron.create_subnet(topology::subnet(&red.id, 4, "10.77.0.0/24", Some(&project))).await.unwrap();
+    let blue_v6 = c.neutron.create_subnet(topology::subnet(&blue.id, 6, "fd77:77::/64", Some(&project))).await.unwrap();
     let nads: Api<NetworkAttachmentDefinition> = Api::namespaced(c.admin.clone(), NS);
     let pp = PostParams::default();
     nads.create(&pp, &nad("red", serde_json::json!({"neutronNetwork": "mvn-red"}))).await.unwrap();

@@ -11,14 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kuryr_openstack::neutron::{
-    FixedIp, FloatingIpAssociation, FloatingIpCreate, NetworkCreate, PortCreate, PortUpdate, RouterCreate,
-    RouterInterface, SubnetCreate, TaggedResource,
+    FixedIp, FloatingIpAssociation, FloatingIpCreate, NetworkCreate, PortCreate, PortUpdate, RouterInterface,
+    SubnetCreate, TaggedResource,
 };
 use kuryr_openstack::octavia::{
     LbAlgorithm, ListenerCreate, LoadBalancerCreate, MemberCreate, PoolCreate, Protocol, ProvisioningStatus,
 };
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, ConfigSource, Error, Filter, Metrics};
 use kuryr_tests::openstack::{OpenStackEnv, Service};
+use kuryr_tests::topology;
 use kuryr_tests::util::parse_env_file;
 
 fn options() -> ClientOptions {
@@ -260,32 +261,9 @@ async fn neutron_ports_networks_routers_and_floating_ips() {
         })
         .await
         .unwrap();
-    let ext = n
-        .create_network(NetworkCreate { name: Some(format!("{tag}-ext")), external: Some(true), ..Default::default() })
-        .await
-        .unwrap();
+    let (ext, ext_sub) = topology::external_network(&n, &format!("{tag}-ext")).await.unwrap();
     assert!(ext.external);
-    let ext_sub = n
-        .create_subnet(SubnetCreate {
-            network_id: ext.id.clone(),
-            ip_version: 4,
-            cidr: Some("203.0.113.0/24".into()),
-            enable_dhcp: Some(false),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let router = n
-        .create_router(RouterCreate {
-            name: Some(format!("{tag}-router")),
-            external_gateway_info: Some(kuryr_openstack::neutron::ExternalGateway {
-                network_id: ext.id.clone(),
-                enable_snat: None,
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let router = topology::router_to(&n, &format!("{tag}-router"), &ext.id).await.unwrap();
     let iface = n.add_router_interface(&router.id, &RouterInterface::SubnetId(ns_sub.id.clone())).await.unwrap();
     assert_eq!(iface.subnet_id.as_deref(), Some(ns_sub.id.as_str()));
     let vip = n.create_port(PortCreate { network_id: ns_net.id.clone(), ..Default::default() }).await.unwrap();

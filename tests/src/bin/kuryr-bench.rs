@@ -60,7 +60,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event, watcher};
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{FixedIp, NetworkCreate, PortCreate, SubnetCreate};
+use kuryr_openstack::neutron::{FixedIp, PortCreate};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::{PoolKey, PopulatePoolRequest};
 use kuryr_proto::service_names::LOAD_BALANCERS;
@@ -74,6 +74,7 @@ use kuryr_tests::procstat::{clock_ticks, cpu_ticks};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::stats::{Stats, ms};
 use kuryr_tests::sut::{self, Sut};
+use kuryr_tests::topology;
 use kuryr_tests::util::{env_or, loadavg};
 use kuryr_vif_allocator::k8s::crd::{PodVif, VifState};
 use serde_json::{Value, json};
@@ -973,26 +974,7 @@ async fn run() -> Result<()> {
         project: ks.project_id.clone(),
     };
     // The Service subnet: the API server's Service range, in Kuryr's project.
-    let svc_net = c
-        .neutron
-        .create_network(NetworkCreate {
-            name: Some("services".into()),
-            project_id: Some(ks.project_id.clone()),
-            ..Default::default()
-        })
-        .await?;
-    let svc_sub = c
-        .neutron
-        .create_subnet(SubnetCreate {
-            network_id: svc_net.id.clone(),
-            ip_version: 4,
-            cidr: Some("10.96.0.0/16".into()),
-            project_id: Some(ks.project_id.clone()),
-            gateway_ip: Some("10.96.255.254".into()),
-            enable_dhcp: Some(false),
-            ..Default::default()
-        })
-        .await?;
+    let (_, svc_sub) = topology::service_network(&c.neutron, Some(&ks.project_id)).await?;
     let log = ApiLog(c.os.state_dir().join("logs/neutron-api.log"));
     let bench = Bench { c, pods, members, changes, tck: clock_ticks(), log, octavia, svc_subnet: svc_sub.id.clone() };
 

@@ -30,6 +30,7 @@
 //! - [`sg_strategies`]: one policy as security groups with remote prefixes or a remote group,
 //!   driven directly against Neutron and its OVS agent, measured in calls and time to enforced.
 //! - [`kuryr_controller`]: Kuryr-Kubernetes' own controller from its venv, for the migration suites.
+//! - [`ipam`]: the API server with the allocator's CRDs that the embedded IPAM suites run against.
 //! - [`metrics`]: scraping the services' `/metrics` and asserting what moved between scrapes.
 //! - [`netns`]: named network namespaces deleted on drop; [`shim`]: executing kuryr-cni.
 //! - [`echo`]: servers and clients in network namespaces that say who answered whom (TCP, UDP).
@@ -48,6 +49,7 @@ pub mod cri;
 pub mod echo;
 pub mod faultproxy;
 pub mod forward;
+pub mod ipam;
 pub mod kube;
 pub mod kubelet;
 pub mod kuryr_controller;

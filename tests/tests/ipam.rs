@@ -5,31 +5,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::future::join_all;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::ipam::{cluster, phase, pod};
 use kuryr_vif_allocator::backend::ipam::{Allocation, IpamStore, StoreError};
-use kuryr_vif_allocator::core::PodKey;
 use kuryr_vif_allocator::k8s::crd::{self, AddressBlock, PodNetwork, PodNetworkSpec, RouteSpec};
-
-/// Bound on a whole phase of API calls; a loaded 2-core machine needs a few seconds.
-const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Starts the API server and installs the committed CRD manifests, waiting (on a watch) until
-/// each is Established.
-async fn cluster() -> (KubeEnv, kube::Client) {
-    let env = KubeEnv::start().await.unwrap();
-    let names: Vec<String> = crd::crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
-    env.install_crds(&names).await.unwrap();
-    let client = env.client().await.unwrap();
-    (env, client)
-}
-
-fn pod(i: usize) -> PodKey {
-    PodKey::new("ns1", format!("pod-{i}"), format!("uid-{i}"))
-}
 
 fn ips(a: &Allocation) -> Vec<(String, String)> {
     a.vif.ips.iter().map(|c| (c.address.to_string(), c.gateway.to_string())).collect()
@@ -39,13 +21,9 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
     list.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
 }
 
-async fn phase<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(PHASE_TIMEOUT, fut).await.unwrap_or_else(|_| panic!("{what} took over {PHASE_TIMEOUT:?}"))
-}
-
 #[tokio::test]
 async fn allocates_node_local_addresses_idempotently_and_releases_them() {
-    let (env, client) = cluster().await;
+    let (env, client) = cluster().await.unwrap();
     let store = IpamStore::new(client.clone());
     let spec = PodNetworkSpec {
         routes: vec![RouteSpec { destination: "10.96.0.0/12".into(), gateway: None }],
@@ -149,7 +127,7 @@ async fn allocates_node_local_addresses_idempotently_and_releases_them() {
 
 #[tokio::test]
 async fn dual_stack_ipv6_only_and_exhaustion() {
-    let (_env, client) = cluster().await;
+    let (_env, client) = cluster().await.unwrap();
     let store = IpamStore::new(client.clone());
 
     // Dual-stack: one address per family, each from the node's block of that family, and the
@@ -227,7 +205,7 @@ async fn dual_stack_ipv6_only_and_exhaustion() {
 #[tokio::test]
 async fn two_allocators_never_hand_out_an_address_twice() {
     const PODS: usize = 200;
-    let (env, client) = cluster().await;
+    let (env, client) = cluster().await.unwrap();
     let stores = [IpamStore::new(env.client().await.unwrap()), IpamStore::new(env.client().await.unwrap())];
     // /26 blocks (61 pods each): each node needs two blocks, so block claims race as well.
     let spec = PodNetworkSpec { ipv4_block_prefix: 26, ..PodNetworkSpec::new(["10.50.0.0/16"]) };
@@ -343,7 +321,7 @@ async fn recorded_allocations(client: &kube::Client) -> HashMap<String, IpAddr> 
 /// and only when the pod holds it.
 #[tokio::test]
 async fn holds_reads_now_and_release_addresses_frees_only_the_listed_ones() {
-    let (_env, client) = cluster().await;
+    let (_env, client) = cluster().await.unwrap();
     let store = IpamStore::new(client.clone());
     let spec = PodNetworkSpec { ipv4_block_prefix: 28, ..PodNetworkSpec::new(["10.60.0.0/24"]) };
     store.ensure_network("dup", &spec).await.unwrap();

@@ -10,29 +10,9 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use kube::api::Api;
-use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::ipam::{cluster, phase, pod};
 use kuryr_vif_allocator::backend::ipam::{IpamStore, StoreConfig};
-use kuryr_vif_allocator::core::PodKey;
-use kuryr_vif_allocator::k8s::crd::{self, AddressBlock, PodNetworkSpec};
-
-/// Bound on a phase of API calls on a loaded machine.
-const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
-
-async fn cluster() -> (KubeEnv, kube::Client) {
-    let env = KubeEnv::start().await.unwrap();
-    let names: Vec<String> = crd::crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
-    env.install_crds(&names).await.unwrap();
-    let client = env.client().await.unwrap();
-    (env, client)
-}
-
-fn pod(i: usize) -> PodKey {
-    PodKey::new("ns1", format!("pod-{i}"), format!("uid-{i}"))
-}
-
-async fn phase<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(PHASE_TIMEOUT, fut).await.unwrap_or_else(|_| panic!("{what} took over {PHASE_TIMEOUT:?}"))
-}
+use kuryr_vif_allocator::k8s::crd::{AddressBlock, PodNetworkSpec};
 
 /// Every entry of the network's blocks as (address, uid); panics on an address recorded twice.
 async fn recorded(client: &kube::Client, network: &str) -> BTreeSet<(IpAddr, String)> {
@@ -54,7 +34,7 @@ async fn recorded(client: &kube::Client, network: &str) -> BTreeSet<(IpAddr, Str
 #[tokio::test]
 async fn a_burst_for_one_node_is_written_in_batches() {
     const PODS: usize = 120;
-    let (_env, client) = cluster().await;
+    let (_env, client) = cluster().await.unwrap();
     let store = IpamStore::new(client.clone());
     store.ensure_network("burst", &PodNetworkSpec::new(["10.60.0.0/16", "fd00:60::/64"])).await.unwrap();
 
@@ -103,7 +83,7 @@ async fn a_burst_for_one_node_is_written_in_batches() {
 /// back. A must notice at the write (409) or confirm with a fresh read, never trust the copy.
 #[tokio::test]
 async fn a_stale_copy_never_decides_alone() {
-    let (env, client) = cluster().await;
+    let (env, client) = cluster().await.unwrap();
     // A long TTL, so that only the safety rules (not expiry) keep store A right.
     let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
     let a = IpamStore::with_config(env.client().await.unwrap(), config);

@@ -104,6 +104,18 @@ impl Binder {
         format!("unix://{}", self.socket.display())
     }
 
+    /// A gRPC channel over the binder's unix socket, as the shim opens one.
+    pub async fn channel(&self) -> Result<tonic::transport::Channel> {
+        let socket = self.socket.clone();
+        let channel = tonic::transport::Endpoint::from_static("http://binder")
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let s = socket.clone();
+                async move { tokio::net::UnixStream::connect(s).await.map(hyper_util::rt::TokioIo::new) }
+            }))
+            .await?;
+        Ok(channel)
+    }
+
     /// What the binder logged.
     pub fn logs(&self) -> String {
         self.proc.as_ref().map(ServiceProcess::logs).unwrap_or_default()

@@ -385,14 +385,7 @@ async fn versions_and_deadlines_are_answered_as_cni_errors() {
     // incompatible.
     use kuryr_proto::binder::v1::CniRequest;
     use kuryr_proto::binder::v1::cni_client::CniClient;
-    let socket = e.binder.socket.clone();
-    let channel = tonic::transport::Endpoint::from_static("http://binder")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let s = socket.clone();
-            async move { tokio::net::UnixStream::connect(s).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap();
+    let channel = e.binder.channel().await.unwrap();
     let req = CniRequest { shim_version: "0.0.1-old".into(), container_id: "c".into(), ..Default::default() };
     let status = CniClient::new(channel).add(req).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
@@ -404,14 +397,7 @@ async fn versions_and_deadlines_are_answered_as_cni_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_method_paths_add_no_metric_series() {
     let e = env(true, &[]).await;
-    let socket = e.binder.socket.clone();
-    let channel = tonic::transport::Endpoint::from_static("http://binder")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let s = socket.clone();
-            async move { tokio::net::UnixStream::connect(s).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap();
+    let channel = e.binder.channel().await.unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
     let mut seed = u64::from(std::process::id());
     let mut call = async |path: String| {

@@ -85,9 +85,14 @@ fn sctp_listener(any: SocketAddr) -> std::io::Result<socket2::Socket> {
 }
 
 fn ask_sctp(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let mut s = sctp_socket(&to)?;
+    let s = sctp_socket(&to)?;
     s.connect_timeout(&to.into(), timeout)?;
     s.set_read_timeout(Some(timeout))?;
+    read_answer(s)
+}
+
+/// Everything the server sent until it closed; an error when that was nothing.
+fn read_answer(mut s: impl Read) -> std::io::Result<String> {
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     if out.trim().is_empty() {
@@ -107,14 +112,9 @@ fn reason(e: &std::io::Error) -> String {
 }
 
 fn ask_tcp(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let mut s = TcpStream::connect_timeout(&to, timeout)?;
+    let s = TcpStream::connect_timeout(&to, timeout)?;
     s.set_read_timeout(Some(timeout))?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    if out.trim().is_empty() {
-        return Err(std::io::Error::new(ErrorKind::UnexpectedEof, "closed without an answer"));
-    }
-    Ok(out)
+    read_answer(s)
 }
 
 fn ask_udp(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {

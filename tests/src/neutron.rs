@@ -44,6 +44,15 @@ use crate::util::{free_port, repo_root};
 /// The namespace the services' accounts live in.
 pub const SYSTEM_NAMESPACE: &str = "kuryr-system";
 
+/// Bound on changes that go through Neutron and its agent (ACTIVE takes 1–3 s unloaded, much
+/// more on a machine busy building).
+pub const SLOW: Duration = Duration::from_secs(180);
+
+/// The tag kuryr-vif-allocator puts on the Neutron resources of the cluster `cluster_id`.
+pub fn cluster_tag(cluster_id: &str) -> String {
+    format!("kuryr.openstack.org/cluster={cluster_id}")
+}
+
 /// Everything up: API server, Keystone, Neutron and its node, the Kubernetes side prepared.
 pub struct NeutronCluster {
     pub os: OpenStackEnv,
@@ -115,7 +124,7 @@ impl Default for AllocatorOptions {
 impl AllocatorOptions {
     /// The tag on the ports this allocator makes.
     pub fn cluster_tag(&self) -> String {
-        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
+        cluster_tag(&self.cluster_id)
     }
 }
 

@@ -37,16 +37,13 @@ use kuryr_proto::allocator::v1::{
 use kuryr_tests::binder::Binder;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{self, AllocatorOptions, CniPod, NeutronCluster, SYSTEM_NAMESPACE, Svc};
+use kuryr_tests::neutron::{self, AllocatorOptions, CniPod, NeutronCluster, SLOW, SYSTEM_NAMESPACE, Svc};
 use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::ShimOutput;
 use kuryr_tests::shim::result_ip;
 use kuryr_vif_allocator::k8s::crd::PodVif;
 
-/// Bound on changes that go through Neutron and its agent (ACTIVE takes 1–3 s unloaded, much
-/// more on a machine busy building).
-const SLOW: Duration = Duration::from_secs(180);
 /// Bound on a change inside the allocator.
 const QUICK: Duration = Duration::from_secs(60);
 const NS: &str = "neutron-pods";

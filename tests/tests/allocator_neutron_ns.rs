@@ -37,13 +37,11 @@ use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::{ListPoolsRequest, PoolKey, PopulatePoolRequest};
 use kuryr_tests::cluster::controllers::ControllerManager;
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{CniPod, NeutronCluster, Svc, metric, spawn};
+use kuryr_tests::neutron::{CniPod, NeutronCluster, SLOW, Svc, metric, spawn};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::result_ip;
 use kuryr_vif_allocator::k8s::crd::{NamespaceNetwork, NamespaceNetworkPhase};
 
-/// Bound on changes that go through Neutron and its agent.
-const SLOW: Duration = Duration::from_secs(180);
 const CLUSTER_TAG: &str = "kuryr.openstack.org/cluster=e2e-ns";
 const FINALIZER: &str = "kuryr.openstack.org/namespace-network";
 const POOL_V4: &str = "10.60.0.0/16";

@@ -32,7 +32,7 @@ use kuryr_openstack::neutron::{FixedIp, NetworkCreate, Port, PortCreate};
 use kuryr_proto::allocator::v1::{BindingDriver, Vif};
 use kuryr_tests::nested::vsctl;
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc};
+use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, SLOW, Svc, cluster_tag};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::topology;
 use kuryr_tests::util::repo_root;
@@ -40,14 +40,8 @@ use kuryr_vif_allocator::backend::neutron::attach::ATTACH_OWNER;
 use kuryr_vif_allocator::k8s::crd::{NetworkAttachmentDefinition, NetworkAttachmentDefinitionSpec};
 use serde_json::Value;
 
-/// Bound on changes that go through Neutron and its agent.
-const SLOW: Duration = Duration::from_secs(180);
 const NS: &str = "mvn";
 const CLUSTER_ID: &str = "e2e-mvif";
-
-fn cluster_tag() -> String {
-    format!("kuryr.openstack.org/cluster={CLUSTER_ID}")
-}
 
 fn nad(name: &str, kuryr: Value) -> NetworkAttachmentDefinition {
     let config = serde_json::json!({"cniVersion": "1.1.0", "name": name, "type": "kuryr", "kuryr": kuryr});
@@ -147,7 +141,7 @@ async fn neutron_pods_get_a_port_per_attachment_network_and_leak_none() {
             assert_eq!(port.fixed_ips.len(), 1);
             assert_eq!(port.fixed_ips[0].subnet_id.as_ref(), Some(subnet));
             assert_eq!(port.binding_host_id.as_deref(), Some(c.node.host.as_str()));
-            assert!(port.tags.contains(&cluster_tag()), "{port:?}");
+            assert!(port.tags.contains(&cluster_tag(CLUSTER_ID)), "{port:?}");
             assert_eq!(port.mac_address.to_ascii_lowercase(), inner.mac);
             assert_eq!(inner.binding.clone().unwrap().driver(), BindingDriver::Ovs);
         }
@@ -231,7 +225,7 @@ async fn neutron_pods_get_a_port_per_attachment_network_and_leak_none() {
             device_id: Some("00000000-0000-4000-8000-00000000dead".into()),
             device_owner: Some(ATTACH_OWNER.into()),
             binding_host_id: Some(c.node.host.clone()),
-            tags: Some(vec![cluster_tag()]),
+            tags: Some(vec![cluster_tag(CLUSTER_ID)]),
             ..PortCreate::default()
         })
         .await
@@ -274,8 +268,13 @@ async fn neutron_pods_get_a_port_per_attachment_network_and_leak_none() {
         pods.delete(&p.metadata.name.unwrap(), &grace0).await.unwrap();
     }
     wait_until("every port of the pods deleted", SLOW, || async {
-        let tagged: Vec<String> =
-            c.neutron.list_ports(&Filter::new().tags(&[cluster_tag()])).await?.into_iter().map(|p| p.id).collect();
+        let tagged: Vec<String> = c
+            .neutron
+            .list_ports(&Filter::new().tags(&[cluster_tag(CLUSTER_ID)]))
+            .await?
+            .into_iter()
+            .map(|p| p.id)
+            .collect();
         anyhow::ensure!(tagged.is_empty(), "ports left: {tagged:?}");
         let extras = c.neutron.list_ports(&Filter::new().device_owner(ATTACH_OWNER)).await?;
         anyhow::ensure!(extras.is_empty(), "further ports left: {extras:?}");

@@ -37,19 +37,15 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kuryr_openstack::Filter;
 use kuryr_openstack::neutron::{PortCreate, SecurityGroupCreate, SecurityGroupRuleCreate};
 use kuryr_tests::binder::Binder;
-use kuryr_tests::neutron::{AllocatorOptions, NeutronCluster, PluggedPod, Svc, measure_policy_change};
+use kuryr_tests::neutron::{
+    AllocatorOptions, NeutronCluster, PluggedPod, SLOW, Svc, cluster_tag, measure_policy_change,
+};
 use kuryr_tests::services::wait_until;
 use serde_json::json;
 
-/// Bound on changes that go through Neutron and its agent.
-const SLOW: Duration = Duration::from_secs(180);
 const NS: &str = "np";
 const CLUSTER_ID: &str = "e2e-np";
 const OWNER_TAG: &str = "kuryr.openstack.org/owner=kuryr-policy";
-
-fn cluster_tag() -> String {
-    format!("kuryr.openstack.org/cluster={CLUSTER_ID}")
-}
 
 struct Suite {
     c: NeutronCluster,
@@ -76,7 +72,7 @@ impl Suite {
     /// The kuryr-policy groups of the cluster, by their policy tag's value (`open=...` for the
     /// shared ones).
     async fn owned_groups(&self) -> Vec<(String, String)> {
-        let tags = [cluster_tag(), OWNER_TAG.to_string()];
+        let tags = [cluster_tag(CLUSTER_ID), OWNER_TAG.to_string()];
         let groups = self.c.neutron.list_security_groups(&Filter::new().tags(&tags)).await.unwrap();
         let mut out: Vec<(String, String)> = groups
             .into_iter()
@@ -315,7 +311,11 @@ async fn security_groups_per_policy_enforced_by_the_ovs_firewall() {
             .create_security_group(SecurityGroupCreate {
                 name: "kuryr-np-np-ghost".into(),
                 project_id: Some(s.c.net.project_id.clone()),
-                tags: Some(vec![cluster_tag(), OWNER_TAG.into(), "kuryr.openstack.org/networkpolicy=np/ghost".into()]),
+                tags: Some(vec![
+                    cluster_tag(CLUSTER_ID),
+                    OWNER_TAG.into(),
+                    "kuryr.openstack.org/networkpolicy=np/ghost".into(),
+                ]),
                 ..Default::default()
             })
             .await
@@ -355,8 +355,8 @@ async fn security_groups_per_policy_enforced_by_the_ovs_firewall() {
             .await
             .unwrap()
             .id;
-    let cut_short = untagged(cluster_tag(), "np/deny").await;
-    let foreign = untagged(format!("{}-other", cluster_tag()), "np/deny").await;
+    let cut_short = untagged(cluster_tag(CLUSTER_ID), "np/deny").await;
+    let foreign = untagged(format!("{}-other", cluster_tag(CLUSTER_ID)), "np/deny").await;
     policy.proc.terminate(Duration::from_secs(10)).await.unwrap();
     policy = s.c.policy(&watcher, &policy_args).await.unwrap();
     policy.wait_ready(SLOW).await.unwrap();

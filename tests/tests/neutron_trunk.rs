@@ -42,17 +42,11 @@ use kuryr_openstack::neutron::Port;
 use kuryr_proto::allocator::v1::{BindingDriver, Vif};
 use kuryr_tests::nested::{VM_BRIDGE, Vm, vsctl};
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster};
+use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, SLOW, cluster_tag};
 use kuryr_tests::services::wait_until;
 
-/// Bound on changes that go through Neutron and its agent.
-const SLOW: Duration = Duration::from_secs(180);
 const NS: &str = "nested";
 const CLUSTER_ID: &str = "e2e-nested";
-
-fn cluster_tag() -> String {
-    format!("kuryr.openstack.org/cluster={CLUSTER_ID}")
-}
 
 struct Suite {
     c: NeutronCluster,
@@ -72,7 +66,7 @@ impl Suite {
 
     /// Every port carrying the cluster's tag.
     async fn tagged_ports(&self) -> Vec<Port> {
-        self.c.neutron.list_ports(&Filter::new().tags(&[cluster_tag()])).await.unwrap()
+        self.c.neutron.list_ports(&Filter::new().tags(&[cluster_tag(CLUSTER_ID)])).await.unwrap()
     }
 }
 
@@ -153,7 +147,7 @@ async fn nested_pods_on_trunk_subports_reach_each_other_and_survive_kill_9() {
         );
         let port = s.c.neutron.get_port(&v.vif_id).await.unwrap();
         assert_eq!(port.device_owner, "trunk:subport");
-        assert!(port.tags.contains(&cluster_tag()), "{port:?}");
+        assert!(port.tags.contains(&cluster_tag(CLUSTER_ID)), "{port:?}");
         assert_eq!(port.device_id, v.pod.as_ref().unwrap().uid);
     }
 

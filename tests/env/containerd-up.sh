@@ -82,55 +82,12 @@ if ((${#ADDRESS} + 7 > 107)); then
 fi
 CGROUP_PARENT="/kuryr-$NETNS"
 CONFIG="$STATE_DIR/config.toml"
-cat >"$CONFIG" <<EOF
-# Written by tests/env/containerd-up.sh for one test; every path is private to $STATE_DIR.
-version = 2
-root = "$STATE_DIR/root"
-state = "$STATE_DIR/state"
-# The test process may have a negative/positive score of its own; do not touch ours or the shims'.
-oom_score = 0
-
-[grpc]
-  address = "$ADDRESS"
-
-[ttrpc]
-  address = "$ADDRESS.ttrpc"
-
-[debug]
-  level = "info"
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
-  # Root here lacks CAP_SYS_RESOURCE: without this runc fails with
-  # "can't get final child's PID from pipe" when it tries to lower oom_score_adj.
-  restrict_oom_score_adj = true
-  # containerd listens inside NETNS, so its loopback is private: no port can collide with
-  # another instance, and 0 lets the kernel pick one.
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_selinux = false
-  disable_apparmor = true
-
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        # runc's state would otherwise go to the shared /run/containerd/runc.
-        Root = "$STATE_DIR/runc"
-        SystemdCgroup = false
-
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$CNI_BIN_DIR"
-    conf_dir = "$CNI_CONF_DIR"
-    max_conf_num = 1
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$STATE_DIR/opt"
-EOF
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
+{
+    echo "# Written by tests/env/containerd-up.sh for one test; every path is private to $STATE_DIR."
+    containerd_config "$STATE_DIR" "$ADDRESS" "$PAUSE_IMAGE" "$CNI_BIN_DIR" "$CNI_CONF_DIR"
+} >"$CONFIG"
 
 # --- start -----------------------------------------------------------------------------------
 # nsenter --net only: `ip netns exec` would also unshare the mount namespace, hiding the

@@ -20,8 +20,8 @@ STATE="$(cd "$1" && pwd)"
 PIDS="$STATE/pids"
 GRACE_SECONDS="${KUBE_DOWN_GRACE:-10}"
 
-# A zombie (exited, not yet reaped by its new parent) counts as gone.
-alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 ours() { tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF -- "$STATE"; }
 
 # The watchdog first (it would otherwise notice nothing and keep polling), then the apiserver

@@ -37,6 +37,8 @@ TIMEOUT="${KUBE_UP_TIMEOUT:-120}"
 SERVICE_CIDR=10.96.0.0/16
 KUBERNETES_SERVICE_IP=10.96.0.1
 
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
 log() { printf 'kube-up.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
@@ -60,11 +62,7 @@ mkdir -p "$PKI" "$LOGS" "$PIDS"
 ok=0
 on_exit() {
     if [[ $ok -ne 1 ]]; then
-        for f in "$LOGS"/*.log; do
-            [[ -s "$f" ]] || continue
-            log "---- last lines of $f ----"
-            tail -n 40 "$f" >&2 || true
-        done
+        show_logs 40 "$LOGS"/*.log
         bash "$HERE/kube-down.sh" "$STATE" >&2 || true
     fi
 }
@@ -111,19 +109,6 @@ make_pki || die "generating certificates with openssl failed"
 # Processes.
 # ---------------------------------------------------------------------------------------------
 
-# N TCP ports on 127.0.0.1 that are free right now (all held open together, so distinct).
-free_ports() {
-    python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
-
 # start NAME ARGS...: runs a server detached (own session, stdio to its log) and records its pid.
 start() {
     local name="$1"
@@ -131,8 +116,6 @@ start() {
     setsid "$@" </dev/null >"$LOGS/$name.log" 2>&1 &
     echo $! >"$PIDS/$name.pid"
 }
-
-alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
 
 stop_one() { # used between retries; kube-down.sh does the same for the whole set
     local name="$1" pid

@@ -23,7 +23,8 @@ GRACE="${CLUSTER_STOP_GRACE:-10}"
 failures=0
 
 log() { printf 'cluster/down.sh: %s\n' "$*" >&2; }
-alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
+# shellcheck source=../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 ours() { tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF -- "$S"; }
 
 # What up.sh recorded (partial.env is written as it goes; env once it finished).

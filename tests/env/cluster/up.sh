@@ -62,6 +62,8 @@ APISERVER_PORT=6443
 NODE_PATHS=(etc/cni/net.d opt/cni/bin run/kuryr var/lib/kuryr var/log)
 CGROUP_CONTROLLERS=(cpu cpuacct cpuset memory pids blkio devices freezer systemd)
 
+# shellcheck source=../lib.sh
+source "$HERE/../lib.sh"
 log() { printf 'cluster/up.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
@@ -99,11 +101,7 @@ CP_IP="$(ip4 1)"
 ok=0
 on_exit() {
     if [[ $ok -ne 1 ]]; then
-        for f in "$LOGS"/*.log; do
-            [[ -s "$f" ]] || continue
-            log "---- last lines of $f ----"
-            tail -n 30 "$f" >&2 || true
-        done
+        show_logs 30 "$LOGS"/*.log
         bash "$HERE/down.sh" "$S" >&2 || true
     fi
 }
@@ -119,7 +117,6 @@ start() {
     setsid nice -n 5 "${enter[@]}" "$@" </dev/null >"$LOGS/$name.log" 2>&1 &
     echo $! >"$PIDS/$name.pid"
 }
-alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
 # wait_for WHAT PIDNAME CMD...: polls CMD until it succeeds; fails when the process died or time ran out.
 wait_for() {
     local what="$1" pidname="$2" deadline=$((SECONDS + TIMEOUT)) pid
@@ -249,45 +246,12 @@ for i in $(seq "$NODES"); do kubeconfig "$S/nodes/$PREFIX-$i/kubelet.kubeconfig"
 # ---------------------------------------------------------------------------------------------
 # containerd on every node (started now: importing the images overlaps the control plane's start).
 # ---------------------------------------------------------------------------------------------
-containerd_config() { # DIR
-    cat <<EOF
-version = 2
-root = "$1/containerd/root"
-state = "$1/containerd/state"
-oom_score = 0
-[grpc]
-  address = "$1/containerd.sock"
-[ttrpc]
-  address = "$1/containerd.sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$SANDBOX_IMAGE"
-  # root here lacks CAP_SYS_RESOURCE: runc must not try to lower oom_score_adj.
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_selinux = false
-  disable_apparmor = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        Root = "$1/containerd/runc"
-        SystemdCgroup = false
-  # The node's own paths, as on any node (bind mounts of the node's directories, see above).
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/opt/cni/bin"
-    conf_dir = "/etc/cni/net.d"
-    max_conf_num = 1
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$1/containerd/opt"
-EOF
-}
 import_pids=()
 for i in $(seq "$NODES"); do
     d="$S/nodes/$PREFIX-$i"
-    containerd_config "$d" >"$d/containerd.toml"
+    # The node's own CNI paths, as on any node (bind mounts of the node's directories, see above).
+    containerd_config "$d/containerd" "$d/containerd.sock" "$SANDBOX_IMAGE" /opt/cni/bin /etc/cni/net.d \
+        >"$d/containerd.toml"
     start "containerd-$i" "$NS_PREFIX-n$i" "$S/ns/$PREFIX-$i.mnt" containerd --config "$d/containerd.toml"
     (
         wait_for "containerd on $PREFIX-$i" "containerd-$i" ctr --address "$d/containerd.sock" --timeout 2s version

@@ -4,6 +4,9 @@
 # uses. Callers set SCRIPT (their name, for messages) before sourcing.
 
 OS_HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# alive, free_ports, show_logs.
+# shellcheck source=../lib.sh
+source "$OS_HERE/../lib.sh"
 # Venvs, the uv tool and its download cache; kept between runs (a warm setup takes seconds).
 OS_CACHE="${KURYR_OPENSTACK_CACHE:-/var/cache/kuryr-rs/openstack}"
 # uv resolves and installs the pinned sets several times faster than pip; itself pinned.
@@ -36,19 +39,6 @@ find_python() {
     return 1
 }
 
-# N TCP ports on 127.0.0.1 that are free right now (held open together, so distinct).
-free_ports() {
-    python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
-
 # The start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
 # names one process for good, where a pid alone may be reused. (Command lines and environments do
 # not: the OpenStack services rewrite both when they set their process titles.)
@@ -60,9 +50,6 @@ starttime() {
     set -- $stat
     echo "${20}"
 }
-
-# A zombie (exited, not yet reaped) counts as gone.
-alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
 
 # Installs uv (pinned) from PyPI into a venv of its own unless it is there already.
 ensure_uv() {

@@ -107,13 +107,9 @@ trap on_exit EXIT
 
 # Shows the end of a log (on failures) and dies.
 fail() {
-    local msg="$1" f
+    local msg="$1"
     shift
-    for f in "$@"; do
-        [[ -s "$f" ]] || continue
-        log "---- last lines of $f ----"
-        tail -n 40 "$f" >&2 || true
-    done
+    show_logs 40 "$@"
     die "$msg"
 }
 

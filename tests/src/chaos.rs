@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodTemplateSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec, Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -842,19 +842,9 @@ fn service(i: usize) -> Service {
 }
 
 fn pod(name: &str, node: &str, service: Option<usize>) -> Pod {
-    let labels = service.map(|s| [("svc".to_string(), format!("s{s}"))].into());
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NAMESPACE.into()),
-            labels,
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
+    let p = crate::objects::pod(name).namespace(NAMESPACE).node(node);
+    match service {
+        Some(s) => p.label("svc", &format!("s{s}")).build(),
+        None => p.build(),
     }
 }

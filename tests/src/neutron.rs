@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
@@ -453,19 +453,7 @@ impl NeutronCluster {
 
     /// A pod on the Neutron node.
     pub fn pod(&self, name: &str) -> Pod {
-        Pod {
-            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
-            spec: Some(PodSpec {
-                node_name: Some(self.node.host.clone()),
-                containers: vec![Container {
-                    name: "main".into(),
-                    image: Some("busybox".into()),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+        crate::objects::pod(name).node(&self.node.host).build()
     }
 
     /// Creates pod `namespace/name` on the Neutron node with `labels`, plugs it into `br-int`

@@ -1,5 +1,5 @@
 //! Kubernetes objects the suites create, built in one place: a pod with one `busybox` container
-//! named `main`, and what the suites vary about it (node, namespace, labels, host network,
+//! named `main`, and what the suites vary about it (node, namespace, labels, annotations, host network,
 //! grace period, command, ports). The Service-side objects are in [`crate::sut`].
 //!
 //! ```
@@ -47,6 +47,7 @@ pub struct PodBuilder {
     namespace: Option<String>,
     node: Option<String>,
     labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
     host_network: Option<bool>,
     grace: Option<i64>,
     command: Option<Vec<String>>,
@@ -77,6 +78,13 @@ impl PodBuilder {
     #[must_use]
     pub fn label(mut self, key: &str, value: &str) -> Self {
         self.labels.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// With the annotation `key: value`.
+    #[must_use]
+    pub fn annotation(mut self, key: &str, value: &str) -> Self {
+        self.annotations.insert(key.to_string(), value.to_string());
         self
     }
 
@@ -127,6 +135,7 @@ impl PodBuilder {
                 name: Some(self.name),
                 namespace: self.namespace,
                 labels: (!self.labels.is_empty()).then_some(self.labels),
+                annotations: (!self.annotations.is_empty()).then_some(self.annotations),
                 ..ObjectMeta::default()
             },
             spec: Some(PodSpec {
@@ -158,6 +167,7 @@ mod tests {
         let bare = pod("a").build();
         assert_eq!(bare.metadata.name.as_deref(), Some("a"));
         assert!(bare.metadata.namespace.is_none() && bare.metadata.labels.is_none());
+        assert!(bare.metadata.annotations.is_none());
         let spec = bare.spec.unwrap();
         assert!(spec.node_name.is_none() && spec.host_network.is_none());
         assert_eq!(spec.containers[0].image.as_deref(), Some("busybox"));
@@ -167,6 +177,7 @@ mod tests {
             .namespace("ns")
             .node("n1")
             .label("app", "web")
+            .annotation("note", "x")
             .host_network(true)
             .grace(1)
             .sleeping()
@@ -174,6 +185,7 @@ mod tests {
             .build();
         assert_eq!(p.metadata.namespace.as_deref(), Some("ns"));
         assert_eq!(p.metadata.labels.unwrap()["app"], "web");
+        assert_eq!(p.metadata.annotations.unwrap()["note"], "x");
         let spec = p.spec.unwrap();
         assert_eq!(
             (spec.node_name.as_deref(), spec.host_network, spec.termination_grace_period_seconds),

@@ -23,8 +23,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::future::join_all;
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_openstack::Filter;
 use kuryr_openstack::neutron::Port;
@@ -53,15 +52,7 @@ fn shard_of(node: &str) -> u32 {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Default::default() }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::pod(name).node(node).build()
 }
 
 /// A replica in a directory of its own (its unix socket and logs).

@@ -5,33 +5,21 @@
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, Secret};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kuryr_tests::kube::KubeEnv;
+use kuryr_tests::objects;
 use kuryr_tests::util::unique_id;
 
 /// Generous for a loaded 2-core machine; a healthy apiserver delivers the event in milliseconds.
 const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn pod(name: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
-        spec: Some(PodSpec {
-            // Bound to a node directly: there is no scheduler (and no kubelet; nothing runs it).
-            node_name: Some("node-a".into()),
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("busybox".into()),
-                command: Some(vec!["sleep".into(), "3600".into()]),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    // Bound to a node directly: there is no scheduler (and no kubelet; nothing runs it).
+    objects::pod(name).node("node-a").command(vec!["sleep".into(), "3600".into()]).build()
 }
 
 /// The HTTP status of a failed API call, or a panic naming what came back instead.

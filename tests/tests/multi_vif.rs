@@ -21,8 +21,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::{Container, Event, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kuryr_tests::cluster::checks;
 use kuryr_tests::cluster::reach;
@@ -51,20 +50,7 @@ async fn pods_get_further_interfaces_on_ipv4_and_ipv6_networks_and_lose_them_on_
 }
 
 fn pod(name: &str, node: &str, networks: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NAMESPACE.into()),
-            annotations: Some([("k8s.v1.cni.cncf.io/networks".to_string(), networks.to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).namespace(NAMESPACE).node(node).annotation("k8s.v1.cni.cncf.io/networks", networks).build()
 }
 
 fn nad(name: &str, config: &str) -> NetworkAttachmentDefinition {

@@ -36,8 +36,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
@@ -48,6 +47,7 @@ use kuryr_tests::cluster::{ALLOCATOR_ACCOUNT, Cluster, ClusterOptions, SYSTEM_NA
 use kuryr_tests::cri::{Containerd, ContainerdOptions};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::{Kubelet, KubeletOptions, PodRecord};
+use kuryr_tests::objects;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::stats::{Stats, ms, ms_between};
 use kuryr_tests::util::{bin_dir, env_or, free_port, loadavg, repo_root, tail};
@@ -341,25 +341,7 @@ fn parse_fields(text: &str) -> HashMap<String, String> {
 // Pods
 
 fn pod(namespace: &str, name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(namespace.into()),
-            labels: Some([("app".to_string(), "bench".to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("busybox".into()),
-                command: Some(vec!["sleep".into(), "1000000".into()]),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).namespace(namespace).node(node).label("app", "bench").sleeping().build()
 }
 
 /// Creates `pods` with at most [`CREATE_CONCURRENCY`] requests in flight; returns how long it took.

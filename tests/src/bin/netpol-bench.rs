@@ -43,9 +43,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{Container, ContainerPort, Namespace, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::checks::{self, RunningPod};
 use kuryr_tests::cluster::svc::table_has;
@@ -53,6 +52,7 @@ use kuryr_tests::cluster::{Cluster, ClusterOptions};
 use kuryr_tests::echo::{self, EchoServer, Proto};
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::nftmon::{Monitor, baseline, wait_all};
+use kuryr_tests::objects;
 use kuryr_tests::services::{bin_path, wait_until};
 use kuryr_tests::stats::{Stats, ms};
 use kuryr_tests::util::{bin_dir, env_or, loadavg, tail};
@@ -438,29 +438,7 @@ fn record_ip(ns: usize, i: usize) -> String {
 }
 
 fn real_pod(name: &str, node: &str, app: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some([("app".to_string(), app.to_string())].into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            termination_grace_period_seconds: Some(0),
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("busybox".into()),
-                ports: Some(vec![ContainerPort {
-                    name: Some("http".into()),
-                    container_port: i32::from(PORT),
-                    ..ContainerPort::default()
-                }]),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).node(node).label("app", app).grace(0).port(Some("http"), "TCP", PORT, None).build()
 }
 
 /// The 2,000 record pods: created, then their address written into their status.

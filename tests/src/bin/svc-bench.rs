@@ -28,7 +28,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Pod, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -36,6 +36,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kuryr_tests::cluster::svc::table_has;
 use kuryr_tests::cluster::{Cluster, ClusterOptions};
 use kuryr_tests::nftmon::{Monitor, baseline, wait_all};
+use kuryr_tests::objects;
 use kuryr_tests::stats::{Stats, ms};
 use kuryr_tests::util::{bin_dir, env_or, loadavg, tail};
 
@@ -279,20 +280,7 @@ fn slice(addresses: &[IpAddr]) -> EndpointSlice {
 }
 
 fn pod(name: &str, node: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some(BTreeMap::from([("app".to_string(), "bench-backend".to_string())])),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.into()),
-            termination_grace_period_seconds: Some(0),
-            containers: vec![Container { name: "main".into(), image: Some("busybox".into()), ..Container::default() }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    objects::pod(name).node(node).label("app", "bench-backend").grace(0).build()
 }
 
 /// Durations of the `nft list table` polls, kept for the resolution note.

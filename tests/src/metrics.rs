@@ -199,24 +199,19 @@ impl Moved<'_> {
 
     /// Fails unless the value grew by at least `n`.
     pub fn at_least(&self, n: f64) -> Result<f64> {
-        ensure!(
-            self.delta() >= n,
-            "{} with {:?} at {} moved by {} ({} → {}), expected at least {n}",
-            self.name,
-            self.filter,
-            self.source,
-            self.delta(),
-            self.before,
-            self.after
-        );
-        Ok(self.delta())
+        self.expect(self.delta() >= n, &format!("at least {n}"))
     }
 
     /// Fails unless the value grew by exactly `n`.
     pub fn exactly(&self, n: f64) -> Result<f64> {
+        self.expect(self.delta() == n, &format!("exactly {n}"))
+    }
+
+    /// The delta when `ok`, else an error saying what moved and what was `expected`.
+    fn expect(&self, ok: bool, expected: &str) -> Result<f64> {
         ensure!(
-            self.delta() == n,
-            "{} with {:?} at {} moved by {} ({} → {}), expected exactly {n}",
+            ok,
+            "{} with {:?} at {} moved by {} ({} → {}), expected {expected}",
             self.name,
             self.filter,
             self.source,

@@ -96,14 +96,19 @@ impl ScriptedAllocator {
         Ok(ScriptedServer { allocator: self.clone(), target: format!("unix:{}", path.display()), stop: Some(tx) })
     }
 
-    fn publish(&self, s: &mut State, t: VifEventType, vif: Vif) {
+    /// Streams an event about a VIF or a node's routes at the next revision.
+    fn send(&self, s: &mut State, t: VifEventType, vif: Option<Vif>, node_routes: Option<NodeRoutes>) {
         s.revision += 1;
         let _ = self.events.send(WatchVifsResponse {
             resume_point: s.revision.to_string(),
             r#type: t as i32,
-            vif: Some(vif),
-            node_routes: None,
+            vif,
+            node_routes,
         });
+    }
+
+    fn publish(&self, s: &mut State, t: VifEventType, vif: Vif) {
+        self.send(s, t, Some(vif), None);
     }
 
     /// Adds or replaces a VIF and streams it.
@@ -136,26 +141,14 @@ impl ScriptedAllocator {
     pub fn upsert_node_routes(&self, routes: NodeRoutes) {
         let mut s = self.lock();
         s.node_routes.insert(routes.node_name.clone(), routes.clone());
-        s.revision += 1;
-        let _ = self.events.send(WatchVifsResponse {
-            resume_point: s.revision.to_string(),
-            r#type: VifEventType::NodeRoutesApplied as i32,
-            vif: None,
-            node_routes: Some(routes),
-        });
+        self.send(&mut s, VifEventType::NodeRoutesApplied, None, Some(routes));
     }
 
     /// Withdraws a node's pod blocks.
     pub fn delete_node_routes(&self, node: &str) {
         let mut s = self.lock();
         if let Some(r) = s.node_routes.remove(node) {
-            s.revision += 1;
-            let _ = self.events.send(WatchVifsResponse {
-                resume_point: s.revision.to_string(),
-                r#type: VifEventType::NodeRoutesDeleted as i32,
-                vif: None,
-                node_routes: Some(r),
-            });
+            self.send(&mut s, VifEventType::NodeRoutesDeleted, None, Some(r));
         }
     }
 

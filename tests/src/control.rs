@@ -19,9 +19,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
@@ -29,6 +28,7 @@ use crate::cluster::{
     ALLOCATOR_ACCOUNT, BINDER_ACCOUNT, LBAAS_ACCOUNT, POLICY_ACCOUNT, SYSTEM_NAMESPACE, WATCHER_ACCOUNT,
 };
 use crate::kube::KubeEnv;
+use crate::openstack::OpenStackEnv;
 use crate::services::ServiceProcess;
 use crate::sut::{self, Sut};
 use crate::util::{free_port, repo_root};
@@ -120,17 +120,24 @@ impl ControlPlane {
         Self::on(KubeEnv::start().await?, served, ns).await
     }
 
+    /// Starts the API server set up for kuryr-lbaas with the namespace `ns` and, side by side (both
+    /// take seconds), OpenStack's `services` (Octavia among them); with Octavia's URL.
+    pub async fn lbaas_with_openstack(
+        ns: &str,
+        services: &[crate::openstack::Service],
+    ) -> Result<(Self, OpenStackEnv, String)> {
+        let (c, os) = tokio::join!(Self::start(Served::Lbaas, ns), OpenStackEnv::start(services));
+        let (c, os) = (c?, os?);
+        let octavia_url = os.octavia_url().context("no Octavia in the OpenStack environment")?.to_string();
+        Ok((c, os, octavia_url))
+    }
+
     /// Sets `env` up for `served`: the namespaces `kuryr-system` and `ns`, all CRDs (the
     /// service's Established on return), the watcher's and the service's RBAC and credentials.
     pub async fn on(env: KubeEnv, served: Served, ns: &str) -> Result<Self> {
         let admin = env.client().await?;
-        let namespaces: Api<Namespace> = Api::all(admin.clone());
         for n in [SYSTEM_NAMESPACE, ns] {
-            let meta = ObjectMeta { name: Some(n.into()), ..Default::default() };
-            namespaces
-                .create(&PostParams::default(), &Namespace { metadata: meta, ..Default::default() })
-                .await
-                .with_context(|| format!("creating namespace {n}"))?;
+            crate::objects::create_namespace(&admin, n).await?;
         }
         let names: Vec<String> = served.crds().into_iter().filter_map(|(_, c)| c.metadata.name).collect();
         env.install_crds(&names).await?;

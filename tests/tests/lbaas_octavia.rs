@@ -36,8 +36,8 @@ use kuryr_openstack::{Client, ClientOptions, CloudConfig, Filter, Metrics};
 use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::control::{ControlPlane, Served, Watcher};
-use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
+use kuryr_tests::control::{ControlPlane, Watcher};
+use kuryr_tests::openstack::{OctaviaLbaas, Service as OsService};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
 use kuryr_tests::topology;
@@ -57,10 +57,6 @@ const NS: &str = "lbo";
 const PROJECT: &str = "5b0c8e1f3a2d4c6b9e7f1a2b3c4d5e6f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "6d1f5a2c-9b3e-4c7d-8e0f-1a2b3c4d5e6f";
-
-async fn cluster() -> ControlPlane {
-    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
-}
 
 fn start_watcher(c: &ControlPlane) -> Watcher {
     c.watcher(None, &[]).unwrap()
@@ -225,11 +221,9 @@ const REQUESTS: &str = "openstack_requests_total";
 #[tokio::test]
 async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let started = Instant::now();
-    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let (c, os, octavia_url) = ControlPlane::lbaas_with_openstack(NS, &[OsService::Octavia]).await.unwrap();
     let c = &c;
-    let os = os.unwrap();
     eprintln!("API server and Octavia up in {:?}", started.elapsed());
-    let octavia_url = os.octavia_url().unwrap().to_string();
     let api = OctaviaApi::new(&octavia_url);
     let cluster_name = format!("t{}", unique_id());
     let cluster_tag = format!("kuryr-cluster={cluster_name}");
@@ -564,10 +558,10 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
 
 #[tokio::test]
 async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
-    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Neutron, OsService::Octavia]));
+    let (c, os, octavia_url) =
+        ControlPlane::lbaas_with_openstack(NS, &[OsService::Neutron, OsService::Octavia]).await.unwrap();
     let c = &c;
-    let os = os.unwrap();
-    let (octavia_url, neutron_url) = (os.octavia_url().unwrap().to_string(), os.neutron_url().unwrap().to_string());
+    let neutron_url = os.neutron_url().unwrap().to_string();
     let vars = HashMap::from([
         ("OS_AUTH_TYPE".to_string(), "none".to_string()),
         ("OS_PROJECT_ID".to_string(), PROJECT.to_string()),

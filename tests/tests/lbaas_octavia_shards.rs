@@ -18,9 +18,9 @@ use k8s_openapi::api::core::v1::Service;
 use kube::api::{DeleteParams, ListParams};
 use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
+use kuryr_tests::control::{ControlPlane, Watcher, shard_holders};
 use kuryr_tests::octavia::OctaviaReader;
-use kuryr_tests::openstack::{OctaviaLbaas, OpenStackEnv, Service as OsService};
+use kuryr_tests::openstack::{OctaviaLbaas, Service as OsService};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
 use kuryr_tests::util::unique_id;
@@ -42,10 +42,6 @@ const FINALIZER: &str = "kuryr.openstack.org/lbaas";
 const PROJECT: &str = "7c1d9e2f4b3a4d5c8e6f2a3b4c5d6e7f";
 /// Any id is a VIP subnet for the no-op network driver.
 const VIP_SUBNET: &str = "8e2f6b3d-0c4e-4d8f-9a1b-2c3d4e5f6a7b";
-
-async fn cluster() -> ControlPlane {
-    ControlPlane::start(Served::Lbaas, NS).await.unwrap()
-}
 
 fn logs(replicas: &[&Sut]) -> String {
     sut::logs(replicas, 80)
@@ -83,11 +79,9 @@ async fn create_burst(c: &ControlPlane, range: std::ops::Range<usize>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplicated() {
     let started = Instant::now();
-    let (c, os) = tokio::join!(cluster(), OpenStackEnv::start(&[OsService::Octavia]));
+    let (c, _os, octavia_url) = ControlPlane::lbaas_with_openstack(NS, &[OsService::Octavia]).await.unwrap();
     let c = &c;
-    let os = os.unwrap();
     eprintln!("API server and Octavia up in {:?}", started.elapsed());
-    let octavia_url = os.octavia_url().unwrap().to_string();
     let api = OctaviaReader::new(&octavia_url, PROJECT).unwrap();
     let cluster_name = format!("t{}", unique_id());
 

@@ -9,6 +9,7 @@
 //! - [`sut`]: a service under test (its process, gRPC and metrics addresses, SERVING, scrapes,
 //!   log tails) and the Service objects the suites write.
 //! - [`vifserver`]: a scripted VIF allocator (real gRPC server, test-chosen VIFs) for binder tests.
+//! - [`watch`]: reading WatchVifs and WatchLoadBalancers streams as a binder does.
 //! - [`lbserver`]: a scripted kuryr-lbaas (real gRPC server, test-chosen load balancer specs).
 //! - [`binder`]: a kuryr-binder process in a node network namespace.
 //! - [`node`]: a test node: containerd + kuryr-cni + kuryr-binder in one network namespace.
@@ -73,3 +74,4 @@ pub mod sut;
 pub mod topology;
 pub mod util;
 pub mod vifserver;
+pub mod watch;

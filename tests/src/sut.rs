@@ -124,6 +124,23 @@ pub fn ready_endpoint(addr: &str) -> Value {
     json!({"addresses": [addr], "conditions": {"ready": true, "serving": true, "terminating": false}})
 }
 
+/// The endpoints of pods on `node` in namespace `ns`, each (address, ready, serving, terminating,
+/// pod name), as a JSON array for [`slice`].
+pub fn pod_endpoints(ns: &str, node: &str, list: &[(&str, bool, bool, bool, &str)]) -> Value {
+    let eps: Vec<Value> = list
+        .iter()
+        .map(|(addr, ready, serving, terminating, pod)| {
+            json!({
+                "addresses": [addr],
+                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+                "nodeName": node,
+                "targetRef": {"kind": "Pod", "namespace": ns, "name": pod},
+            })
+        })
+        .collect();
+    Value::Array(eps)
+}
+
 /// Creates `slice`, or replaces the slice of that name.
 pub async fn put_slice(api: &Api<EndpointSlice>, slice: EndpointSlice) -> Result<()> {
     let name = slice.metadata.name.clone().context("EndpointSlice without a name")?;

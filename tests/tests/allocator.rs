@@ -37,6 +37,7 @@ use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::Sut;
+use kuryr_tests::watch::{End, next_event, until_end};
 use kuryr_vif_allocator::backend::ipam::IpamStore;
 use kuryr_vif_allocator::core::PodKey;
 use kuryr_vif_allocator::k8s::crd::{
@@ -207,17 +208,6 @@ impl Svc {
     }
 }
 
-/// How a stream stopped delivering.
-#[derive(Debug)]
-enum End {
-    /// It ended cleanly.
-    Ended,
-    /// It failed with a status (or a broken connection).
-    Failed(tonic::Status),
-    /// Nothing arrived within [`EVENT_TIMEOUT`].
-    Silent,
-}
-
 /// A node's stream, applied the way the binder applies it.
 struct NodeStream {
     stream: Streaming<WatchVifsResponse>,
@@ -233,15 +223,7 @@ struct NodeStream {
 
 impl NodeStream {
     async fn next(&mut self) -> Result<WatchVifsResponse, End> {
-        let ev = loop {
-            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-                Ok(Ok(Some(ev))) if ev.r#type() == VifEventType::Heartbeat => continue,
-                Ok(Ok(Some(ev))) => break ev,
-                Ok(Ok(None)) => return Err(End::Ended),
-                Ok(Err(s)) => return Err(End::Failed(s)),
-                Err(_) => return Err(End::Silent),
-            }
-        };
+        let ev = next_event(&mut self.stream, EVENT_TIMEOUT, |ev| ev.r#type() == VifEventType::Heartbeat).await?;
         self.last.clone_from(&ev.resume_point);
         let name =
             |v: &Option<Vif>| v.as_ref().and_then(|v| v.pod.as_ref()).map(|p| p.name.clone()).unwrap_or_default();
@@ -275,13 +257,7 @@ impl NodeStream {
 
     /// Reads events until the stream ends (or fails); panics when it stays open.
     async fn end(&mut self) -> End {
-        loop {
-            match self.next().await {
-                Ok(_) => {}
-                Err(End::Silent) => panic!("the stream stayed open, silent"),
-                Err(e) => return e,
-            }
-        }
+        until_end(async || self.next().await).await
     }
 
     /// Reads events until `pred` holds.

@@ -35,6 +35,7 @@ use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
+use kuryr_tests::watch::{End, next_event, until_end};
 use serde_json::json;
 use tonic::Streaming;
 
@@ -110,21 +111,9 @@ async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {
         .collect()
 }
 
-fn endpoint(addr: &str, ready: bool, serving: bool, terminating: bool, pod: &str) -> serde_json::Value {
-    json!({
-        "addresses": [addr],
-        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
-        "nodeName": "n1",
-        "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
-    })
-}
-
-/// How a stream stopped delivering.
-#[derive(Debug)]
-enum End {
-    Ended,
-    Failed(tonic::Status),
-    Silent,
+/// The endpoints of a slice, each (address, ready, serving, terminating, pod) on node n1.
+fn endpoints(list: &[(&str, bool, bool, bool, &str)]) -> serde_json::Value {
+    sut::pod_endpoints(NS, "n1", list)
 }
 
 /// A node's view of the stream, applied the way a binder applies it.
@@ -158,15 +147,7 @@ impl LbStream {
     }
 
     async fn next(&mut self) -> Result<WatchLoadBalancersResponse, End> {
-        let ev = loop {
-            match tokio::time::timeout(EVENT_TIMEOUT, self.stream.message()).await {
-                Ok(Ok(Some(ev))) if ev.r#type() == LbEventType::Heartbeat => continue,
-                Ok(Ok(Some(ev))) => break ev,
-                Ok(Ok(None)) => return Err(End::Ended),
-                Ok(Err(s)) => return Err(End::Failed(s)),
-                Err(_) => return Err(End::Silent),
-            }
-        };
+        let ev = next_event(&mut self.stream, EVENT_TIMEOUT, |ev| ev.r#type() == LbEventType::Heartbeat).await?;
         self.last.clone_from(&ev.resume_point);
         self.types.push(ev.r#type());
         let key = ev.spec.as_ref().map(|s| format!("{}/{}", s.namespace, s.name)).unwrap_or_default();
@@ -200,13 +181,7 @@ impl LbStream {
     }
 
     async fn end(&mut self) -> End {
-        loop {
-            match self.next().await {
-                Ok(_) => {}
-                Err(End::Silent) => panic!("the stream stayed open, silent"),
-                Err(e) => return e,
-            }
-        }
+        until_end(async || self.next().await).await
     }
 
     fn spec(&self, name: &str) -> &LoadBalancerSpec {
@@ -315,19 +290,12 @@ async fn services_become_load_balancers_that_survive_restarts() {
     let vips = web.spec.as_ref().unwrap().cluster_ips.clone().unwrap();
     let v4_ports =
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
-    put_slice(
-        &c,
-        "web-v4",
-        "web",
-        "IPv4",
-        v4_ports.clone(),
-        json!([
-            endpoint("10.244.0.5", true, true, false, "a"),
-            endpoint("10.244.0.6", false, true, true, "b"),
-            endpoint("10.244.0.7", false, false, false, "dead"),
-        ]),
-    )
-    .await;
+    // The IPv4 slice: a ready, b terminating but serving, and a third endpoint that changes below.
+    let put_web_v4 = async |third| {
+        let eps = endpoints(&[("10.244.0.5", true, true, false, "a"), ("10.244.0.6", false, true, true, "b"), third]);
+        put_slice(&c, "web-v4", "web", "IPv4", v4_ports.clone(), eps).await;
+    };
+    put_web_v4(("10.244.0.7", false, false, false, "dead")).await;
     // These pods serve "web" on another port: resolved per slice.
     put_slice(
         &c,
@@ -335,7 +303,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
         "web",
         "IPv6",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
-        json!([endpoint("fd00:10:244::5", true, true, false, "a")]),
+        endpoints(&[("fd00:10:244::5", true, true, false, "a")]),
     )
     .await;
     w.until("web with both slices", |s| {
@@ -389,19 +357,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     // An endpoint change: a delta with a higher generation.
     let before = w.spec("web").generation;
     let changed = std::time::Instant::now();
-    put_slice(
-        &c,
-        "web-v4",
-        "web",
-        "IPv4",
-        v4_ports.clone(),
-        json!([
-            endpoint("10.244.0.5", true, true, false, "a"),
-            endpoint("10.244.0.6", false, true, true, "b"),
-            endpoint("10.244.0.8", true, true, false, "c"),
-        ]),
-    )
-    .await;
+    put_web_v4(("10.244.0.8", true, true, false, "c")).await;
     w.until("web with 10.244.0.8", |s| members(&s.spec("web").listeners[0]).iter().any(|m| m.contains("10.244.0.8")))
         .await;
     eprintln!("endpoint change written → LB_APPLIED received: {:?}", changed.elapsed());
@@ -419,7 +375,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
         "web",
         "IPv4",
         v4_ports,
-        json!([endpoint("10.244.0.6", false, true, true, "b"), endpoint("10.244.0.8", true, true, false, "c")]),
+        endpoints(&[("10.244.0.6", false, true, true, "b"), ("10.244.0.8", true, true, false, "c")]),
     )
     .await;
     wait_until("the scale-down recorded", EVENT_TIMEOUT, || async {
@@ -451,7 +407,7 @@ async fn services_become_load_balancers_that_survive_restarts() {
     create_service(&c, "en", json!({"type": "ExternalName", "externalName": "example.com"})).await;
     create_service(&c, "hl", json!({"clusterIP": "None", "ports": [{"port": 80}]})).await;
     create_service(&c, "keep", json!({"ports": [{"port": 443, "targetPort": 8443}]})).await;
-    put_slice(&c, "keep-1", "keep", "IPv4", json!([]), json!([endpoint("10.244.1.9", true, true, false, "k")])).await;
+    put_slice(&c, "keep-1", "keep", "IPv4", json!([]), endpoints(&[("10.244.1.9", true, true, false, "k")])).await;
     w.until("keep with its member", |s| {
         s.specs.get(&key("keep")).is_some_and(|spec| members(&spec.listeners[0]) == ["10.244.1.9:8443 rs"])
     })
@@ -623,13 +579,13 @@ async fn only_load_balancer_services_wait_for_their_load_balancer_and_the_rest_a
             name,
             "IPv4",
             ports.clone(),
-            json!([endpoint("10.244.1.5", true, true, false, "p1")]),
+            endpoints(&[("10.244.1.5", true, true, false, "p1")]),
         )
         .await;
     }
     specs["type"] = json!("LoadBalancer");
     create_service(&c, "lb", specs).await;
-    put_slice(&c, "lb-a", "lb", "IPv4", ports.clone(), json!([endpoint("10.244.1.6", true, true, false, "p2")])).await;
+    put_slice(&c, "lb-a", "lb", "IPv4", ports.clone(), endpoints(&[("10.244.1.6", true, true, false, "p2")])).await;
     let mut stream = watch(&lbaas, &c, "").await;
     stream
         .until("plain, ghost and lb applied", |s| {

@@ -201,13 +201,10 @@ fn urlencode(s: &str) -> String {
         .collect()
 }
 
-fn endpoint(addr: &str, ready: bool, pod: &str) -> Value {
-    json!({
-        "addresses": [addr],
-        "conditions": {"ready": ready, "serving": ready, "terminating": false},
-        "nodeName": "n1",
-        "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
-    })
+/// The endpoints of a slice, each (address, ready (and serving), pod) on node n1, none terminating.
+fn endpoints(list: &[(&str, bool, &str)]) -> Value {
+    let full: Vec<_> = list.iter().map(|&(addr, ready, pod)| (addr, ready, ready, false, pod)).collect();
+    sut::pod_endpoints(NS, "n1", &full)
 }
 
 fn backend_id(r: &ServiceLoadBalancer) -> String {
@@ -257,18 +254,9 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     let both =
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"}]);
     let created = Instant::now();
-    put_slice(
-        c,
-        "web-a",
-        "web",
-        both.clone(),
-        json!([
-            endpoint("10.244.0.5", true, "a"),
-            endpoint("10.244.0.6", true, "b"),
-            endpoint("10.244.0.9", false, "c")
-        ]),
-    )
-    .await;
+    // The slice of both ports, whose endpoints change below.
+    let put_web_a = async |eps: &[(&str, bool, &str)]| put_slice(c, "web-a", "web", both.clone(), endpoints(eps)).await;
+    put_web_a(&[("10.244.0.5", true, "a"), ("10.244.0.6", true, "b"), ("10.244.0.9", false, "c")]).await;
     let record = converged(c, "web", &lbaas).await;
     eprintln!("Service created → load balancer ACTIVE and recorded: {:?}", created.elapsed());
     let lb = backend_id(&record);
@@ -321,18 +309,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     // Endpoint churn. A change in the slice of both ports: one batch update per pool, two.
     let puts = metric(&lbaas, REQUESTS, &[REPLACE]).await;
     let changed = Instant::now();
-    put_slice(
-        c,
-        "web-a",
-        "web",
-        both.clone(),
-        json!([
-            endpoint("10.244.0.5", true, "a"),
-            endpoint("10.244.0.7", true, "d"),
-            endpoint("10.244.0.9", true, "c")
-        ]),
-    )
-    .await;
+    put_web_a(&[("10.244.0.5", true, "a"), ("10.244.0.7", true, "d"), ("10.244.0.9", true, "c")]).await;
     api.wait_tree(
         &lb,
         &[
@@ -353,7 +330,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
-        json!([endpoint("10.244.1.3", true, "e")]),
+        endpoints(&[("10.244.1.3", true, "e")]),
     )
     .await;
     api.wait_tree(
@@ -402,7 +379,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         "web-a",
         "web",
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "https", "port": 8443, "protocol": "TCP"}]),
-        json!([endpoint("10.244.0.5", true, "a")]),
+        endpoints(&[("10.244.0.5", true, "a")]),
     )
     .await;
     let http_members: &[&str] = &["10.244.0.5:8080", "10.244.1.3:8081"];
@@ -493,7 +470,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
-        json!([endpoint("10.244.1.4", true, "f")]),
+        endpoints(&[("10.244.1.4", true, "f")]),
     )
     .await;
     wait_until("the stalled change reported", CONVERGE, || async {
@@ -518,7 +495,7 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         "web-b",
         "web",
         json!([{"name": "http", "port": 8081, "protocol": "TCP"}]),
-        json!([endpoint("10.244.1.5", true, "g")]),
+        endpoints(&[("10.244.1.5", true, "g")]),
     )
     .await;
     wait_until("failures while the API is down", CONVERGE, || async {
@@ -599,14 +576,8 @@ async fn load_balancer_services_get_a_floating_ip_on_a_neutron_vip_port() {
         "type": "LoadBalancer", "clusterIP": "10.96.7.7", "ports": [{"port": 80, "targetPort": 8080}]}}))
     .unwrap();
     c.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
-    put_slice(
-        c,
-        "pub-a",
-        "pub",
-        json!([{"port": 8080, "protocol": "TCP"}]),
-        json!([endpoint("10.244.2.5", true, "a")]),
-    )
-    .await;
+    put_slice(c, "pub-a", "pub", json!([{"port": 8080, "protocol": "TCP"}]), endpoints(&[("10.244.2.5", true, "a")]))
+        .await;
     let record = converged(c, "pub", &lbaas).await;
     let ingress = record.status.as_ref().and_then(|s| s.ingress_ip.clone()).unwrap_or_default();
     assert!(ingress.starts_with("203.0.113."), "ingress {ingress:?} is not a floating IP: {record:?}");

@@ -10,7 +10,10 @@ use std::process::Stdio;
 use anyhow::{Context, Result};
 use kube::core::{ApiResource, GroupVersionKind};
 
+use kuryr_openstack::Filter;
+
 use crate::neutron::NeutronCluster;
+use crate::services::wait_until;
 use crate::util::{free_port, repo_root};
 
 /// Kuryr's venv (`$KURYR_OPENSTACK_CACHE/kuryr`, default under `/var/cache/kuryr-rs/openstack`).
@@ -247,6 +250,20 @@ pub fn migrate(c: &NeutronCluster, args: &[&str], crash_after: Option<usize>) ->
     };
     eprintln!("kuryr-migrate {args:?} (crash after {crash_after:?}) → {}\n{}", m.code, m.stdout);
     Ok(m)
+}
+
+/// Waits until Kuryr's pool on the pod network of `c` holds at least `min` free ports. Kuryr tops
+/// its pool up after each pod; once at its minimum it creates no more, so that stopping it then
+/// leaves no port creation in flight.
+pub async fn wait_pool_minimum(c: &NeutronCluster, min: usize, timeout: std::time::Duration) -> Result<()> {
+    let pool_filter = Filter::new().network_id(&c.net.network_id).device_owner("compute:kuryr");
+    wait_until(&format!("Kuryr's pool to be at its minimum ({min} free ports)"), timeout, || async {
+        let ports = c.neutron.list_ports(&pool_filter).await?;
+        let free = ports.iter().filter(|p| p.device_id.is_empty() && p.name == "kuryr-pool-port").count();
+        anyhow::ensure!(free >= min, "{free} free pool ports");
+        Ok(())
+    })
+    .await
 }
 
 /// Seconds since the epoch, now.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use crate::services::wait_until;
 
@@ -38,6 +38,20 @@ pub async fn wait_no_pods(pods: &Api<Pod>, what: &str, timeout: Duration) -> any
         Ok(())
     })
     .await
+}
+
+/// Deletes the pods `names` of `pods` at once (grace period 0), all the calls together; fails
+/// when any of them does.
+pub async fn delete_pods_now(pods: &Api<Pod>, names: impl IntoIterator<Item = String>) -> anyhow::Result<()> {
+    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    let deletes = names.into_iter().map(|name| {
+        let grace0 = &grace0;
+        async move { pods.delete(&name, grace0).await.with_context(|| format!("deleting pod {name}")) }
+    });
+    for r in futures::future::join_all(deletes).await {
+        r?;
+    }
+    Ok(())
 }
 
 /// A pod being described; [`PodBuilder::build`] makes it.

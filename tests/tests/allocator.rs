@@ -736,15 +736,7 @@ async fn two_allocators_never_hand_out_an_address_twice() {
     }
 
     // Deleting them all releases everything, and every pod goes.
-    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
-    for r in join_all((0..PODS).map(|i| {
-        let (pods, grace0) = (pods.clone(), grace0.clone());
-        async move { pods.delete(&format!("pod-{i}"), &grace0).await }
-    }))
-    .await
-    {
-        r.unwrap();
-    }
+    objects::delete_pods_now(&pods, (0..PODS).map(|i| format!("pod-{i}"))).await.unwrap();
     wait_until("every pod gone and every address free", PHASE_TIMEOUT, || async {
         let left = pods.list(&ListParams::default()).await?.items.len();
         anyhow::ensure!(left == 0, "{left} pods left");

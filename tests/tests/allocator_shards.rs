@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest};
 use kuryr_proto::service_names::VIF_ALLOCATOR;
@@ -402,15 +402,7 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     assert!(metric(&a, "kuryr_shard_acquisitions_total").await >= 8.0);
 
     // 3. Deleting everything leaves nothing.
-    let grace0 = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
-    for r in join_all((0..PODS).map(|i| {
-        let (pods, grace0) = (pods.clone(), grace0.clone());
-        async move { pods.delete(&format!("pod-{i}"), &grace0).await }
-    }))
-    .await
-    {
-        r.unwrap();
-    }
+    objects::delete_pods_now(&pods, (0..PODS).map(|i| format!("pod-{i}"))).await.unwrap();
     wait_until("no pod, PodVif or allocation left", PHASE_TIMEOUT, || async {
         let left = pods.list(&ListParams::default()).await?.items;
         let with_finalizer =

@@ -113,14 +113,9 @@ async fn kuryr_ports_are_handed_to_kuryr_rs_without_a_new_port() {
     // Kuryr keeps pool ports too. Once its pool is at its minimum it creates no more, so that
     // stopping it then leaves no port creation in flight.
     let pool_filter = Filter::new().network_id(&c.net.network_id).device_owner("compute:kuryr");
-    wait_until("Kuryr's pool to be at its minimum (2 free ports)", SLOW, || async {
-        let ports = c.neutron.list_ports(&pool_filter).await?;
-        let free = ports.iter().filter(|p| p.device_id.is_empty() && p.name == "kuryr-pool-port").count();
-        anyhow::ensure!(free >= 2, "{free} free pool ports");
-        Ok(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\nKuryr's log:\n{}", kuryr.log_tail()));
+    kuryr_controller::wait_pool_minimum(&c, 2, SLOW)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\nKuryr's log:\n{}", kuryr.log_tail()));
     kuryr.stop();
     let stopped = kuryr_controller::epoch_now();
     // Kuryr may have been part-way through a bulk create when stopped: settle on what exists.

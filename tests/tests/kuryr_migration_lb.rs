@@ -303,15 +303,7 @@ async fn kuryr_load_balancers_are_adopted_by_kuryr_rs_without_a_new_one() {
     let fin = services.get(SVC).await.unwrap().metadata.finalizers.unwrap_or_default();
     assert!(fin.iter().any(|f| f == KURYR_SERVICE_FINALIZER), "Kuryr's Service finalizer: {fin:?}");
     // Kuryr's pool tops itself up after each pod: once at its minimum it creates no more ports.
-    let pool_filter = Filter::new().network_id(&c.net.network_id).device_owner("compute:kuryr");
-    wait_until("Kuryr's pool to be at its minimum (2 free ports)", SLOW, || async {
-        let ports = c.neutron.list_ports(&pool_filter).await?;
-        let free = ports.iter().filter(|p| p.device_id.is_empty() && p.name == "kuryr-pool-port").count();
-        anyhow::ensure!(free >= 2, "{free} free pool ports");
-        Ok(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\nKuryr's log:\n{}", k.log_tail()));
+    kuryr::wait_pool_minimum(&c, 2, SLOW).await.unwrap_or_else(|e| panic!("{e:#}\nKuryr's log:\n{}", k.log_tail()));
     k.stop();
     let stopped = kuryr::epoch_now();
     eprintln!("Kuryr stopped at {stopped}");

@@ -16,8 +16,9 @@ use anyhow::{Context, Result, bail};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-use crate::realcluster::{RealCluster, RealClusterOptions, run};
+use crate::realcluster::{RealCluster, RealClusterOptions};
 use crate::services::{bin_path, tool_path};
+use crate::util::run_command as run;
 use crate::util::{env_script, parse_env_file, repo_root};
 
 /// The sig-network conformance tests (45 in v1.34.4).

@@ -17,16 +17,14 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Once;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
-use crate::util::{env_script, parse_env_file};
+use crate::util::{env_script, parse_env_file, run_command as run};
 
 /// Bound on `kube-up.sh`. Normally 3–15 s; but when the tools are not built yet the script builds
 /// them first, and a cold `kube-apiserver` build is 10+ minutes on two cores.
@@ -323,31 +321,4 @@ fn install_crypto_provider() {
     ONCE.call_once(|| {
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
-}
-
-/// Runs a command with an optional stdin and a deadline; returns stdout, or fails with both
-/// streams when it exits non-zero. The child is killed if the deadline passes.
-async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Result<String> {
-    let what = format!("{:?}", cmd.as_std());
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input).await.with_context(|| format!("writing stdin of {what}"))?;
-    }
-    let out = tokio::time::timeout(timeout, child.wait_with_output())
-        .await
-        .with_context(|| format!("{what} did not finish within {timeout:?}"))?
-        .with_context(|| format!("waiting for {what}"))?;
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -35,15 +35,7 @@ impl Netns {
     pub fn exec(&self, argv: &[&str]) -> Result<String> {
         let out =
             Command::new("nsenter").arg(format!("--net={}", self.path().display())).arg("--").args(argv).output()?;
-        if !out.status.success() {
-            bail!(
-                "{argv:?} in {}: {}{}",
-                self.name,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        crate::util::checked_stdout(&format!("{argv:?} in {}", self.name), &out)
     }
 
     /// Pings `to` (IPv4 or IPv6) from this namespace until it answers, for at most `timeout`:

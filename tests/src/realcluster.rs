@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -24,7 +23,7 @@ use tokio::process::Command;
 use crate::forward::NetnsForwarder;
 use crate::kube::client_from_kubeconfig;
 use crate::services::{tool_path, wait_until};
-use crate::util::{env_script, parse_env_file, repo_root};
+use crate::util::{env_script, parse_env_file, repo_root, run_command as run};
 
 /// Where kuryr's objects live.
 pub const SYSTEM_NAMESPACE: &str = "kuryr-system";
@@ -442,34 +441,6 @@ fn relative_path(from: &Path, to: &Path) -> PathBuf {
         out.push(c.as_os_str());
     }
     out
-}
-
-/// Runs a command with an optional stdin and a deadline; returns stdout, or fails with both
-/// streams (the child is killed when the deadline passes).
-pub async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration) -> Result<String> {
-    use tokio::io::AsyncWriteExt;
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let desc = format!("{:?}", cmd.as_std());
-    let mut child = cmd.spawn().with_context(|| format!("spawning {desc}"))?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input).await?;
-        drop(pipe);
-    }
-    let out = tokio::time::timeout(timeout, child.wait_with_output())
-        .await
-        .with_context(|| format!("{desc} did not finish within {timeout:?}"))??;
-    if !out.status.success() {
-        bail!(
-            "{desc} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]

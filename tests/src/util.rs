@@ -2,7 +2,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, Result, bail};
@@ -38,17 +38,45 @@ pub fn run_script(name: &str, args: &[&str]) -> Result<String> {
     let path = env_script(name);
     let out =
         Command::new("bash").arg(&path).args(args).output().with_context(|| format!("running {}", path.display()))?;
+    checked_stdout(&format!("{} {args:?}", path.display()), &out)
+}
+
+/// The standard output of a command that ran, or, when it failed, an error naming `what` with its
+/// exit status, standard output and standard error.
+pub fn checked_stdout(what: &str, out: &std::process::Output) -> Result<String> {
     if !out.status.success() {
         bail!(
-            "{} {:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
-            path.display(),
-            args,
+            "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
             out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs a command with an optional stdin and a deadline; returns stdout, or fails with both
+/// streams (the child is killed when the deadline passes).
+pub async fn run_command(
+    mut cmd: tokio::process::Command,
+    stdin: Option<&[u8]>,
+    timeout: std::time::Duration,
+) -> Result<String> {
+    use tokio::io::AsyncWriteExt as _;
+    let what = format!("{:?}", cmd.as_std());
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input).await.with_context(|| format!("writing stdin of {what}"))?;
+    }
+    let out = tokio::time::timeout(timeout, child.wait_with_output())
+        .await
+        .with_context(|| format!("{what} did not finish within {timeout:?}"))?
+        .with_context(|| format!("waiting for {what}"))?;
+    checked_stdout(&what, &out)
 }
 
 /// Parses `KEY=VALUE` lines (an env file written by the scripts) into pairs.

@@ -199,6 +199,15 @@ impl ControlPlane {
         Sut::spawn("kuryr-lbaas", &args, self.dir.path(), id)
     }
 
+    /// kuryr-vif-allocator's first arguments with the embedded IPAM: its credentials, following
+    /// `watcher`, the pod network `network` over 10.244.0.0/16 in /26 IPv4 blocks.
+    pub fn allocator_args(&self, watcher: &Watcher, network: &str) -> Vec<String> {
+        let kubeconfig = self.kubeconfig.display().to_string();
+        let args = ["--kubeconfig", &kubeconfig, "--watcher", &watcher.addr, "--network", network];
+        let ipam = ["--network-cidrs", "10.244.0.0/16", "--ipv4-block-prefix", "26"];
+        args.iter().chain(&ipam).map(ToString::to_string).collect()
+    }
+
     /// Starts kuryr-watcher under its ServiceAccount, listening on `addr` (a free port when
     /// `None`, the old address to restart it) and metrics on a free port, with `extra` flags.
     pub fn watcher(&self, addr: Option<&str>, extra: &[&str]) -> Result<Watcher> {

@@ -110,32 +110,21 @@ impl Cluster {
     }
 
     fn allocator_with(&self, watcher: &Watcher, instance: &str, extra: &[&str]) -> Svc {
-        let args = [
-            "--kubeconfig",
-            &self.kubeconfig.display().to_string(),
-            "--watcher",
-            &watcher.addr,
-            "--network",
-            NETWORK,
-            "--network-cidrs",
-            "10.244.0.0/16",
-            "--ipv4-block-prefix",
-            "26",
-            "--instance",
-            instance,
-            "--replica-id",
-            instance,
-            "--log",
-            "info,kuryr_vif_allocator=debug",
-        ];
-        let args: Vec<String> =
-            args.iter().chain(extra).chain(&["--shutdown-grace", "3s"]).map(ToString::to_string).collect();
+        let mut args = self.allocator_args(watcher, NETWORK);
+        let own = ["--instance", instance, "--replica-id", instance, "--log", "info,kuryr_vif_allocator=debug"];
+        args.extend(own.iter().chain(extra).chain(&["--shutdown-grace", "3s"]).map(ToString::to_string));
         let sut = Sut::spawn("kuryr-vif-allocator", &args, self.dir.path(), instance).unwrap();
         Svc { sut, token: self.binder_token.clone() }
     }
 
     fn pods(&self, ns: &str) -> Api<Pod> {
         Api::namespaced(self.admin.clone(), ns)
+    }
+
+    /// Creates the pod `name` of namespace `ns` on `node`; its uid.
+    async fn create_pod(&self, ns: &str, name: &str, node: &str) -> String {
+        let made = self.pods(ns).create(&PostParams::default(), &pod(name, Some(node), false)).await.unwrap();
+        made.metadata.uid.unwrap()
     }
 
     /// Every allocation in the network's blocks, address → pod uid; panics on any duplicate.
@@ -756,10 +745,8 @@ async fn two_allocators_never_hand_out_an_address_twice() {
 async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
     let ns = "settle";
     let c = cluster(ns).await;
-    let pods = c.pods(ns);
+    let uid = c.create_pod(ns, "p", "n1").await;
     let pp = PostParams::default();
-    let made = pods.create(&pp, &pod("p", Some("n1"), false)).await.unwrap();
-    let uid = made.metadata.uid.unwrap();
 
     // The first allocator's address, through the IPAM as any allocator uses it: the first block.
     let store = IpamStore::new(c.admin.clone());
@@ -839,10 +826,8 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
 async fn a_record_the_backend_does_not_hold_is_replaced_in_a_pod_vif_of_the_earlier_shape() {
     let ns = "replace";
     let c = cluster(ns).await;
-    let pods = c.pods(ns);
+    let uid = c.create_pod(ns, "p", "n1").await;
     let pp = PostParams::default();
-    let made = pods.create(&pp, &pod("p", Some("n1"), false)).await.unwrap();
-    let uid = made.metadata.uid.unwrap();
     let pod_vifs: Api<PodVif> = Api::namespaced(c.admin.clone(), ns);
     let spec = PodVifSpec {
         pod_uid: uid.clone(),

@@ -156,7 +156,7 @@ async fn binder(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     let c = ControlPlane::start(Served::Allocator, NS).await.unwrap();
-    let (admin, allocator_kc) = (c.admin.clone(), &c.kubeconfig);
+    let admin = c.admin.clone();
     let pp = PostParams::default();
     let nodes: Api<Node> = Api::all(admin.clone());
     for i in 0..NODES {
@@ -167,25 +167,9 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         nodes.patch_status(&node_name(i), &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
     }
     let watcher = c.watcher(None, &[]).unwrap();
-    let watcher_addr = &watcher.addr;
     let replica = |id: &str| {
-        let mut args: Vec<String> = [
-            "--kubeconfig",
-            &allocator_kc.display().to_string(),
-            "--watcher",
-            watcher_addr,
-            "--network",
-            NETWORK,
-            "--network-cidrs",
-            "10.244.0.0/16",
-            "--ipv4-block-prefix",
-            "26",
-            "--log",
-            "info,kuryr_vif_allocator=debug,kuryr_shard=debug",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+        let mut args = c.allocator_args(&watcher, NETWORK);
+        args.extend(["--log".into(), "info,kuryr_vif_allocator=debug,kuryr_shard=debug".into()]);
         args.extend(sut::replica_args(id, SHARDS, "3s"));
         Sut::spawn("kuryr-vif-allocator", &args, c.dir.path(), id).unwrap()
     };

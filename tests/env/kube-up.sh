@@ -59,14 +59,7 @@ fi
 mkdir -p "$PKI" "$LOGS" "$PIDS"
 
 # On any failure: show what the servers said and stop whatever this script started.
-ok=0
-on_exit() {
-    if [[ $ok -ne 1 ]]; then
-        show_logs 40 "$LOGS"/*.log
-        bash "$HERE/kube-down.sh" "$STATE" >&2 || true
-    fi
-}
-trap on_exit EXIT
+stop_on_failure 40 bash "$HERE/kube-down.sh" "$STATE"
 
 # ---------------------------------------------------------------------------------------------
 # Certificates. ECDSA P-256 keys: generated instantly, accepted by kube-apiserver, kubectl and

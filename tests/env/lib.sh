@@ -31,6 +31,22 @@ show_logs() {
     done
 }
 
+# stop_on_failure LINES CMD...: from now on, until the caller sets ok=1, an exit (a failure) shows
+# the last LINES lines of every log in $LOGS and runs CMD, which stops what was started.
+stop_on_failure() {
+    ON_FAILURE_LINES="$1"
+    shift
+    ON_FAILURE=("$@")
+    ok=0
+    trap _on_failure EXIT
+}
+_on_failure() {
+    if [[ $ok -ne 1 ]]; then
+        show_logs "$ON_FAILURE_LINES" "$LOGS"/*.log
+        "${ON_FAILURE[@]}" >&2 || true
+    fi
+}
+
 # containerd_config DIR SOCKET SANDBOX_IMAGE CNI_BIN_DIR CNI_CONF_DIR: the configuration of a
 # containerd (CRI plugin, runc) whose root, state, runc state and opt directories are all in DIR,
 # serving on SOCKET.

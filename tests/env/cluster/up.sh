@@ -98,14 +98,7 @@ CP_IP="$(ip4 1)"
     echo "NODE_COUNT=$NODES"
 } >"$S/partial.env"
 
-ok=0
-on_exit() {
-    if [[ $ok -ne 1 ]]; then
-        show_logs 30 "$LOGS"/*.log
-        bash "$HERE/down.sh" "$S" >&2 || true
-    fi
-}
-trap on_exit EXIT
+stop_on_failure 30 bash "$HERE/down.sh" "$S"
 
 # start NAME NETNS MOUNTNS CMD...: a server detached in its own session, niced (the machine is
 # small and the tests share it), inside the node's namespaces; its pid recorded for down.sh.

@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kuryr_openstack::config::{AuthConfig, Interface, TlsConfig};
-use kuryr_openstack::neutron::Neutron;
+use kuryr_openstack::neutron::{Neutron, SecurityGroupCreate, SecurityGroupRuleCreate};
 use kuryr_openstack::{Client, ClientOptions, CloudConfig, ServiceType};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{GetVifRequest, Vif};
@@ -492,6 +492,26 @@ impl NeutronCluster {
         let status = json!({"status": {"phase": "Running", "podIP": v4, "podIPs": [{"ip": v4}, {"ip": v6}]}});
         pods.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await?;
         Ok(PluggedPod { name: name.into(), port: vif.vif_id, v4, v6, cni })
+    }
+
+    /// Creates the security group `pods` of the pod network's project, which lets in every address
+    /// of the pod subnets (and everything out); its id.
+    pub async fn pods_security_group(&self) -> Result<String> {
+        let project = &self.net.project_id;
+        let group =
+            SecurityGroupCreate { name: "pods".into(), project_id: Some(project.clone()), ..Default::default() };
+        let group = self.neutron.create_security_group(group).await.context("creating the pods group")?.id;
+        let rule = |prefix: &str, eth: &str| SecurityGroupRuleCreate {
+            security_group_id: group.clone(),
+            direction: "ingress".into(),
+            ethertype: eth.into(),
+            remote_ip_prefix: Some(prefix.into()),
+            project_id: Some(project.clone()),
+            ..Default::default()
+        };
+        let rules = vec![rule(&self.net.subnet_v4_cidr, "IPv4"), rule(&self.net.subnet_v6_cidr, "IPv6")];
+        self.neutron.create_security_group_rules(rules).await.context("letting the pod subnets in")?;
+        Ok(group)
     }
 
     /// Sets the port quota of `project` (`PUT /v2.0/quotas/<project>`); -1 is unlimited.

@@ -185,15 +185,7 @@ impl Svc {
             .await
             .unwrap_or_else(|s| panic!("WatchVifs({node}): {s}\n{}", self.proc.logs()))
             .into_inner();
-        NodeStream {
-            stream,
-            vifs: BTreeMap::new(),
-            routes: BTreeMap::new(),
-            deleted: BTreeSet::new(),
-            resets: 0,
-            live: false,
-            last: String::new(),
-        }
+        NodeStream::new(stream)
     }
 }
 
@@ -211,6 +203,18 @@ struct NodeStream {
 }
 
 impl NodeStream {
+    fn new(stream: Streaming<WatchVifsResponse>) -> Self {
+        Self {
+            stream,
+            vifs: BTreeMap::new(),
+            routes: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            resets: 0,
+            live: false,
+            last: String::new(),
+        }
+    }
+
     async fn next(&mut self) -> Result<WatchVifsResponse, End> {
         let ev = next_event(&mut self.stream, EVENT_TIMEOUT, |ev| ev.r#type() == VifEventType::Heartbeat).await?;
         self.last.clone_from(&ev.resume_point);
@@ -556,15 +560,7 @@ async fn pods_get_vifs_that_survive_restarts_and_are_released_on_deletion() {
         Ok(alloc.client().watch_vifs(req).await?.into_inner())
     })
     .await
-    .map(|stream| NodeStream {
-        stream,
-        vifs: BTreeMap::new(),
-        routes: BTreeMap::new(),
-        deleted: BTreeSet::new(),
-        resets: 0,
-        live: false,
-        last: String::new(),
-    })
+    .map(NodeStream::new)
     .unwrap();
     n1.until("the snapshot", |s| s.live).await;
     assert_eq!(n1.resets, 1, "a restarted allocator must RESET a binder resuming from its old epoch");

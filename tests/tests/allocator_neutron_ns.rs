@@ -37,12 +37,12 @@ use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::{ListPoolsRequest, PoolKey, PopulatePoolRequest};
 use kuryr_tests::cluster::controllers::ControllerManager;
 use kuryr_tests::netns::Netns;
-use kuryr_tests::neutron::{CniPod, NeutronCluster, SLOW, Svc, metric, spawn};
+use kuryr_tests::neutron::{CniPod, NeutronCluster, SLOW, Svc, cluster_tag, metric, spawn};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::shim::result_ip;
 use kuryr_vif_allocator::k8s::crd::{NamespaceNetwork, NamespaceNetworkPhase};
 
-const CLUSTER_TAG: &str = "kuryr.openstack.org/cluster=e2e-ns";
+const CLUSTER_ID: &str = "e2e-ns";
 const FINALIZER: &str = "kuryr.openstack.org/namespace-network";
 const POOL_V4: &str = "10.60.0.0/16";
 const POOL_V6: &str = "fd00:60::/48";
@@ -118,7 +118,7 @@ impl Fixture {
 
     /// Networks tagged for the cluster and the namespace.
     async fn tagged_networks(&self, ns: &str) -> Vec<String> {
-        let tags = [CLUSTER_TAG.to_string(), format!("kuryr.openstack.org/namespace={ns}")];
+        let tags = [cluster_tag(CLUSTER_ID), format!("kuryr.openstack.org/namespace={ns}")];
         let nets = self.c.neutron.list_networks(&Filter::new().tags(&tags)).await.unwrap();
         nets.into_iter().map(|n| n.id).collect()
     }
@@ -215,7 +215,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
             assert_eq!(subnet.subnetpool_id.as_deref(), Some(pool.as_str()));
             assert_eq!(cidr(&subnet.cidr).1, len, "{}", subnet.cidr);
             assert!(within(&subnet.cidr, prefix), "{} outside {prefix}", subnet.cidr);
-            assert!(subnet.tags.iter().any(|t| t == CLUSTER_TAG), "{:?}", subnet.tags);
+            assert!(subnet.tags.contains(&cluster_tag(CLUSTER_ID)), "{:?}", subnet.tags);
             // The router's interface on the subnet holds its gateway address.
             let rports: Vec<Port> = f
                 .ports_on(&net)
@@ -371,7 +371,7 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
     assert!(subnets_b.is_empty(), "subnets left: {subnets_b:?}");
     let router_ports = f.c.neutron.list_ports(&Filter::new().device_id(f.router.as_str())).await.unwrap();
     assert!(router_ports.iter().all(|p| p.network_id != net_b), "router interface left on team-b's network");
-    let tagged = f.c.neutron.list_ports(&Filter::new().tags(&[CLUSTER_TAG])).await.unwrap();
+    let tagged = f.c.neutron.list_ports(&Filter::new().tags(&[cluster_tag(CLUSTER_ID)])).await.unwrap();
     assert!(tagged.iter().all(|p| p.network_id == net_a), "a cluster port off team-a's network: {tagged:?}");
     let mut pm = PoolManagerClient::new(alloc.channel().unwrap());
     let pools = pm.list_pools(ListPoolsRequest {}).await.unwrap().into_inner().pools;

@@ -35,7 +35,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{PortCreate, SecurityGroupCreate, SecurityGroupRuleCreate};
+use kuryr_openstack::neutron::{PortCreate, SecurityGroupCreate};
 use kuryr_tests::binder::Binder;
 use kuryr_tests::neutron::{
     AllocatorOptions, NeutronCluster, PluggedPod, SLOW, Svc, cluster_tag, measure_policy_change,
@@ -169,28 +169,7 @@ async fn measure<F: Future<Output = ()>>(policy: &Svc, what: &'static str, kuryr
 async fn security_groups_per_policy_enforced_by_the_ovs_firewall() {
     let c = NeutronCluster::start_with_firewall(&[NS]).await.unwrap();
     // The pods group: every pod subnet address may come in, everything may go out.
-    let pods_group = c
-        .neutron
-        .create_security_group(SecurityGroupCreate {
-            name: "pods".into(),
-            project_id: Some(c.net.project_id.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
-    let rule = |prefix: &str, eth: &str| SecurityGroupRuleCreate {
-        security_group_id: pods_group.clone(),
-        direction: "ingress".into(),
-        ethertype: eth.into(),
-        remote_ip_prefix: Some(prefix.into()),
-        project_id: Some(c.net.project_id.clone()),
-        ..Default::default()
-    };
-    c.neutron
-        .create_security_group_rules(vec![rule(&c.net.subnet_v4_cidr, "IPv4"), rule(&c.net.subnet_v6_cidr, "IPv6")])
-        .await
-        .unwrap();
+    let pods_group = c.pods_security_group().await.unwrap();
     let watcher = c.watcher().unwrap();
     let opts = AllocatorOptions {
         cluster_id: CLUSTER_ID.into(),

@@ -36,7 +36,6 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kuryr_openstack::neutron::{SecurityGroupCreate, SecurityGroupRuleCreate};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{GetVifRequest, Vif};
 use kuryr_tests::neutron::{AllocatorOptions, NeutronCluster, PluggedPod, PolicyChange, Svc, measure_policy_change};
@@ -204,27 +203,7 @@ async fn main() -> Result<()> {
         anyhow::bail!("BENCH_NP_ARMS: unknown arm {bad:?} (groups, policy)");
     }
     let c = NeutronCluster::start_with_firewall(&[NS, SG_NS]).await?;
-    let project = c.net.project_id.clone();
-    let pods_group = c
-        .neutron
-        .create_security_group(SecurityGroupCreate {
-            name: "pods".into(),
-            project_id: Some(project.clone()),
-            ..Default::default()
-        })
-        .await?
-        .id;
-    let rule = |prefix: &str, eth: &str| SecurityGroupRuleCreate {
-        security_group_id: pods_group.clone(),
-        direction: "ingress".into(),
-        ethertype: eth.into(),
-        remote_ip_prefix: Some(prefix.into()),
-        project_id: Some(project.clone()),
-        ..Default::default()
-    };
-    c.neutron
-        .create_security_group_rules(vec![rule(&c.net.subnet_v4_cidr, "IPv4"), rule(&c.net.subnet_v6_cidr, "IPv6")])
-        .await?;
+    let pods_group = c.pods_security_group().await?;
     let watcher = c.watcher()?;
     let opts = AllocatorOptions {
         cluster_id: "bench-np".into(),

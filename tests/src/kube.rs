@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio::process::Command;
 
-use crate::util::{env_script, parse_env_file, run_command as run};
+use crate::util::{env_script, parse_env_file, run_command as run, run_down_script};
 
 /// Bound on `kube-up.sh`. Normally 3–15 s; but when the tools are not built yet the script builds
 /// them first, and a cold `kube-apiserver` build is 10+ minutes on two cores.
@@ -54,13 +54,7 @@ impl KubeEnv {
     /// process stops the servers even if the test binary dies without running `Drop`.
     pub async fn start() -> Result<KubeEnv> {
         install_crypto_provider();
-        let keep_state = std::env::var("KURYR_KEEP_STATE").is_ok_and(|v| v == "1");
-        let state_dir = tempfile::Builder::new()
-            .prefix("kuryr-kube-")
-            .tempdir_in("/tmp")
-            .context("creating the state directory under /tmp")?
-            // From here on kube-down.sh (from Drop or the watchdog) owns its removal.
-            .keep();
+        let (state_dir, keep_state) = crate::util::state_dir("kuryr-kube-")?;
 
         let mut cmd = Command::new("bash");
         cmd.arg(env_script("kube-up.sh")).arg(&state_dir).env("KUBE_UP_OWNER_PID", std::process::id().to_string());
@@ -261,25 +255,7 @@ impl KubeEnv {
 
 impl Drop for KubeEnv {
     fn drop(&mut self) {
-        let mut cmd = std::process::Command::new("bash");
-        cmd.arg(env_script("kube-down.sh")).arg(&self.state_dir);
-        if !self.keep_state {
-            cmd.arg("--purge");
-        }
-        // Drop cannot return an error; say what went wrong and where the state is.
-        match cmd.output() {
-            Ok(out) if out.status.success() => {}
-            Ok(out) => eprintln!(
-                "kube-down.sh {} failed ({}): {}",
-                self.state_dir.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            Err(e) => eprintln!("running kube-down.sh {}: {e}", self.state_dir.display()),
-        }
-        if self.keep_state {
-            eprintln!("KURYR_KEEP_STATE=1: kept {}", self.state_dir.display());
-        }
+        run_down_script(&env_script("kube-down.sh"), "kube-down.sh", &self.state_dir, self.keep_state);
     }
 }
 

@@ -144,13 +144,7 @@ impl OpenStackEnv {
         if services.is_empty() {
             bail!("OpenStackEnv::start: no service given");
         }
-        let keep_state = std::env::var("KURYR_KEEP_STATE").is_ok_and(|v| v == "1");
-        let state_dir = tempfile::Builder::new()
-            .prefix("kuryr-os-")
-            .tempdir_in("/tmp")
-            .context("creating the state directory under /tmp")?
-            // From here on down.sh (from Drop or the watchdog) owns its removal.
-            .keep();
+        let (state_dir, keep_state) = crate::util::state_dir("kuryr-os-")?;
         let mut env = OpenStackEnv { state_dir, env: Vec::new(), keep_state };
         let mut cmd = Command::new("bash");
         cmd.arg(script("up.sh"))
@@ -315,24 +309,7 @@ impl OpenStackEnv {
 
 impl Drop for OpenStackEnv {
     fn drop(&mut self) {
-        let mut cmd = std::process::Command::new("bash");
-        cmd.arg(script("down.sh")).arg(&self.state_dir);
-        if !self.keep_state {
-            cmd.arg("--purge");
-        }
-        match cmd.output() {
-            Ok(out) if out.status.success() => {}
-            Ok(out) => eprintln!(
-                "openstack/down.sh {} failed ({}): {}",
-                self.state_dir.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            Err(e) => eprintln!("running openstack/down.sh {}: {e}", self.state_dir.display()),
-        }
-        if self.keep_state {
-            eprintln!("KURYR_KEEP_STATE=1: kept {}", self.state_dir.display());
-        }
+        crate::util::run_down_script(&script("down.sh"), "openstack/down.sh", &self.state_dir, self.keep_state);
     }
 }
 

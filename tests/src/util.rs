@@ -79,6 +79,43 @@ pub async fn run_command(
     checked_stdout(&what, &out)
 }
 
+/// A new state directory `/tmp/<prefix>…` for an environment's up script, left on disk (from then
+/// on its down script, from `Drop` or the watchdog, owns its removal); and whether
+/// `KURYR_KEEP_STATE=1` asks to keep it after the test.
+pub fn state_dir(prefix: &str) -> Result<(PathBuf, bool)> {
+    let keep_state = std::env::var("KURYR_KEEP_STATE").is_ok_and(|v| v == "1");
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .context("creating the state directory under /tmp")?
+        .keep();
+    Ok((dir, keep_state))
+}
+
+/// Runs the down script `script` (named `label` in messages) on `state_dir`, with `--purge` unless
+/// the state is to be kept; for `Drop`, which cannot fail: a failure is printed, and where the
+/// kept state is.
+pub fn run_down_script(script: &Path, label: &str, state_dir: &Path, keep_state: bool) {
+    let mut cmd = Command::new("bash");
+    cmd.arg(script).arg(state_dir);
+    if !keep_state {
+        cmd.arg("--purge");
+    }
+    match cmd.output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => eprintln!(
+            "{label} {} failed ({}): {}",
+            state_dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("running {label} {}: {e}", state_dir.display()),
+    }
+    if keep_state {
+        eprintln!("KURYR_KEEP_STATE=1: kept {}", state_dir.display());
+    }
+}
+
 /// Parses `KEY=VALUE` lines (an env file written by the scripts) into pairs.
 pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
     text.lines()

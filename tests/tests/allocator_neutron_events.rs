@@ -34,6 +34,7 @@ use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{AllocatorOptions, CniPod, NeutronCluster, Svc};
 use kuryr_tests::services::wait_until;
+use kuryr_tests::shim::ShimOutput;
 use serde_json::json;
 
 /// Bound on what goes through Neutron's agent (seconds unloaded, far more on a busy machine).
@@ -106,13 +107,25 @@ impl Run {
         }
     }
 
-    fn add(&self, pod: &CniPod) -> tokio::task::JoinHandle<kuryr_tests::shim::ShimOutput> {
+    fn add(&self, pod: &CniPod) -> tokio::task::JoinHandle<ShimOutput> {
         let (pod, binder) = (pod.clone(), self.binder.clone());
         tokio::task::spawn_blocking(move || pod.run("ADD", &binder, None, SLOW).unwrap())
     }
 
+    /// Creates the pods `<prefix>-0`, … `<prefix>-<n-1>` one after the other and starts their ADDs
+    /// (running together).
+    async fn start_adds(&self, prefix: &str, n: usize) -> Vec<(CniPod, tokio::task::JoinHandle<ShimOutput>)> {
+        let mut adds = Vec::new();
+        for i in 0..n {
+            let pod = self.create(&format!("{prefix}-{i}")).await;
+            let add = self.add(&pod);
+            adds.push((pod, add));
+        }
+        adds
+    }
+
     /// Awaits the ADDs; each must succeed with its port ACTIVE in Neutron.
-    async fn all_added(&self, adds: Vec<(CniPod, tokio::task::JoinHandle<kuryr_tests::shim::ShimOutput>)>) {
+    async fn all_added(&self, adds: Vec<(CniPod, tokio::task::JoinHandle<ShimOutput>)>) {
         for (pod, add) in adds {
             let out = add.await.unwrap();
             assert_eq!(out.code, 0, "ADD {}: {} {}\n{}", pod.name, out.stdout, out.stderr, self.binder.logs());
@@ -168,12 +181,7 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
 
     // 1. A burst on the warm pool: ready from events alone.
     let before = r.metrics().await;
-    let mut adds = Vec::new();
-    for i in 0..6 {
-        let pod = r.create(&format!("burst-{i}")).await;
-        let add = r.add(&pod);
-        adds.push((pod, add));
-    }
+    let adds = r.start_adds("burst", 6).await;
     r.all_added(adds).await;
     let m = r.metrics().await;
     let ev = |res| [("result", res)];
@@ -231,12 +239,7 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
     // broker goes.
     let before = r.metrics().await;
     r.c.os.stop_process("neutron-agent").await.unwrap();
-    let mut adds = Vec::new();
-    for i in 0..3 {
-        let pod = r.create(&format!("outage-{i}")).await;
-        let add = r.add(&pod);
-        adds.push((pod, add));
-    }
+    let mut adds = r.start_adds("outage", 3).await;
     for (pod, _) in &adds {
         wait_until("the first pods to be plugged", SLOW, || async {
             let (_, state) = vif_state(&r.alloc, &pod.uid).await?;
@@ -295,12 +298,7 @@ async fn port_readiness_from_neutrons_push_through_forged_events_and_a_broker_re
 
     // 4. The subscription survived the restart: events again.
     let before = r.metrics().await;
-    let mut adds = Vec::new();
-    for i in 0..3 {
-        let pod = r.create(&format!("after-{i}")).await;
-        let add = r.add(&pod);
-        adds.push((pod, add));
-    }
+    let adds = r.start_adds("after", 3).await;
     r.all_added(adds).await;
     let m = r.metrics().await;
     m.moved(&before, "kuryr_allocator_neutron_ready_sources_total", &[("source", "event")]).exactly(3.0).unwrap();

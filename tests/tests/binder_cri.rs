@@ -7,12 +7,18 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use kuryr_proto::allocator::v1::VifState;
+use kuryr_tests::cri::Cri;
 use kuryr_tests::node::Node;
 use kuryr_tests::vifserver::{ScriptedAllocator, bridge_vif};
 
 /// A /24 per test process, so that concurrent runs are told apart in failures.
 fn octet(test: u32) -> u32 {
     (std::process::id() * 3 + test) % 200 + 20
+}
+
+/// What `argv` printed, run in the network namespace of the sandbox `id`.
+async fn sandbox_output(cri: &Cri, id: &str, argv: &[&str]) -> String {
+    String::from_utf8(cri.exec_in_sandbox_netns(id, argv, Duration::from_secs(10)).await.unwrap().stdout).unwrap()
 }
 
 async fn host_links(node: &Node) -> Vec<String> {
@@ -62,38 +68,17 @@ async fn cri_pods_get_their_vif_reach_each_other_and_leave_nothing_behind() {
         let want: IpAddr = v.ips[0].address.split('/').next().unwrap().parse().unwrap();
         assert_eq!(st.ips.first(), Some(&want), "sandbox IPs {:?}", st.ips);
         // eth0 has the VIF's MAC, MTU, addresses and routes.
-        let link = String::from_utf8(
-            cri.exec_in_sandbox_netns(id, &["ip", "-o", "link", "show", "eth0"], Duration::from_secs(10))
-                .await
-                .unwrap()
-                .stdout,
-        )
-        .unwrap();
+        let link = sandbox_output(cri, id, &["ip", "-o", "link", "show", "eth0"]).await;
         assert!(link.contains(&v.mac), "MAC {} not on eth0: {link}", v.mac);
         assert!(link.contains("mtu 1400"), "MTU: {link}");
-        let addrs = String::from_utf8(
-            cri.exec_in_sandbox_netns(id, &["ip", "-o", "addr", "show", "eth0"], Duration::from_secs(10))
-                .await
-                .unwrap()
-                .stdout,
-        )
-        .unwrap();
+        let addrs = sandbox_output(cri, id, &["ip", "-o", "addr", "show", "eth0"]).await;
         for ip in &v.ips {
             assert!(addrs.contains(&ip.address), "{} missing: {addrs}", ip.address);
         }
-        let routes = String::from_utf8(
-            cri.exec_in_sandbox_netns(id, &["ip", "route", "show"], Duration::from_secs(10)).await.unwrap().stdout,
-        )
-        .unwrap();
+        let routes = sandbox_output(cri, id, &["ip", "route", "show"]).await;
         assert!(routes.contains(&format!("default via {gw4} dev eth0")), "{routes}");
         assert!(routes.contains(&format!("198.18.0.0/15 via {gw4} dev eth0")), "{routes}");
-        let routes6 = String::from_utf8(
-            cri.exec_in_sandbox_netns(id, &["ip", "-6", "route", "show"], Duration::from_secs(10))
-                .await
-                .unwrap()
-                .stdout,
-        )
-        .unwrap();
+        let routes6 = sandbox_output(cri, id, &["ip", "-6", "route", "show"]).await;
         assert!(routes6.contains(&format!("default via {gw6} dev eth0")), "{routes6}");
     }
     // The binder reported each VIF plugged, and the allocator made them ready.

@@ -315,18 +315,15 @@ async fn services_become_serving_once_their_dependencies_are() {
     // Losing the watcher takes its dependents out of service.
     let mut watcher = watcher;
     watcher.proc.kill().await.unwrap();
-    wait_until("allocator NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
-        let h = health(&allocator.tcp, SERVICES[1].api).await?;
-        anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
-        Ok(())
-    })
-    .await
-    .unwrap();
-    wait_until("kuryr-policy NOT_SERVING after the watcher died", Duration::from_secs(30), || async {
-        let h = health(&policy.tcp, SERVICES[4].api).await?;
-        anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
-        Ok(())
-    })
-    .await
-    .unwrap();
+    for (name, addr, api) in
+        [("allocator", &allocator.tcp, SERVICES[1].api), ("kuryr-policy", &policy.tcp, SERVICES[4].api)]
+    {
+        wait_until(&format!("{name} NOT_SERVING after the watcher died"), Duration::from_secs(30), || async {
+            let h = health(addr, api).await?;
+            anyhow::ensure!(h.contains("NOT_SERVING"), "{h}");
+            Ok(())
+        })
+        .await
+        .unwrap();
+    }
 }

@@ -19,6 +19,7 @@ use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, PostParams};
+use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use serde_json::{Value, json};
 
 use crate::metrics::Scrape;
@@ -139,6 +140,31 @@ pub fn pod_endpoints(ns: &str, node: &str, list: &[(&str, bool, bool, bool, &str
         })
         .collect();
     Value::Array(eps)
+}
+
+/// Fails unless kuryr-lbaas' `record` is ACTIVE at its current generation (lbaas has settled on it).
+pub fn active_at_generation(record: &ServiceLoadBalancer) -> Result<()> {
+    let st = record.status.clone().unwrap_or_default();
+    anyhow::ensure!(
+        st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == record.metadata.generation,
+        "{st:?} at generation {:?}",
+        record.metadata.generation
+    );
+    Ok(())
+}
+
+/// Waits until the record `name` of `records` is ACTIVE at its current generation; the record.
+pub async fn wait_record_active(
+    records: &Api<ServiceLoadBalancer>,
+    name: &str,
+    timeout: Duration,
+) -> Result<ServiceLoadBalancer> {
+    wait_until(&format!("{name}'s record ACTIVE at its generation"), timeout, || async {
+        let r = records.get(name).await?;
+        active_at_generation(&r)?;
+        Ok(r)
+    })
+    .await
 }
 
 /// Creates `slice`, or replaces the slice of that name.

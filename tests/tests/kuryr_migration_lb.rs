@@ -368,18 +368,11 @@ async fn kuryr_load_balancers_are_adopted_by_kuryr_rs_without_a_new_one() {
         c.lbaas(&watcher, &o, &["--log", "info,kuryr_lbaas=debug", "--service-finalizer", "all"]).await.unwrap();
     lbaas.wait_serving(LOAD_BALANCERS, SLOW).await.unwrap();
     let records: Api<ServiceLoadBalancer> = Api::namespaced(c.admin.clone(), NS);
-    let record = wait_until("lbaas' record ACTIVE at its generation", SLOW, || async {
-        let r = records.get(SVC).await?;
-        let st = r.status.clone().unwrap_or_default();
-        anyhow::ensure!(
-            st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
-            "{st:?} at generation {:?}",
-            r.metadata.generation
-        );
-        Ok(st)
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)));
+    let record = sut::wait_record_active(&records, SVC, SLOW)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)))
+        .status
+        .unwrap_or_default();
     assert_eq!(record.backend_id.as_deref(), Some(lb_id.as_str()), "lbaas recorded another load balancer");
     let adopted = octavia.wait_members(&lb_id, &[ip(0), ip(1)], || lbaas.logs_tail(60)).await;
     assert_eq!(adopted, kuryr_tree, "a listener or pool was replaced");

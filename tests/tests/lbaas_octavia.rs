@@ -84,18 +84,7 @@ async fn put_slice(c: &ControlPlane, name: &str, service: &str, ports: Value, ep
 
 /// The record once it is ACTIVE at its current generation.
 async fn converged(c: &ControlPlane, name: &str, lbaas: &Sut) -> ServiceLoadBalancer {
-    wait_until(&format!("{name}'s record ACTIVE at its generation"), CONVERGE, || async {
-        let r = c.api::<ServiceLoadBalancer>().get(name).await?;
-        let st = r.status.clone().unwrap_or_default();
-        anyhow::ensure!(
-            st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
-            "{st:?} at generation {:?}",
-            r.metadata.generation
-        );
-        Ok(r)
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)))
+    sut::wait_record_active(&c.api(), name, CONVERGE).await.unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.logs_tail(60)))
 }
 
 async fn events_about(c: &ControlPlane, name: &str) -> Vec<Event> {

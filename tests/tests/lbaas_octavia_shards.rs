@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{DeleteParams, ListParams};
@@ -143,13 +144,8 @@ async fn a_replica_killed_mid_burst_leaves_no_load_balancer_half_built_or_duplic
         let mut recorded = BTreeMap::new();
         for r in &records {
             let name = r.metadata.name.clone().unwrap_or_default();
-            let st = r.status.clone().unwrap_or_default();
-            anyhow::ensure!(
-                st.provisioning_status.as_deref() == Some("ACTIVE") && st.observed_generation == r.metadata.generation,
-                "{name}: {st:?} at generation {:?}",
-                r.metadata.generation
-            );
-            recorded.insert(name, st.backend_id.unwrap_or_default());
+            sut::active_at_generation(r).with_context(|| name.clone())?;
+            recorded.insert(name, r.status.as_ref().and_then(|s| s.backend_id.clone()).unwrap_or_default());
         }
         let have: BTreeSet<String> = recorded.keys().cloned().collect();
         anyhow::ensure!(have == names, "{} of {} Services recorded", have.len(), names.len());

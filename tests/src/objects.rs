@@ -29,6 +29,12 @@ pub async fn create_namespace(client: &kube::Client, name: &str) -> anyhow::Resu
     Ok(())
 }
 
+/// Creates the namespace `name` (without labels); the API of its pods.
+pub async fn namespace_with_pods(client: &kube::Client, name: &str) -> anyhow::Result<Api<Pod>> {
+    create_namespace(client, name).await?;
+    Ok(Api::namespaced(client.clone(), name))
+}
+
 /// Waits until `pods` lists no pod any more (their finalizers released), for at most `timeout`;
 /// `what` names the wait in the error, which says how many are left.
 pub async fn wait_no_pods(pods: &Api<Pod>, what: &str, timeout: Duration) -> anyhow::Result<()> {

@@ -46,8 +46,7 @@ async fn pods_get_pool_addresses_reach_each_other_across_nodes_and_release_every
 
 async fn scenario(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let metrics_before = Metrics::scrape(cluster).await?;
 
     // Pods bound to their nodes (there is no scheduler), created through the API.

@@ -114,8 +114,7 @@ async fn with_cluster_options(
 /// pods created and deleted while it is down; restarted → everything converges.
 async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let vifs: Api<PodVif> = Api::namespaced(client.clone(), NAMESPACE);
     let burst = spread(cluster, "burst", BURST);
 
@@ -196,8 +195,7 @@ async fn service_crash_mid_burst(cluster: &mut Cluster, kind: ServiceKind) -> Re
 /// before a restart are deleted while the binder is down and after it is back.
 async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let first = spread(cluster, "old", 10);
     create_pods(pods.clone(), first.clone(), Arc::default()).await?;
     let before = checks::wait_running(cluster, NAMESPACE, first.len(), CONVERGE_TIMEOUT).await?;
@@ -285,8 +283,7 @@ async fn binder_restarts(cluster: &mut Cluster) -> Result<()> {
 /// networks; SIGCONT → the binders resume, the new pods get networks, everything converges.
 async fn allocator_stopped(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let first = spread(cluster, "old", 4);
     create_pods(pods.clone(), first.clone(), Arc::default()).await?;
     let before = checks::wait_running(cluster, NAMESPACE, first.len(), CONVERGE_TIMEOUT).await?;

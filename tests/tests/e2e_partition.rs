@@ -83,8 +83,7 @@ async fn stopped_allocator_and_watcher_are_noticed_and_del_still_completes() {
 
 async fn stopped_peers(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let node = cluster.nodes()[0].name.clone();
     pods.create(&PostParams::default(), &pod("before", &node)).await?;
     checks::wait_running(cluster, NAMESPACE, 1, CONVERGE_TIMEOUT).await?;
@@ -148,8 +147,7 @@ async fn api_server_stopped_for_a_minute_then_resumed_needs_no_restart() {
 
 async fn stopped_api_server(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     let node = cluster.nodes()[0].name.clone();
     pods.create(&PostParams::default(), &pod("a", &node)).await?;

@@ -103,8 +103,7 @@ impl World {
 
 async fn scenario(cluster: &mut Cluster) -> Result<()> {
     let client = cluster.client();
-    objects::create_namespace(&client, NAMESPACE).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = objects::namespace_with_pods(&client, NAMESPACE).await?;
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     let (node1, node2) = (cluster.nodes()[0].name.clone(), cluster.nodes()[1].name.clone());
 

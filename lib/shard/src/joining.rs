@@ -48,9 +48,10 @@ impl Joining {
     }
 
     /// Starts the shard set with `client` when sharded (else nothing: everything stays this
-    /// replica's), copying its ownership into the channel the service follows. Once only.
+    /// replica's), copying its ownership into the channel the service follows. Called once,
+    /// from the service's start-up.
     pub fn join(&self, client: kube::Client, shutdown: Shutdown) {
-        if !self.sharded() || self.handle.get().is_some() {
+        if !self.sharded() {
             return;
         }
         let handle = start(client, self.config.clone(), self.metrics.clone(), shutdown);
@@ -91,7 +92,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn unsharded_owns_everything_and_joining_changes_nothing() {
+    async fn unsharded_owns_everything_and_has_nothing_to_release() {
         let mut registry = Registry::default();
         let (joining, rx) = Joining::new(config(0), &mut registry);
         assert!(!joining.sharded());

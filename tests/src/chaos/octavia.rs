@@ -220,10 +220,10 @@ impl LbChaos {
                 ));
                 continue;
             }
-            let want = vec![(
-                format!("TCP:{PORT}"),
-                endpoints.iter().map(|a| format!("{a}:{TARGET_PORT}")).collect::<Vec<_>>(),
-            )];
+            // Sorted as the tree's members are: with the port ("10.0.0.241:8080" before "10.0.0.2:8080").
+            let mut members: Vec<String> = endpoints.iter().map(|a| format!("{a}:{TARGET_PORT}")).collect();
+            members.sort();
+            let want = vec![(format!("TCP:{PORT}"), members)];
             match self.reader.tree(id).await {
                 Ok(tree) if tree == want => {}
                 Ok(tree) => out

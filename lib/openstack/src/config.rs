@@ -22,9 +22,9 @@ use crate::service::ServiceType;
 mod flags;
 mod raw;
 
-pub use flags::CloudFlags;
 #[cfg(feature = "clap")]
 pub use flags::NeutronCloudArgs;
+pub use flags::{CloudFlags, check_tag_flag};
 
 use raw::RawCloud;
 

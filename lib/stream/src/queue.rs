@@ -9,10 +9,12 @@
 //! state may have fixed the cause) without resetting the backoff, which only a success does.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tracing::Instrument as _;
 
 /// Backoff of the first retry; it doubles per consecutive failure.
 pub const RETRY_BASE: Duration = Duration::from_millis(250);
@@ -177,6 +179,24 @@ impl WorkQueue {
         self.lock().closed = true;
         self.notify.notify_waiters();
     }
+
+    /// Spawns `workers` (at least one) tasks made by `work`, each in a `worker` span that carries
+    /// its number, and closes the queue once `stop` completes, so that every worker's
+    /// [`Self::next`] ends with `None`.
+    pub fn run_workers<W, F>(self: &Arc<Self>, workers: usize, stop: impl Future<Output = ()> + Send + 'static, work: W)
+    where
+        W: Fn() -> F,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        for i in 0..workers.max(1) {
+            tokio::spawn(work().instrument(tracing::info_span!("worker", id = i)));
+        }
+        let queue = self.clone();
+        tokio::spawn(async move {
+            stop.await;
+            queue.close();
+        });
+    }
 }
 
 #[cfg(test)]
@@ -186,6 +206,40 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    #[tokio::test]
+    async fn workers_run_the_keys_and_end_when_stopped() {
+        let q = Arc::new(WorkQueue::default());
+        let (ran, ended) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel::<String>();
+        q.run_workers(3, async move { stopped.await.unwrap_or_default() }, || {
+            let (q, ran, ended, done_tx) = (q.clone(), ran.clone(), ended.clone(), done_tx.clone());
+            async move {
+                while let Some(key) = q.next().await {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    q.done(&key, Outcome::Done);
+                    let _ = done_tx.send(key);
+                }
+                ended.fetch_add(1, Ordering::SeqCst);
+                let _ = done_tx.send("ended".into());
+            }
+        });
+        for k in ["a", "b", "c", "d"] {
+            q.add(k);
+        }
+        let mut keys: Vec<String> = Vec::new();
+        while keys.len() < 4 {
+            keys.push(done.recv().await.unwrap());
+        }
+        keys.sort();
+        assert_eq!(keys, ["a", "b", "c", "d"]);
+        stop.send(()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(done.recv().await.unwrap(), "ended");
+        }
+        assert_eq!((ran.load(Ordering::SeqCst), ended.load(Ordering::SeqCst)), (4, 3));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn one_key_is_serial_and_coalesced_while_keys_run_in_parallel() {

@@ -173,14 +173,9 @@ impl<C: Cluster> Controller<C> {
 
     /// Runs `workers` workers until shutdown.
     pub fn spawn_workers(self: &Arc<Self>, workers: usize, shutdown: Shutdown) {
-        for i in 0..workers.max(1) {
+        self.queue.run_workers(workers, async move { shutdown.wait().await }, || {
             let this = self.clone();
-            tokio::spawn(async move { this.work().await }.instrument(tracing::info_span!("worker", id = i)));
-        }
-        let queue = self.queue.clone();
-        tokio::spawn(async move {
-            shutdown.wait().await;
-            queue.close();
+            async move { this.work().await }
         });
     }
 

@@ -54,6 +54,19 @@ impl CloudFlags<'_> {
     }
 }
 
+/// Checks a flag whose value becomes part of a Neutron tag (`kuryr.openstack.org/cluster=<value>`):
+/// 1-200 printable characters without commas, so that the tag fits Neutron's 255 and can be
+/// used in filters.
+pub fn check_tag_flag(flag: &'static str, value: &str) -> Result<(), ConfigError> {
+    if value.is_empty() || value.contains(',') || value.len() > 200 || value.chars().any(char::is_control) {
+        return Err(ConfigError::Flag {
+            flag,
+            reason: format!("{value:?}: 1-200 printable characters without commas (it becomes a Neutron tag)"),
+        });
+    }
+    Ok(())
+}
+
 /// The flags of a service that talks to Neutron: its cloud, or Neutron's URL without Keystone.
 #[cfg(feature = "clap")]
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -108,6 +121,16 @@ impl NeutronCloudArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tag_flag_takes_printable_values_without_commas() {
+        assert!(check_tag_flag("--cluster-id", "kubernetes").is_ok());
+        assert!(check_tag_flag("--cluster-id", &"x".repeat(200)).is_ok());
+        for bad in ["", "a,b", "a\nb", &"x".repeat(201)] {
+            let e = check_tag_flag("--cluster-id", bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.starts_with(&format!("--cluster-id {bad:?}: 1-200 printable")), "{bad:?}: {e:?}");
+        }
+    }
 
     #[test]
     fn direct_endpoints_replace_the_cloud_and_name_a_bad_url() {

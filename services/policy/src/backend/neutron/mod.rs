@@ -73,14 +73,7 @@ pub struct NeutronArgs {
 impl NeutronArgs {
     /// Checks the flags, naming the one at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            !self.cluster_id.is_empty()
-                && !self.cluster_id.contains(',')
-                && self.cluster_id.len() <= 200
-                && self.cluster_id.chars().all(|c| !c.is_control()),
-            "--cluster-id {:?}: 1-200 printable characters without commas (it becomes a Neutron tag)",
-            self.cluster_id
-        );
+        kuryr_openstack::config::check_tag_flag("--cluster-id", &self.cluster_id)?;
         self.cloud.validate()?;
         anyhow::ensure!(self.neutron_resync >= Duration::from_secs(1), "--neutron-resync: at least 1s");
         Ok(())

@@ -102,14 +102,7 @@ impl NeutronArgs {
         {
             anyhow::ensure!(values.iter().all(|v| !v.trim().is_empty()), "{flag}: empty id in the list");
         }
-        anyhow::ensure!(
-            !self.cluster_id.is_empty()
-                && !self.cluster_id.contains(',')
-                && self.cluster_id.len() <= 200
-                && self.cluster_id.chars().all(|c| !c.is_control()),
-            "--cluster-id {:?}: 1-200 printable characters without commas (it becomes a Neutron tag)",
-            self.cluster_id
-        );
+        kuryr_openstack::config::check_tag_flag("--cluster-id", &self.cluster_id)?;
         anyhow::ensure!(!self.device_owner.is_empty(), "--device-owner: must not be empty");
         anyhow::ensure!(
             !(self.nested.nested_trunks && self.namespaces.neutron_namespace_subnets),

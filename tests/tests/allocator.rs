@@ -769,8 +769,7 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
         last_allocated: Some("10.244.0.70".into()),
     });
     blocks.replace_status("pods-10-244-0-64-26", &pp, &second).await.unwrap();
-    let mut recorded =
-        VifRecord::from(kuryr_vif_allocator::core::VifRecord::from_config(first.vif_id.clone(), &first.vif));
+    let mut recorded = VifRecord::from_config(first.vif_id.clone(), &first.vif);
     recorded.vif_id = format!("{NETWORK}/10.244.0.70");
     recorded.mac = "0a:58:0a:f4:00:46".into();
     let prefix = recorded.ips[0].address.split('/').nth(1).unwrap().to_string();

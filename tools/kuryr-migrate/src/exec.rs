@@ -304,7 +304,7 @@ impl Migrator<'_> {
                 }
                 PodStep::RecordVif => {
                     let (Some(port), Some(v)) = (&port, &kp.vif) else { anyhow::bail!("no port to record") };
-                    let record = self.shape.record(port).map_err(|e| anyhow::anyhow!(e))?.into();
+                    let record = self.shape.record(port).map_err(|e| anyhow::anyhow!(e))?;
                     let state = if v.active && port.is_active() { VifState::Ready } else { VifState::Allocated };
                     self.record_vif(&vifs, kp, &record, state).await?;
                 }

@@ -330,6 +330,17 @@ impl Nl {
 
     /// Main-table routes carrying `protocol`, with their raw messages for deletion.
     pub(crate) async fn routes_with_protocol(&self, protocol: u8) -> Result<Vec<(Route, RouteMessage)>, PlugError> {
+        Ok(self
+            .all_routes()
+            .await?
+            .into_iter()
+            .filter(|m| m.header.protocol == RouteProtocol::from(protocol))
+            .filter_map(|m| Some((route_of(&m)?, m)))
+            .collect())
+    }
+
+    /// Every IPv4 and IPv6 route the kernel lists (all tables).
+    async fn all_routes(&self) -> Result<Vec<RouteMessage>, PlugError> {
         let mut out = Vec::new();
         for query in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()] {
             let msgs: Vec<RouteMessage> = self
@@ -340,13 +351,7 @@ impl Nl {
                 .try_collect()
                 .await
                 .map_err(self.fail("list routes".into()))?;
-            for m in msgs {
-                if m.header.protocol == RouteProtocol::from(protocol)
-                    && let Some(r) = route_of(&m)
-                {
-                    out.push((r, m));
-                }
-            }
+            out.extend(msgs);
         }
         Ok(out)
     }
@@ -367,26 +372,16 @@ impl Nl {
     }
 
     async fn route_messages(&self, index: u32) -> Result<Vec<RouteMessage>, PlugError> {
-        let mut out = Vec::new();
-        for query in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()] {
-            let msgs: Vec<RouteMessage> = self
-                .handle
-                .route()
-                .get(query)
-                .execute()
-                .try_collect()
-                .await
-                .map_err(self.fail("list routes".into()))?;
-            out.extend(msgs.into_iter().filter(|m| {
-                let table = m.attributes.iter().find_map(|a| match a {
-                    RouteAttribute::Table(t) => Some(*t),
-                    _ => None,
-                });
-                let main = table.unwrap_or(u32::from(m.header.table)) == u32::from(RouteHeader::RT_TABLE_MAIN);
-                let oif = m.attributes.iter().any(|a| matches!(a, RouteAttribute::Oif(i) if *i == index));
-                main && oif && m.header.kind == RouteType::Unicast && m.header.protocol != RouteProtocol::Kernel
-            }));
-        }
+        let mut out = self.all_routes().await?;
+        out.retain(|m| {
+            let table = m.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
+                _ => None,
+            });
+            let main = table.unwrap_or(u32::from(m.header.table)) == u32::from(RouteHeader::RT_TABLE_MAIN);
+            let oif = m.attributes.iter().any(|a| matches!(a, RouteAttribute::Oif(i) if *i == index));
+            main && oif && m.header.kind == RouteType::Unicast && m.header.protocol != RouteProtocol::Kernel
+        });
         Ok(out)
     }
 }

@@ -1,7 +1,12 @@
 //! A pod and the VIF it was given, as the allocator reasons about them: plain data, no
-//! Kubernetes and no protobuf. [`crate::k8s::crd`] stores these in PodVifs and
-//! [`crate::grpc::convert`] streams them as `kuryr.allocator.v1` messages; both convert at their
-//! edge.
+//! Kubernetes and no protobuf. The record types ([`VifRecord`] and what it holds, [`VifState`])
+//! are also the stored shape: [`crate::k8s::crd`]'s PodVif holds them as they are, with the serde
+//! names and the schema written here (the CRD manifests generated from them are checked against
+//! `deploy/crds/` by a unit test, so a change to the stored shape cannot pass unnoticed).
+//! [`crate::grpc::convert`] streams them as `kuryr.allocator.v1` messages, converting at that edge.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 use crate::core::ipam::VifConfig;
 use crate::core::ipam::ipnet::IpNet;
@@ -24,8 +29,9 @@ impl PodKey {
     }
 }
 
-/// A pod's VIF: what the binder plugs, and where the backend got it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// A VIF as recorded: the allocator's `Vif` message less the pod and state.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct VifRecord {
     /// The backend's identifier (Neutron port id, or `<network>/<address>` for the embedded IPAM).
     pub vif_id: String,
@@ -36,22 +42,32 @@ pub struct VifRecord {
     /// Addresses (CIDR notation, the subnet's prefix length) with their gateways.
     pub ips: Vec<VifIp>,
     /// Routes besides the default routes implied by the gateways.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<VifRoute>,
     /// The bridge the host end is attached to.
     pub bridge: String,
-    /// How the host end is attached: a Linux bridge when absent (the embedded backend).
+    /// How the host end is attached: a Linux bridge when absent (the embedded backend), or
+    /// Open vSwitch with the port id as `iface-id` (Neutron).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub binding: Option<VifBinding>,
     /// The backend that allocated the VIF (`neutron`); the embedded IPAM when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
     /// The backend's network (the Neutron network id); the PodNetwork when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_id: Option<String>,
     /// The backend's subnets of the addresses (Neutron subnet ids).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub subnet_ids: Vec<String>,
     /// Security groups of the port (Neutron).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub security_groups: Vec<String>,
     /// The VLAN id of the port as a trunk subport of the node's VM (binding `Vlan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vlan_id: Option<u16>,
-    /// The pod's further interfaces ([`crate::core::attach`]).
+    /// The pod's further interfaces, one per NetworkAttachmentDefinition it asked for with the
+    /// `k8s.v1.cni.cncf.io/networks` annotation (see `crate::attach`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attachments: Vec<AttachedRecord>,
 }
 
@@ -78,8 +94,9 @@ impl VifRecord {
     }
 }
 
-/// One further interface of a pod: the network it is on and what the binder plugs.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// One further interface of a pod, as recorded: the network it is on and what the binder plugs.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct AttachedRecord {
     /// The NetworkAttachmentDefinition, `namespace/name`.
     pub attachment: String,
@@ -96,19 +113,24 @@ pub struct AttachedRecord {
     /// Addresses (CIDR notation) with their gateways.
     pub ips: Vec<VifIp>,
     /// Routes through this interface.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<VifRoute>,
     /// The bridge the host end is attached to.
     pub bridge: String,
-    /// How the host end is attached: a Linux bridge when absent.
+    /// How the host end is attached: a Linux bridge when absent (the embedded backend), Open
+    /// vSwitch with the port id as `iface-id` for a Neutron port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub binding: Option<VifBinding>,
     /// The Neutron subnets of the addresses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub subnet_ids: Vec<String>,
     /// Security groups of the Neutron port.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub security_groups: Vec<String>,
 }
 
 /// How a VIF's host end is attached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum VifBinding {
     /// A veth into the node's Linux bridge.
     Bridge,
@@ -119,25 +141,29 @@ pub enum VifBinding {
 }
 
 /// One address of a VIF.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct VifIp {
     /// Address with prefix length, e.g. `10.244.3.7/24`.
     pub address: String,
     /// The subnet's gateway, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<String>,
 }
 
 /// A route of a VIF.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct VifRoute {
     /// Destination CIDR, e.g. the Service CIDR `10.96.0.0/12`.
     pub destination: String,
     /// Next hop; absent means via the VIF's gateway of that family.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<String>,
 }
 
 /// Where a VIF is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum VifState {
     /// Allocated and recorded; not yet plugged by the binder.
     Allocated,
@@ -145,7 +171,7 @@ pub enum VifState {
     Plugged,
     /// Usable: CNI ADD may return.
     Ready,
-    /// Allocation or binding failed.
+    /// Allocation or binding failed; `message` says why.
     Failed,
 }
 

@@ -12,8 +12,7 @@
 //! when its record changes (the status cleared, then the spec written), and a state write whose
 //! `test` of `/spec/vif/vifId` fails is tried once more against `/status/vif/vifId`.
 //!
-//! The VIFs it reads and writes are [`crate::core`]'s; they become the PodVif's stored types
-//! ([`crate::k8s::crd`]) here, on the way in and out.
+//! The VIFs it reads and writes are [`crate::core`]'s, stored in the PodVif as they are.
 
 use kuryr_runtime::k8s::ApiFailure;
 use std::collections::{BTreeMap, BTreeSet};
@@ -81,7 +80,7 @@ pub struct Found {
 
 /// The VIF a PodVif records, wherever its version put it, and its state.
 fn recorded(pv: &PodVif) -> Recorded {
-    pv.vif().map(|v| (v.clone().into(), pv.state().into()))
+    pv.vif().map(|v| (v.clone(), pv.state()))
 }
 
 /// Lists every PodVif of `network`, in all namespaces.
@@ -317,7 +316,7 @@ impl Cluster for KubeCluster {
                 pod_name: pod.name.clone(),
                 node_name: node.to_string(),
                 network: self.network.clone(),
-                vif: Some(vif.clone().into()),
+                vif: Some(vif.clone()),
             },
         );
         pv.metadata.namespace = Some(pod.namespace.clone());
@@ -383,7 +382,7 @@ impl Cluster for KubeCluster {
         let ops = json!([
             {"op": "test", "path": "/spec/podUid", "value": pod.uid},
             {"op": "test", "path": "/metadata/resourceVersion", "value": version},
-            {"op": "add", "path": "/spec/vif", "value": crd::VifRecord::from(record.clone())},
+            {"op": "add", "path": "/spec/vif", "value": record},
         ]);
         api.patch(&pod.name, &PatchParams::default(), &Patch::Json::<()>(json_ops(ops, "VIF")?))
             .await
@@ -394,7 +393,6 @@ impl Cluster for KubeCluster {
     async fn record_state(&self, pod: &PodKey, vif_id: &str, state: VifState) -> Result<(), ClusterError> {
         let api = self.pod_vifs(&pod.namespace);
         let what = format!("recording state {state:?} in PodVif {}/{}", pod.namespace, pod.name);
-        let stored = crd::VifState::from(state);
         let write = |legacy: bool| {
             // A new PodVif has no status until its first state: the whole status is written (it
             // holds nothing else). An earlier version's keeps its VIF there: only the state.
@@ -402,13 +400,13 @@ impl Cluster for KubeCluster {
                 json!([
                     {"op": "test", "path": "/spec/podUid", "value": pod.uid},
                     {"op": "test", "path": "/status/vif/vifId", "value": vif_id},
-                    {"op": "add", "path": "/status/state", "value": stored},
+                    {"op": "add", "path": "/status/state", "value": state},
                 ])
             } else {
                 json!([
                     {"op": "test", "path": "/spec/podUid", "value": pod.uid},
                     {"op": "test", "path": "/spec/vif/vifId", "value": vif_id},
-                    {"op": "add", "path": "/status", "value": {"state": stored}},
+                    {"op": "add", "path": "/status", "value": {"state": state}},
                 ])
             };
             let api = api.clone();

@@ -194,7 +194,7 @@ mod tests {
         let plan = spec.plan().unwrap();
         let block = ipam::Block::parse("10.244.3.0/24").unwrap();
         let vif = plan.vif(&[(block, "10.244.3.9".parse().unwrap())]).unwrap();
-        let record = VifRecord::from(crate::core::VifRecord::from_config("pods/10.244.3.9", &vif));
+        let record = VifRecord::from_config("pods/10.244.3.9", &vif);
         assert_eq!(
             serde_json::to_value(&record).unwrap(),
             json!({

@@ -41,8 +41,8 @@
 //! - [`backend`]: the [`backend::VifBackend`] trait and its implementations: the embedded IPAM
 //!   ([`backend::embedded`] over the AddressBlock store [`backend::ipam`]) and Neutron
 //!   ([`backend::neutron`]); [`backend::any`] is the one an allocator runs with.
-//! - [`k8s`]: the custom resources ([`k8s::crd`], whose stored types convert to and from the
-//!   core's), the [`cluster::Cluster`] against the API server ([`k8s::api`]) and the
+//! - [`k8s`]: the custom resources ([`k8s::crd`]; a PodVif stores the core's
+//!   [`core::VifRecord`] as it is), the [`cluster::Cluster`] against the API server ([`k8s::api`]) and the
 //!   NetworkAttachmentDefinitions of further interfaces ([`k8s::attach`]).
 //! - [`cluster`]: what the controller needs of the API, as a trait; its backend is reached
 //!   directly through [`cluster::Cluster::backend`].

@@ -30,10 +30,11 @@ tools:
 build:
 	$(CARGO) build --workspace --bins
 
-## lint: formatting and clippy, warnings are errors
+## lint: formatting, clippy and the documentation's links; warnings are errors
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 
 ## test-unit: the fast tests that need no real components
 test-unit:

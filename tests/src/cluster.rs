@@ -6,7 +6,7 @@
 //! - `kuryr-watcher` and `kuryr-vif-allocator` as host processes, each authenticated as its own
 //!   ServiceAccount (so RBAC is exercised exactly as deployed), listening on 127.0.0.1 TCP and on
 //!   unix sockets in the cluster's directory;
-//! - an underlay ([`underlay`]): a private network namespace with a bridge that every node's
+//! - an underlay (`underlay`): a private network namespace with a bridge that every node's
 //!   namespace is plugged into — the network between the nodes;
 //! - N nodes, each a [`Node`] (containerd in the node's own network namespace, `kuryr-cni`
 //!   installed with its conflist, `kuryr-binder` in that namespace following the allocator over

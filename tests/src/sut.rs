@@ -126,7 +126,7 @@ pub fn ready_endpoint(addr: &str) -> Value {
 }
 
 /// The endpoints of pods on `node` in namespace `ns`, each (address, ready, serving, terminating,
-/// pod name), as a JSON array for [`slice`].
+/// pod name), as a JSON array for [`slice()`].
 pub fn pod_endpoints(ns: &str, node: &str, list: &[(&str, bool, bool, bool, &str)]) -> Value {
     let eps: Vec<Value> = list
         .iter()

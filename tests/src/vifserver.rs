@@ -65,7 +65,7 @@ impl Drop for ScriptedServer {
 }
 
 impl ScriptedAllocator {
-    /// A new allocator with no VIFs; `auto_ready` as described on [`State`].
+    /// A new allocator with no VIFs; `auto_ready` as described on `State`.
     pub fn new(auto_ready: bool) -> Self {
         let (events, _) = broadcast::channel(1024);
         Self { state: Arc::new(Mutex::new(State { auto_ready, ..Default::default() })), events }

@@ -5,7 +5,7 @@
 //!   before working on it ([`Served::after_loading`]: the allocator's VIFs, lbaas' records),
 //!   once the hand-over marked the shard loaded. A lost shard stops being served at once, before
 //!   the hand-over notices.
-//! - A call for a key served elsewhere is refused with [`crate::refusal`] (UNAVAILABLE naming
+//! - A call for a key served elsewhere is refused with [`crate::refusal()`] (UNAVAILABLE naming
 //!   the owner, and its endpoint in the `kuryr-shard-owner` trailer) and counted by method.
 //! - Unsharded ([`Served::all`]): every key is served.
 

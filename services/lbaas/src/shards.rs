@@ -10,7 +10,7 @@
 //!   *served*, then every Service and record of it is queued — a record without a Service is
 //!   deleted as at start — and the backend's maintenance runs for it (Octavia: orphans).
 //! - **Losing** one: it stops being served at once: reconciles of its Services are skipped, an
-//!   Octavia change in flight stops before its next call ([`Shards::serves`] is checked before
+//!   Octavia change in flight stops before its next call ([`kuryr_shard::Served::serves`] is checked before
 //!   each), and its records are from then on followed from the API like any other shard's.
 //!   Nothing is deleted: a Service of another shard is not gone.
 //! - **Unsharded** (`--shards 0`): everything is served from the start.

@@ -6,7 +6,7 @@
 //! AddressBlocks (metadata only, for node routes) and nothing else.
 //!
 //! **Owns** per pod: the finalizer `kuryr.openstack.org/vif`, a PodVif (spec + status) and the
-//! pod's addresses in the AddressBlocks ([`backend::ipam`]). A keyed queue ([`WorkQueue`]) reconciles pods
+//! pod's addresses in the AddressBlocks ([`backend::ipam`]). A keyed queue ([`kuryr_stream::WorkQueue`]) reconciles pods
 //! one uid at a time, many uids at once ([`controller`]); every step is idempotent and recorded
 //! before the VIF is handed out.
 //!

@@ -25,10 +25,10 @@ struct Cli {
     /// Nodes.
     #[arg(long, env = "CONFORMANCE_NODES", default_value_t = 2)]
     nodes: usize,
-    /// The kuryr overlay installed (deploy/overlays/<overlay>).
+    /// The kuryr overlay installed (`deploy/overlays/<overlay>`).
     #[arg(long, default_value = "embedded")]
     overlay: String,
-    /// Where the JUnit report and e2e.log go (default target/conformance/<unix time>).
+    /// Where the JUnit report and e2e.log go (default `target/conformance/<unix time>`).
     #[arg(long)]
     report_dir: Option<PathBuf>,
 }

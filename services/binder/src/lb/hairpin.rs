@@ -5,7 +5,7 @@
 //! while it is still being bridged, and when the new destination sits behind the same bridge the
 //! frame is bridged on to it instead of routed. For a pod talking to itself that means sending
 //! the frame back out the port it came in on, which a bridge only does for ports in hairpin
-//! mode; otherwise it is dropped. The masquerade of [`super::render`] then makes the reply come
+//! mode; otherwise it is dropped. The masquerade of [`super::render()`] then makes the reply come
 //! back through the node. Without `br_netfilter` hairpin mode changes nothing.
 //!
 //! The ports are found by their controller, every bridge a VIF of this node uses, after every

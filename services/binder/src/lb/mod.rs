@@ -1,7 +1,7 @@
 //! The node dataplane for Services (embedded backend), in place of kube-proxy: the binder follows
 //! kuryr-lbaas's `WatchLoadBalancers` stream and programs nftables in the node's network namespace
 //! so that every Service's cluster IPs, node ports and external addresses are DNAT'd to its
-//! members, under the Service's traffic policies ([`render`] describes the Service part of the
+//! members, under the Service's traffic policies ([`mod@render`] describes the Service part of the
 //! ruleset, [`crate::table`] the table as a whole).
 //!
 //! Two tasks share the [`state::State`]: the follower reads the stream (the one follower of

@@ -437,7 +437,7 @@ pub async fn list_host_links(prefix: &str) -> Result<Vec<String>, PlugError> {
 }
 
 /// Whether a link called `name` exists in `netns` (the host's for `None`). A missing namespace
-/// is an error ([`PlugError::NetnsNotFound`]), not `false`.
+/// is an error ([`PlugError::NetnsMissing`]), not `false`.
 pub async fn link_exists(netns: Option<PathBuf>, name: &str) -> Result<bool, PlugError> {
     let name = name.to_string();
     in_netns(netns, move |nl| async move { Ok(nl.link(&name).await?.is_some()) }).await

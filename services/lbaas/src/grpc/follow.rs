@@ -10,7 +10,7 @@
 //! holds while the stream is live.
 //!
 //! This is where the watcher's `kuryr.watcher.v1` messages become the core's
-//! [`Event`](crate::core::view::Event)s ([`event`]).
+//! [`crate::core::view::Event`]s ([`event`]).
 
 use std::sync::Arc;
 

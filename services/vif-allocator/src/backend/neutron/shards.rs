@@ -14,7 +14,7 @@
 //! - **a pool port is handed out only if it is as last seen**: the update carries
 //!   `If-Match: revision_number=<n>`, so a port another replica assigned meanwhile is refused by
 //!   Neutron, read again and counted as held by its pod instead
-//!   ([`NeutronBackend::pool_port_changed`]). Two pods never get one port, whatever the timing of
+//!   (`NeutronBackend::pool_port_changed`). Two pods never get one port, whatever the timing of
 //!   a takeover.
 //!
 //! Namespace-level Neutron work (per-namespace networks: removal with the namespace) is done by

@@ -19,7 +19,7 @@
 //! each idle round up to `--status-poll-max`, back to the minimum whenever a port changed or a
 //! new one is watched. The interval counts from the start of a read, so a slow answer does not
 //! stretch it. When Neutron fails, the wait doubles up to the larger of the maximum and
-//! [`FAILURE_CAP`], the failure is logged once and counted; nothing is dropped.
+//! `FAILURE_CAP`, the failure is logged once and counted; nothing is dropped.
 
 use std::collections::HashMap;
 use std::sync::Arc;

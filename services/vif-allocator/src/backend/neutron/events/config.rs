@@ -15,12 +15,12 @@ pub struct EventArgs {
     /// RabbitMQ transport URL of Neutron's RPC bus, as in neutron.conf (`[DEFAULT]
     /// transport_url`): `rabbit://USER:PASS@HOST:5672[,USER:PASS@HOST2:5672]/VHOST`. With it (or
     /// --neutron-config-files) a pod's port is known ACTIVE from Neutron's push of the port
-    /// (neutron-vo-Port-<version>_fanout), not by polling.
+    /// (`neutron-vo-Port-<version>_fanout`), not by polling.
     #[arg(long, env = "KURYR_NEUTRON_TRANSPORT_URL", hide_env_values = true)]
     pub neutron_transport_url: Option<String>,
 
     /// Neutron's configuration files (comma-separated, later ones win, as with neutron-server's
-    /// --config-file): the transport URL and the [oslo_messaging_rabbit] TLS and queue options
+    /// --config-file): the transport URL and the `[oslo_messaging_rabbit]` TLS and queue options
     /// are read from them, e.g. the neutron.conf of a Secret mounted at /etc/neutron.
     #[arg(long, env = "KURYR_NEUTRON_CONFIG_FILES", value_delimiter = ',')]
     pub neutron_config_files: Vec<PathBuf>,

@@ -3,6 +3,9 @@
 //! the `kuryr.lbaas.v1.LoadBalancerSpec` message, which the gRPC edge builds from it
 //! ([`crate::grpc::convert`]).
 
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
 /// The transport protocol of a listener.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Protocol {
@@ -62,8 +65,11 @@ pub struct SessionAffinity {
     pub timeout_seconds: u32,
 }
 
+// Also the stored shape of a member in a ServiceLoadBalancer's spec (`k8s::crd::ListenerSpec`),
+// hence its serde names and schema; the doc comments become the CRD's descriptions.
 /// One backend endpoint.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct Member {
     /// The endpoint address.
     pub address: String,
@@ -74,10 +80,13 @@ pub struct Member {
     /// EndpointSlice condition `serving`: may receive traffic even while terminating.
     pub serving: bool,
     /// EndpointSlice condition `terminating`.
+    #[serde(default)]
     pub terminating: bool,
     /// The node the member runs on.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub node_name: String,
     /// The pod behind the endpoint (`namespace/name`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub target_pod: String,
 }
 

@@ -84,30 +84,7 @@ pub struct ListenerSpec {
     pub node_port: u32,
     /// The endpoints traffic may go to.
     #[serde(default)]
-    pub members: Vec<MemberSpec>,
-}
-
-/// One endpoint of a listener.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct MemberSpec {
-    /// The endpoint address.
-    pub address: String,
-    /// The target port on the endpoint.
-    pub port: u32,
-    /// EndpointSlice condition `ready`.
-    pub ready: bool,
-    /// EndpointSlice condition `serving`.
-    pub serving: bool,
-    /// EndpointSlice condition `terminating`.
-    #[serde(default)]
-    pub terminating: bool,
-    /// The node the endpoint runs on.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub node_name: String,
-    /// The pod behind the endpoint, `namespace/name`.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub target_pod: String,
+    pub members: Vec<Member>,
 }
 
 /// Client affinity.
@@ -177,20 +154,7 @@ impl ServiceLoadBalancerSpec {
                     port: l.port,
                     name: l.name.clone(),
                     node_port: l.node_port,
-                    members: l
-                        .pool
-                        .iter()
-                        .flat_map(|p| &p.members)
-                        .map(|m| MemberSpec {
-                            address: m.address.clone(),
-                            port: m.port,
-                            ready: m.ready,
-                            serving: m.serving,
-                            terminating: m.terminating,
-                            node_name: m.node_name.clone(),
-                            target_pod: m.target_pod.clone(),
-                        })
-                        .collect(),
+                    members: l.pool.iter().flat_map(|p| &p.members).cloned().collect(),
                 })
                 .collect(),
             session_affinity: AffinitySpec { client_ip: affinity.client_ip, timeout_seconds: affinity.timeout_seconds },
@@ -213,21 +177,7 @@ impl ServiceLoadBalancerSpec {
                     port: l.port,
                     name: l.name.clone(),
                     node_port: l.node_port,
-                    pool: Some(Pool {
-                        members: l
-                            .members
-                            .iter()
-                            .map(|m| Member {
-                                address: m.address.clone(),
-                                port: m.port,
-                                ready: m.ready,
-                                serving: m.serving,
-                                terminating: m.terminating,
-                                node_name: m.node_name.clone(),
-                                target_pod: m.target_pod.clone(),
-                            })
-                            .collect(),
-                    }),
+                    pool: Some(Pool { members: l.members.clone() }),
                 })
                 .collect(),
             session_affinity: Some(SessionAffinity {

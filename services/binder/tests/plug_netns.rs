@@ -199,6 +199,8 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
         host.contains(&format!("master {bridge}")) && host.contains("mtu 1400") && host.contains("state UP"),
         "{host}"
     );
+    // The host end's MAC as reported (from the kernel's echo of the creation) is the kernel's.
+    assert_eq!(plugged_a.host_mac, link_mac(&spec_a.host_ifname), "host end MAC");
 
     // Traffic: pod to pod in both families, pod to gateway.
     let (pinged, out) = a.ping(&[&format!("{}.11", nets.v4)]);

@@ -142,8 +142,8 @@ async fn plug_with(
     };
     let create =
         || host.fail(format!("create veth pair {host_ifname} <-> {ifname} (peer in {})", spec.netns.display()));
-    match host.add_link(veth()).await {
-        Ok(()) => {}
+    let echoed = match host.add_link_echoed(veth()).await {
+        Ok(echoed) => echoed,
         // A name is taken, in the pod or on the host: only now look at which.
         Err(e) if nl::errno(&e) == Some(Errno::EEXIST) => {
             if pod.link(ifname).await?.is_some() {
@@ -152,16 +152,20 @@ async fn plug_with(
             if host.delete(host_ifname).await? {
                 tracing::warn!(host_ifname, container_id = %spec.container_id, "removed a stale host interface");
             }
-            host.add_link(veth()).await.map_err(create())?;
+            host.add_link_echoed(veth()).await.map_err(create())?
         }
         Err(e) => return Err(create()(e)),
-    }
+    };
     undo.host_link = Some(host_ifname.to_string());
     steps.mark("nl_veth");
 
-    // The host end names its peer's index; a lookup in the pod only when it does not (the two
-    // indexes are equal, which the kernel does not report).
-    let host_link = host.require(host_ifname).await?;
+    // The host end as the kernel echoed it, read back only from a kernel that does not echo. It
+    // names its peer's index; a lookup in the pod only when it does not (the two indexes are
+    // equal, which the kernel does not report).
+    let host_link = match echoed.filter(|l| nl::link_name(l) == Some(host_ifname)) {
+        Some(link) => link,
+        None => host.require(host_ifname).await?,
+    };
     let index = match nl::link_peer(&host_link) {
         Some(i) => i,
         None => pod.require(ifname).await?.header.index,

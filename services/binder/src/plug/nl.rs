@@ -14,10 +14,14 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
-use futures::TryStreamExt;
 use futures::future::Either;
+use futures::{StreamExt as _, TryStreamExt};
 use ipnet::IpNet;
 use nix::errno::Errno;
+use rtnetlink::packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_ECHO, NLM_F_EXCL, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload,
+};
+use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
 use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use rtnetlink::packet_route::route::{
@@ -198,6 +202,26 @@ impl Nl {
     /// Creates a link (`RTM_NEWLINK` with `NLM_F_EXCL`).
     pub(crate) async fn add_link(&self, msg: LinkMessage) -> Result<(), rtnetlink::Error> {
         self.handle.link().add(msg).execute().await
+    }
+
+    /// [`Nl::add_link`], asking the kernel to echo the link it created (`NLM_F_ECHO`, which
+    /// Linux answers for `RTM_NEWLINK` since 6.3): the link as created, with its index, MAC and
+    /// peer, without reading it back. `None` from a kernel that does not echo it.
+    pub(crate) async fn add_link_echoed(&self, msg: LinkMessage) -> Result<Option<LinkMessage>, rtnetlink::Error> {
+        let mut req = NetlinkMessage::from(RouteNetlinkMessage::NewLink(msg));
+        req.header.flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ECHO;
+        let mut handle = self.handle.clone();
+        let mut answers = handle.request(req)?;
+        let mut echoed = None;
+        // The echo comes first; the stream ends with the kernel's acknowledgement.
+        while let Some(answer) = answers.next().await {
+            match answer.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => echoed = Some(link),
+                NetlinkPayload::Error(e) => return Err(rtnetlink::Error::NetlinkError(e)),
+                _ => {}
+            }
+        }
+        Ok(echoed)
     }
 
     /// Deletes the link called `name`, by name (one request, no lookup); `Ok(false)` when there

@@ -6,11 +6,12 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kuryr_cni_types::{CniError, CniResult, Command, NetConf, code};
 use kuryr_proto::binder::v1::cni_client::CniClient;
 use kuryr_proto::binder::v1::{CniRequest, GcRequest, StatusRequest};
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::codegen::http;
 
 use crate::Invocation;
 use crate::log::Log;
@@ -23,8 +24,8 @@ pub const SHIM_VERSION: &str = env!("CARGO_PKG_VERSION");
 enum CallError {
     /// The socket could not be connected (absent, refused, permission).
     Connect(io::Error),
-    /// Connected, but no HTTP/2 channel came up.
-    Transport(tonic::transport::Error),
+    /// Connected, but no HTTP/2 connection came up.
+    Transport(hyper::Error),
     /// The binder answered with a failure.
     Status(tonic::Status),
     /// The deadline passed.
@@ -32,7 +33,7 @@ enum CallError {
 }
 
 /// Where one call's time went, as the shim measured it: building its runtime, connecting to the
-/// binder (socket and HTTP/2 channel), and the call itself (sending the request to the answer,
+/// binder (socket and HTTP/2 connection), and the call itself (sending the request to the answer,
 /// the binder's work included).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Hops {
@@ -82,7 +83,7 @@ async fn rpc(
     hops: &mut Hops,
 ) -> Result<Option<kuryr_proto::binder::v1::CniResult>, CallError> {
     let started = Instant::now();
-    let mut client = CniClient::new(connect(socket).await?);
+    let mut client = connect(socket).await?;
     hops.connect = started.elapsed();
     // Tell the binder how long we wait, so it can give up (and clean up) rather than finish for
     // nobody.
@@ -128,24 +129,45 @@ fn timed<T>(msg: T, remaining: Duration) -> tonic::Request<T> {
     r
 }
 
-/// Connects once. The socket is dialled here rather than inside tonic's connector so that a binder
-/// that is down fails at once, with the OS's reason, and is never retried.
-async fn connect(socket: &Path) -> Result<Channel, CallError> {
+/// Connects once, over one HTTP/2 connection that carries the one call. The socket is dialled
+/// here so that a binder that is down fails at once, with the OS's reason, and is never retried;
+/// the call goes straight to the connection (no channel with its buffer and reconnects: there is
+/// nothing to reconnect for one call). Keepalive as on every kuryr channel: a binder that stops
+/// answering is noticed before the deadline when the deadline is long.
+async fn connect(
+    socket: &Path,
+) -> Result<
+    CniClient<
+        impl tonic::client::GrpcService<
+            tonic::body::Body,
+            ResponseBody = hyper::body::Incoming,
+            Error = tonic::Status,
+            Future: Send,
+        > + use<>,
+    >,
+    CallError,
+> {
     let stream = tokio::net::UnixStream::connect(socket).await.map_err(CallError::Connect)?;
-    let mut stream = Some(stream);
-    let connector = tower::service_fn(move |_: Uri| {
-        let s = stream.take();
-        async move { s.map(TokioIo::new).ok_or_else(|| io::Error::other("the binder connection was already used")) }
-    });
-    // The URI is required by the API but unused: the connector above ignores it.
-    // Keepalive as on every kuryr channel: a binder that stops answering is noticed before the
-    // deadline when the deadline is long.
-    Endpoint::from_static("http://kuryr-binder")
-        .http2_keep_alive_interval(Duration::from_secs(10))
+    let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(5))
-        .connect_with_connector(connector)
+        .handshake(TokioIo::new(stream))
         .await
-        .map_err(CallError::Transport)
+        .map_err(CallError::Transport)?;
+    // Driven beside the call; it ends when the runtime does, right after the answer.
+    tokio::spawn(connection);
+    let service = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+        let mut sender = sender.clone();
+        async move {
+            sender
+                .send_request(req)
+                .await
+                .map_err(|e| tonic::Status::unavailable(format!("the binder connection failed: {}", chain(&e))))
+        }
+    });
+    // The origin is required by HTTP/2 but unused: the connection is already the binder's.
+    Ok(CniClient::with_origin(service, http::Uri::from_static("http://kuryr-binder")))
 }
 
 /// Chooses the CNI error: the binder's own [`CniError`] when the status details carry one, and

@@ -12,8 +12,9 @@
 //!   with code 11 (50 for STATUS), and the runtime decides when to try again.
 //!
 //! The CNI data model, and why it is written here rather than taken from a CNI crate, is in
-//! `kuryr-cni-types`. This crate keeps to a current-thread tokio runtime, tonic's client channel
-//! and serde_json, so that the binary stays small and starts in about a millisecond.
+//! `kuryr-cni-types`. This crate keeps to a current-thread tokio runtime, one hyper HTTP/2
+//! connection carrying tonic's generated client, and serde_json, so that the binary stays small
+//! and starts in about a millisecond.
 
 mod binder;
 mod invocation;

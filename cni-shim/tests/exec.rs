@@ -1,5 +1,5 @@
 //! The shim as the runtime sees it, with no binder running: VERSION, validation errors, and an
-//! unreachable binder failing fast.
+//! unreachable binder (or one that drops the connection) failing fast.
 
 mod common;
 
@@ -116,6 +116,26 @@ fn refused_connection_is_code_11_at_once() {
     let v = r.assert_error(11, "Connection refused");
     assert_eq!(v["cniVersion"], "0.4.0");
     assert!(r.took < Duration::from_secs(1), "took {:?}", r.took);
+}
+
+#[test]
+fn a_binder_that_drops_the_connection_is_code_11_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("binder.sock");
+    // Accepts, reads what the shim sends, and closes, as a binder going down mid-call does.
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let server = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut conn, _) = listener.accept().unwrap();
+            let _ = std::io::Read::read(&mut conn, &mut [0u8; 65536]);
+        }
+    });
+    let r = shim(&env_for("ADD"), config("1.1.0", &sock, 120).as_bytes());
+    r.assert_error(11, &format!("kuryr-binder is not reachable at {}: the binder connection failed", sock.display()));
+    assert!(r.took < Duration::from_secs(1), "took {:?}", r.took);
+    let r = shim(&env_for("STATUS"), config("1.1.0", &sock, 120).as_bytes());
+    r.assert_error(50, "kuryr-binder is not reachable");
+    server.join().unwrap();
 }
 
 #[test]

@@ -92,12 +92,24 @@ pub struct PoolView {
     pub creating: u32,
 }
 
+/// How many removed ports the inventory remembers for [`Inventory::absorb_unknown`]; a listing
+/// of Neutron older than that many removals is not absorbed at all.
+const REMOVALS_KEPT: usize = 4096;
+
 /// Every port the allocator owns.
 #[derive(Debug, Default)]
 pub struct Inventory {
     pools: BTreeMap<PoolKey, PoolState>,
     /// Pod uid → (pool, port).
     in_use: HashMap<String, (PoolKey, Port)>,
+    /// The latest ports removed from here (taken, released, drained for deletion, forgotten),
+    /// each with its sequence number: what a listing of Neutron begun before them may still
+    /// name, and must not bring back.
+    removed: VecDeque<(u64, String)>,
+    /// The sequence number of the latest removal.
+    removals: u64,
+    /// Ports whose deletion in Neutron is in flight: a listing may still name them.
+    deleting: std::collections::HashSet<String>,
 }
 
 impl Inventory {
@@ -108,7 +120,36 @@ impl Inventory {
 
     /// Takes the oldest free port of a pool.
     pub fn take(&mut self, key: &PoolKey) -> Option<Port> {
-        self.pools.get_mut(key)?.free.pop_front()
+        let port = self.pools.get_mut(key)?.free.pop_front()?;
+        self.note_removed(&port.id);
+        Some(port)
+    }
+
+    fn note_removed(&mut self, port_id: &str) {
+        self.removals += 1;
+        self.removed.push_back((self.removals, port_id.to_string()));
+        if self.removed.len() > REMOVALS_KEPT {
+            self.removed.pop_front();
+        }
+    }
+
+    /// A port's deletion in Neutron begins: until it ends ([`Inventory::deleted`]) a listing
+    /// that names it is not taken back.
+    pub fn deleting(&mut self, port_id: &str) {
+        self.deleting.insert(port_id.to_string());
+    }
+
+    /// A port's deletion in Neutron ended (done or failed): it counts as removed now, for a
+    /// listing begun while it was in flight.
+    pub fn deleted(&mut self, port_id: &str) {
+        self.deleting.remove(port_id);
+        self.note_removed(port_id);
+    }
+
+    /// The sequence number of the latest removal: taken before listing Neutron, it tells
+    /// [`Inventory::absorb_unknown`] which removals the listing may not have seen.
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// Puts a port back at the head of a pool (a hand-out that failed part-way).
@@ -148,7 +189,9 @@ impl Inventory {
 
     /// Forgets a recycling port (deleted, or gone from Neutron).
     pub fn drop_recycling(&mut self, key: &PoolKey, port_id: &str) -> Option<Port> {
-        self.pools.get_mut(key)?.recycling.remove(port_id).map(|(p, _)| p)
+        let (port, _) = self.pools.get_mut(key)?.recycling.remove(port_id)?;
+        self.note_removed(&port.id);
+        Some(port)
     }
 
     /// Records that `pod_uid` holds `port`. Returns the port it held before, if another one.
@@ -160,7 +203,9 @@ impl Inventory {
 
     /// The pod no longer holds its port; returns it with its pool.
     pub fn unassign(&mut self, pod_uid: &str) -> Option<(PoolKey, Port)> {
-        self.in_use.remove(pod_uid)
+        let (key, port) = self.in_use.remove(pod_uid)?;
+        self.note_removed(&port.id);
+        Some((key, port))
     }
 
     /// Where a port is, for a pushed port event: the pool of a recycling port with its revision
@@ -241,6 +286,9 @@ impl Inventory {
         for (k, s) in self.pools.iter_mut().filter(|(k, _)| which(k)) {
             out.extend(s.free.drain(..).map(|p| (k.clone(), p)));
         }
+        for (_, p) in &out {
+            self.note_removed(&p.id);
+        }
         out
     }
 
@@ -272,6 +320,9 @@ impl Inventory {
             gone.extend(s.free.drain(..).map(|p| p.id).chain(s.recycling.drain().map(|(id, _)| id)));
             s.creating > 0
         });
+        for id in &gone {
+            self.note_removed(id);
+        }
         gone
     }
 
@@ -294,8 +345,18 @@ impl Inventory {
     /// selects, skipping pools with creations in flight (their ports join as the calls answer):
     /// ports a previous owner of the node's shard made or handed out after this replica read
     /// Neutron. Returns how many were added.
-    pub fn absorb_unknown(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory) -> usize {
-        let known = self.port_ids();
+    ///
+    /// `listed_after` is [`Inventory::removals`] as it was before Neutron was listed: a port
+    /// removed here since (handed out, released, deleted), or being deleted, may still be in the
+    /// listing and is not taken back; if more removals happened than are remembered, nothing is
+    /// absorbed this time.
+    pub fn absorb_unknown(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory, listed_after: u64) -> usize {
+        if self.removals > listed_after && self.removed.front().is_none_or(|(seq, _)| *seq > listed_after + 1) {
+            return 0;
+        }
+        let mut known = self.port_ids();
+        known.extend(self.removed.iter().filter(|(seq, _)| *seq > listed_after).map(|(_, id)| id.clone()));
+        known.extend(self.deleting.iter().cloned());
         let busy = |inv: &Inventory, k: &PoolKey| inv.pools.get(k).is_some_and(|s| s.creating > 0);
         let mut added = 0;
         for (k, s) in fresh.pools {
@@ -488,13 +549,61 @@ mod tests {
         fresh.assign("uid-1", &k1, port("f"));
         fresh.put_free(&k2, port("g"));
         fresh.put_free(&key("n3"), port("h"));
-        assert_eq!(inv.absorb_unknown(|n| n != "n3", fresh), 3, "c, d and e");
+        let listed_after = inv.removals();
+        assert_eq!(inv.absorb_unknown(|n| n != "n3", fresh, listed_after), 3, "c, d and e");
         assert_eq!(inv.view(&k1).unwrap().free, ["a", "c"]);
         assert_eq!(inv.view(&k1).unwrap().recycling, 1);
         assert_eq!(inv.held("uid-2").unwrap().id, "e");
         assert_eq!(inv.held("uid-1").unwrap().id, "b", "a pod keeps the port it holds here");
         assert!(inv.view(&k2).unwrap().free.is_empty(), "a pool being filled takes its ports as they come");
         assert!(inv.view(&key("n3")).is_none());
+    }
+
+    #[test]
+    fn ports_removed_while_neutron_was_listed_are_not_absorbed_back() {
+        let mut inv = Inventory::default();
+        let k = key("n1");
+        inv.put_free(&k, port("a"));
+        inv.put_free(&k, port("b"));
+        inv.assign("uid-1", &k, port("c"));
+        let listed_after = inv.removals();
+        // The listing, begun now, still names every port.
+        let listing = || {
+            let mut fresh = Inventory::default();
+            for id in ["a", "b", "x"] {
+                fresh.put_free(&k, port(id));
+            }
+            fresh.assign("uid-1", &k, port("c"));
+            fresh
+        };
+        // Meanwhile: the pool is drained for deletion and the pod's port released.
+        assert_eq!(inv.drain_free(|_| true).len(), 2);
+        assert!(inv.unassign("uid-1").is_some());
+        assert_eq!(inv.absorb_unknown(|_| true, listing(), listed_after), 1, "only x, made elsewhere");
+        assert_eq!(inv.view(&k).unwrap().free, ["x"]);
+        assert!(inv.held("uid-1").is_none(), "the released port is not held again");
+        // A port being deleted when the listing began, deleted before the absorb, is not taken
+        // back either; nor one whose deletion is still in flight.
+        let mut del = Inventory::default();
+        let at = del.removals();
+        del.deleting("a");
+        del.deleting("b");
+        del.deleted("a");
+        assert_eq!(del.absorb_unknown(|_| true, listing(), at), 2, "x and c");
+        assert!(del.view(&k).unwrap().free == ["x"]);
+        // A listing begun after the removals takes what Neutron still has.
+        let mut again = Inventory::default();
+        let now = again.removals();
+        assert_eq!(again.absorb_unknown(|_| true, listing(), now), 4);
+        // More removals than are remembered: nothing is absorbed from the older listing.
+        let mut busy = Inventory::default();
+        let before = busy.removals();
+        for i in 0..=REMOVALS_KEPT {
+            busy.put_free(&k, port(&format!("p{i}")));
+            assert!(busy.take(&k).is_some());
+        }
+        assert_eq!(busy.absorb_unknown(|_| true, listing(), before), 0);
+        assert_eq!(busy.absorb_unknown(|_| true, listing(), busy.removals()), 4);
     }
 
     /// Which pools a replica keeps follows the shard of their node, as kuryr_shard assigns it.

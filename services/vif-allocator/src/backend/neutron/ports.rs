@@ -34,8 +34,13 @@ impl NeutronBackend {
         }
     }
 
+    /// Deletes a port in Neutron; while the call is in flight (and for audits listing Neutron
+    /// meanwhile, after it) the pools' audit does not take the port back (`Inventory::deleting`).
     pub(super) async fn delete_port(&self, id: &str, why: &'static str) -> Result<(), ClusterError> {
-        self.neutron.delete_port(id).await.map_err(neutron_err(format!("deleting port {id}")))?;
+        guard(&self.inv).deleting(id);
+        let deleted = self.neutron.delete_port(id).await;
+        guard(&self.inv).deleted(id);
+        deleted.map_err(neutron_err(format!("deleting port {id}")))?;
         self.metrics.deleted(why);
         Ok(())
     }

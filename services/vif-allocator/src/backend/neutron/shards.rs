@@ -172,6 +172,9 @@ impl NeutronBackend {
     /// when two audits in a row see them (a create whose answer was lost, then a pool port);
     /// returns how many ports were added.
     pub async fn audit(&self) -> Result<usize, ClusterError> {
+        // Ports removed while Neutron is listed (a namespace network's pool drained, a port
+        // handed out or released) may still be in the listing: they must not come back.
+        let listed_after = guard(&self.inv).removals();
         let ports = self.cluster_ports().await?;
         let owns = |n: &str| self.owns_node(n);
         let extra: HashSet<String> = {
@@ -198,7 +201,7 @@ impl NeutronBackend {
         }
         let (fresh, _, _) =
             classify(ports, &HashMap::new(), &owns, &self.project, !self.security_groups.is_empty(), Instant::now());
-        let added = guard(&self.inv).absorb_unknown(owns, fresh);
+        let added = guard(&self.inv).absorb_unknown(owns, fresh, listed_after);
         if added > 0 {
             tracing::info!(added, "ports of this replica's nodes found in Neutron and taken into the pools");
             self.gauges();

@@ -490,7 +490,7 @@ impl NeutronBackend {
         }
         let results: Vec<_> = futures::stream::iter(doomed)
             .map(|(key, port)| async move {
-                let r = self.neutron.delete_port(&port.id).await;
+                let r = self.delete_port(&port.id, "namespace_deleted").await;
                 (key, port, r)
             })
             .buffer_unordered(DELETE_CONCURRENCY)
@@ -498,13 +498,9 @@ impl NeutronBackend {
             .await;
         let mut first_err = None;
         for (key, port, r) in results {
-            match r {
-                Ok(_) => self.metrics.deleted("namespace_deleted"),
-                Err(e) => {
-                    let id = port.id.clone();
-                    guard(&self.inv).put_free(&key, port);
-                    first_err.get_or_insert(neutron_err(format!("deleting pool port {id}"))(e));
-                }
+            if let Err(e) = r {
+                guard(&self.inv).put_free(&key, port);
+                first_err.get_or_insert(e);
             }
         }
         if first_err.is_none() {

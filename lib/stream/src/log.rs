@@ -121,10 +121,11 @@ pub struct Log<K, V> {
 /// The log behind a mutex, as its writers and the streams share it.
 pub type SharedLog<K, V> = Arc<Mutex<Log<K, V>>>;
 
-/// Locks a shared log. Its state is plain collections updated without awaiting, so a panic
-/// while it was held cannot leave it inconsistent; a poisoned lock is used anyway.
-pub fn lock<K, V>(log: &SharedLog<K, V>) -> MutexGuard<'_, Log<K, V>> {
-    log.lock().unwrap_or_else(PoisonError::into_inner)
+/// Locks a shared log, or a service's index that keeps its log: plain collections updated
+/// without awaiting, so a panic while the lock was held cannot leave them inconsistent (at worst
+/// stale, until the next reconcile or re-list repairs them); a poisoned lock is used anyway.
+pub fn lock<T>(shared: &Mutex<T>) -> MutexGuard<'_, T> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Where streams read a log from: a [`SharedLog`], or an index that keeps its log behind its

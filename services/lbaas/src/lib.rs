@@ -185,12 +185,8 @@ impl Config {
 /// Runs lbaas until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::gated("kuryr-lbaas", &config.common, config.kubeconfig.clone(), rules(&config))?;
-    let watcher = kuryr_runtime::discover::peer(
-        "watcher",
-        &config.watcher,
-        config.kubeconfig.clone(),
-        config.common.auth.credentials(),
-    )?;
+    let credentials = config.common.auth.credentials();
+    let watcher = kuryr_runtime::discover::peer("watcher", &config.watcher, config.kubeconfig.clone(), credentials)?;
     let metrics = Metrics::register(rt.registry());
     let (joining, ownership) = Joining::new(config.shard.resolve("kuryr-lbaas", &config.listen)?, rt.registry());
     let shards = Shards::new(ownership);

@@ -153,12 +153,8 @@ impl Config {
 /// Runs kuryr-policy until SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::gated("kuryr-policy", &config.common, config.kubeconfig.clone(), rules(&config))?;
-    let watcher = kuryr_runtime::discover::peer(
-        "watcher",
-        &config.watcher,
-        config.kubeconfig.clone(),
-        config.common.auth.credentials(),
-    )?;
+    let credentials = config.common.auth.credentials();
+    let watcher = kuryr_runtime::discover::peer("watcher", &config.watcher, config.kubeconfig.clone(), credentials)?;
     let metrics = Metrics::register(rt.registry());
     let log: PolicyLog = Log::new(Epoch::random(), HISTORY).shared();
     tracing::info!(epoch = %kuryr_stream::log::lock(&log).epoch(), watcher = config.watcher, "starting");

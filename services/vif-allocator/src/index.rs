@@ -19,7 +19,7 @@
 //!   ([`VifIndex::forget_vifs`]); resume points from before that are refused.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::core::{NodeRoutes, Vif, VifState};
 use kuryr_stream::log::{Delta, Lagged, Log};
@@ -119,11 +119,7 @@ impl AsRef<Log<Key, Item>> for VifIndex {
 /// The index behind a mutex, as the controller, recovery and streams share it.
 pub type SharedIndex = Arc<Mutex<VifIndex>>;
 
-/// Locks a shared index. A panic while it was held cannot leave it worse than a stale entry,
-/// which the next reconcile repairs, so a poisoned lock is used anyway.
-pub fn lock(index: &SharedIndex) -> MutexGuard<'_, VifIndex> {
-    index.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+pub use kuryr_stream::log::lock;
 
 /// The node a VIF is on.
 pub fn vif_node(v: &Vif) -> &str {

@@ -265,12 +265,8 @@ impl Config {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let spec = config.network_spec()?;
     let mut rt = Runtime::gated("kuryr-vif-allocator", &config.common, config.kubeconfig.clone(), rules(&config))?;
-    let watcher = kuryr_runtime::discover::peer(
-        "watcher",
-        &config.watcher,
-        config.kubeconfig.clone(),
-        config.common.auth.credentials(),
-    )?;
+    let credentials = config.common.auth.credentials();
+    let watcher = kuryr_runtime::discover::peer("watcher", &config.watcher, config.kubeconfig.clone(), credentials)?;
     let metrics = Metrics::register(rt.registry());
     let shard_config = config.shard.resolve("kuryr-vif-allocator", &config.listen)?;
     let (joining, ownership) = kuryr_shard::Joining::new(shard_config, rt.registry());

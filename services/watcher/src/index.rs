@@ -15,7 +15,7 @@
 //! - Objects are held behind `Arc`, shared by the index, the history and in-flight snapshots.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use kuryr_proto::watcher::v1::{Kind, Object};
 use kuryr_stream::log::{Delta, Lagged, Log};
@@ -78,11 +78,7 @@ impl AsRef<Log<Key, Object>> for Index {
 /// The index behind a mutex, as the watch tasks and streams share it.
 pub type SharedIndex = Arc<Mutex<Index>>;
 
-/// Locks a shared index. A panic while it was held cannot leave it worse than a missed event,
-/// which the next re-list repairs, so a poisoned lock is used anyway.
-pub fn lock(index: &SharedIndex) -> MutexGuard<'_, Index> {
-    index.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+pub use kuryr_stream::log::lock;
 
 fn key(i: usize, obj: &Object) -> Key {
     (i, obj.namespace.clone(), obj.name.clone())

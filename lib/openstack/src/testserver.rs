@@ -152,6 +152,27 @@ async fn serve(
     resp
 }
 
+/// A server serving `handler` and a client (no authentication, project `proj`) whose endpoint
+/// for `service` is that server.
+pub async fn with_client(
+    service: crate::service::ServiceType,
+    handler: impl Fn(&Recorded, &str) -> Reply + Send + Sync + 'static,
+) -> (TestServer, crate::Client) {
+    let server = TestServer::start(handler).await;
+    let mut config = crate::config::CloudConfig {
+        origin: "test".into(),
+        auth: crate::config::AuthConfig::NoAuth { project_id: Some("proj".into()) },
+        region_name: None,
+        interface: Default::default(),
+        tls: Default::default(),
+        endpoint_overrides: Default::default(),
+    };
+    config.endpoint_overrides.insert(service, reqwest::Url::parse(&server.url).unwrap());
+    let options = crate::ClientOptions::default();
+    let client = crate::Client::new(&config, options, Arc::new(crate::Metrics::unregistered())).unwrap();
+    (server, client)
+}
+
 /// A Keystone token answer: token `token`, living `lifetime`, with a catalog that points the
 /// network and load-balancer services at `base` (public, region `RegionOne`).
 pub fn keystone_token(token: &str, base: &str, lifetime: Duration) -> Reply {

@@ -1,12 +1,7 @@
-use std::sync::Arc;
-
-use reqwest::Url;
 use serde_json::json;
 
 use super::*;
-use crate::config::{AuthConfig, CloudConfig};
 use crate::testserver::{Reply, TestServer};
-use crate::{ClientOptions, Metrics};
 
 fn port_json(id: &str) -> serde_json::Value {
     json!({"id": id, "network_id": "net-1", "mac_address": "fa:16:3e:00:00:01", "status": "DOWN",
@@ -17,17 +12,7 @@ fn port_json(id: &str) -> serde_json::Value {
 async fn neutron(
     handler: impl Fn(&crate::testserver::Recorded, &str) -> Reply + Send + Sync + 'static,
 ) -> (TestServer, Neutron) {
-    let server = TestServer::start(handler).await;
-    let mut config = CloudConfig {
-        origin: "test".into(),
-        auth: AuthConfig::NoAuth { project_id: Some("proj".into()) },
-        region_name: None,
-        interface: Default::default(),
-        tls: Default::default(),
-        endpoint_overrides: Default::default(),
-    };
-    config.endpoint_overrides.insert(ServiceType::Network, Url::parse(&server.url).unwrap());
-    let client = Client::new(&config, ClientOptions::default(), Arc::new(Metrics::unregistered())).unwrap();
+    let (server, client) = crate::testserver::with_client(ServiceType::Network, handler).await;
     (server, client.network())
 }
 

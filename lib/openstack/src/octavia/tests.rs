@@ -1,28 +1,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use reqwest::Url;
 use serde_json::json;
 
 use super::*;
-use crate::config::{AuthConfig, CloudConfig};
 use crate::testserver::{Reply, TestServer};
-use crate::{ClientOptions, Metrics};
 
 async fn octavia(
     handler: impl Fn(&crate::testserver::Recorded, &str) -> Reply + Send + Sync + 'static,
 ) -> (TestServer, Octavia) {
-    let server = TestServer::start(handler).await;
-    let mut config = CloudConfig {
-        origin: "test".into(),
-        auth: AuthConfig::NoAuth { project_id: Some("proj".into()) },
-        region_name: None,
-        interface: Default::default(),
-        tls: Default::default(),
-        endpoint_overrides: Default::default(),
-    };
-    config.endpoint_overrides.insert(ServiceType::LoadBalancer, Url::parse(&server.url).unwrap());
-    let client = Client::new(&config, ClientOptions::default(), Arc::new(Metrics::unregistered())).unwrap();
+    let (server, client) = crate::testserver::with_client(ServiceType::LoadBalancer, handler).await;
     (server, client.load_balancer())
 }
 

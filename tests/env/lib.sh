@@ -6,15 +6,31 @@
 # alive PID: whether PID runs; a zombie (exited, not yet reaped) counts as gone.
 alive() { kill -0 "$1" 2>/dev/null && [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]]; }
 
-# free_ports N: N TCP ports on 127.0.0.1 that are free right now (held open together, so distinct).
+# free_ports N: N distinct TCP ports on 127.0.0.1 that are free right now, at random from the
+# 12,000 below the kernel's ephemeral range: outgoing connections take their local ports from that
+# range, so a port from it may be some client's by the time the server binds it (a database
+# migration or a bootstrap can sit in between). The same rule as free_port() in tests/src/util.rs.
 free_ports() {
     python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
+import random, socket, sys
+try:
+    high = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    high = 32768
+low = max(1024, high - 12000)
+want, socks = int(sys.argv[1]), []
+for _ in range(256):
+    if len(socks) == want:
+        break
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    try:
+        s.bind(("127.0.0.1", random.randrange(low, high)))
+    except OSError:
+        s.close()
+        continue
     socks.append(s)
+if len(socks) < want:
+    sys.exit(f"free_ports: not {want} free TCP ports among 256 tries in {low}..{high}")
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }

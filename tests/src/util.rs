@@ -25,12 +25,34 @@ pub fn unique_id() -> String {
     format!("{:x}x{:x}", std::process::id() & 0xfffff, n)
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago. The kernel hands out ephemeral ports in
-/// sequence, so a collision with another binary picking at the same time is unlikely but possible;
-/// servers started with such a port should fail loudly rather than silently share it.
+/// A TCP port on 127.0.0.1 that is free now, for a server started a moment later. Taken at
+/// random from the [`PORT_POOL`] ports below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`): outgoing connections get their local ports from that range,
+/// so a port taken from it could be some client's by the time the server binds it (a database
+/// migration or a bootstrap can sit in between). Below the range, only another picker choosing
+/// the same port in the same moment collides; servers started with it fail loudly rather than
+/// silently share it.
 pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
-    Ok(l.local_addr()?.port())
+    let high = ephemeral_low();
+    let low = high.saturating_sub(PORT_POOL).max(1024);
+    for _ in 0..256 {
+        let port = fastrand::u16(low..high);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free TCP port among 256 tries in {low}..{high} on 127.0.0.1")
+}
+
+/// How many ports below the ephemeral range [`free_port`] draws from.
+pub const PORT_POOL: u16 = 12_000;
+
+/// The first port of the kernel's ephemeral range (32768 when it cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Runs a `tests/env` script with arguments, failing with its output when it exits non-zero.
@@ -177,5 +199,16 @@ mod tests {
     #[test]
     fn unique_ids_differ() {
         assert_ne!(unique_id(), unique_id());
+    }
+
+    #[test]
+    fn free_ports_are_bindable_and_below_the_ephemeral_range() {
+        let high = ephemeral_low();
+        let ports: std::collections::BTreeSet<u16> = (0..64).map(|_| free_port().unwrap()).collect();
+        assert!(ports.len() > 1, "64 picks gave one port: {ports:?}");
+        for p in ports {
+            assert!((high.saturating_sub(PORT_POOL)..high).contains(&p), "{p} is not in the pool below {high}");
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
     }
 }

@@ -73,6 +73,16 @@ impl Fake {
         std::mem::take(&mut self.s().calls)
     }
 
+    /// Puts a PodVif for pod `name` in namespace `ns` on node `n1`, owned by `uid`, recording `vif`.
+    fn put_podvif(&self, name: &str, uid: &str, vif: Option<(VifRecord, VifState)>) {
+        self.s().podvifs.insert(("ns".into(), name.into()), (uid.into(), "n1".into(), vif));
+    }
+
+    /// What the PodVif of pod `name` in namespace `ns` records.
+    fn recorded(&self, name: &str) -> Option<(VifRecord, VifState)> {
+        self.s().podvifs[&("ns".to_string(), name.to_string())].2.clone()
+    }
+
     pub(crate) fn add_pod(&self, key: &PodKey) {
         self.s().pods.insert(key.uid.clone(), (key.clone(), PodMeta::default()));
     }
@@ -327,6 +337,12 @@ pub(crate) fn key(name: &str) -> PodKey {
 
 /// Feeds the view a pod event as the watcher would send it.
 pub(crate) fn see(ctl: &Controller<Fake>, fake: &Fake, name: &str, node: &str, phase: &str, t: EventType) {
+    see_pod(ctl, fake, name, Pod { node_name: node.into(), phase: phase.into(), ..Default::default() }, t);
+}
+
+/// Feeds the view an event of pod `name` whose body is `pod`, with the fake's finalizers and
+/// deletion mark.
+fn see_pod(ctl: &Controller<Fake>, fake: &Fake, name: &str, pod: Pod, t: EventType) {
     let k = key(name);
     let meta = fake.meta(&k.uid).unwrap_or_default();
     let obj = Object {
@@ -335,12 +351,7 @@ pub(crate) fn see(ctl: &Controller<Fake>, fake: &Fake, name: &str, node: &str, p
         name: k.name.clone(),
         uid: k.uid.clone(),
         deleting: meta.deleting,
-        body: Some(Body::Pod(Pod {
-            node_name: node.into(),
-            phase: phase.into(),
-            finalizers: meta.finalizers,
-            ..Default::default()
-        })),
+        body: Some(Body::Pod(Pod { finalizers: meta.finalizers, ..pod })),
         ..Default::default()
     };
     let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(obj) };
@@ -378,7 +389,7 @@ async fn apply_puts_the_finalizer_first_and_publishes_only_what_is_recorded() {
         "finalizer first (no read: the pod had none), then the addresses, then the PodVif created with \
          them (no status write), all before the VIF is streamed"
     );
-    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    let recorded = fake.recorded("a");
     assert_eq!(recorded, Some((record(2), VifState::Allocated)), "the create recorded the VIF");
     assert_eq!(fake.meta("uid-a").unwrap().finalizers, [FINALIZER]);
     let vif = streamed(&ctl.get_vif("uid-a").unwrap());
@@ -508,9 +519,7 @@ async fn cleanup_tolerates_what_never_happened() {
 #[tokio::test]
 async fn a_stale_pod_vif_of_the_same_name_is_cleaned_first() {
     let Setup { fake, ctl, .. } = setup();
-    fake.s()
-        .podvifs
-        .insert(("ns".into(), "a".into()), ("uid-old".into(), "n1".into(), Some((record(9), VifState::Ready))));
+    fake.put_podvif("a", "uid-old", Some((record(9), VifState::Ready)));
     fake.s().allocations.insert("uid-old".into(), 9);
     fake.add_pod(&key("a"));
     see(&ctl, &fake, "a", "n1", "Pending", EventType::Applied);
@@ -530,9 +539,7 @@ async fn a_recorded_state_survives_a_re_apply() {
     let mut meta = PodMeta::default();
     meta.finalizers.push(FINALIZER.into());
     fake.s().pods.insert("uid-a".into(), (key("a"), meta));
-    fake.s()
-        .podvifs
-        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(2), VifState::Ready))));
+    fake.put_podvif("a", "uid-a", Some((record(2), VifState::Ready)));
     fake.s().allocations.insert("uid-a".into(), 2);
     see(&ctl, &fake, "a", "n1", "Running", EventType::Applied);
     ctl.reconcile("uid-a").await.unwrap();
@@ -553,9 +560,7 @@ async fn the_vif_on_record_wins_over_a_racing_allocation_which_is_given_back() {
     let Setup { fake, ctl, metrics, .. } = setup();
     scheduled(&fake, &ctl, "a");
     // Another allocator recorded its VIF (7) while ours (2) was being allocated.
-    fake.s()
-        .podvifs
-        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(7), VifState::Plugged))));
+    fake.put_podvif("a", "uid-a", Some((record(7), VifState::Plugged)));
     fake.s().also_held.insert("uid-a".into(), vec![7]);
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
@@ -571,13 +576,11 @@ async fn the_vif_on_record_wins_over_a_racing_allocation_which_is_given_back() {
 async fn a_vif_on_record_the_backend_no_longer_holds_is_replaced() {
     let Setup { fake, ctl, metrics, .. } = setup();
     scheduled(&fake, &ctl, "a");
-    fake.s()
-        .podvifs
-        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(7), VifState::Ready))));
+    fake.put_podvif("a", "uid-a", Some((record(7), VifState::Ready)));
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "record_vif a"]);
-    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    let recorded = fake.recorded("a");
     assert_eq!(recorded, Some((record(2), VifState::Allocated)));
     assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).vif_id, "net/10.0.0.2");
     assert_eq!(metrics.lost_races.get(), 0);
@@ -589,11 +592,11 @@ async fn the_same_allocation_with_other_details_is_recorded_anew_without_a_race(
     scheduled(&fake, &ctl, "a");
     let mut old = record(2);
     old.mtu = 9000;
-    fake.s().podvifs.insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((old, VifState::Ready))));
+    fake.put_podvif("a", "uid-a", Some((old, VifState::Ready)));
     fake.s().allocations.insert("uid-a".into(), 2);
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "record_vif a"], "no race to settle");
-    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    let recorded = fake.recorded("a");
     assert_eq!(recorded, Some((record(2), VifState::Allocated)));
     assert_eq!(metrics.lost_races.get(), 0);
 }
@@ -606,7 +609,7 @@ async fn of_two_allocators_racing_for_a_pod_exactly_one_creates_and_the_other_fo
     fake.s().creates_first = Some((key("a"), 7));
     ctl.reconcile("uid-a").await.unwrap();
     assert_eq!(fake.calls(), ["allocate a", "ensure_pod_vif a", "holds a", "discard a"], "no write over theirs");
-    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    let recorded = fake.recorded("a");
     assert_eq!(recorded, Some((record(7), VifState::Allocated)), "their record stands");
     assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).vif_id, "net/10.0.0.7");
     assert_eq!(fake.s().allocations["uid-a"], 7, "ours given back");
@@ -619,14 +622,12 @@ async fn of_two_allocators_replacing_a_record_exactly_one_writes_and_the_other_f
     scheduled(&fake, &ctl, "a");
     // A record the backend no longer holds, READY: both replace it; the other one writes VIF 7
     // between our read of the PodVif and our write.
-    fake.s()
-        .podvifs
-        .insert(("ns".into(), "a".into()), ("uid-a".into(), "n1".into(), Some((record(9), VifState::Ready))));
+    fake.put_podvif("a", "uid-a", Some((record(9), VifState::Ready)));
     fake.s().records_first = Some((key("a"), 7));
     let err = ctl.reconcile("uid-a").await.unwrap_err();
     assert_eq!(err.source.reason(), "conflict", "{err}");
     assert!(ctl.get_vif("uid-a").is_none(), "nothing published from a lost write");
-    let recorded = fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.clone();
+    let recorded = fake.recorded("a");
     assert_eq!(recorded, Some((record(7), VifState::Allocated)), "their record stands");
     fake.calls();
     // Retried: the record is kept and our allocation given back.
@@ -657,7 +658,7 @@ async fn plug_reports_are_checked_persisted_then_streamed() {
 
     let v = streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
     assert_eq!(v.state(), PbState::Ready);
-    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
+    assert_eq!(fake.recorded("a").unwrap().1, VifState::Ready);
     // Again: nothing to do.
     fake.calls();
     streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
@@ -682,14 +683,14 @@ async fn with_confirmed_readiness_a_plugged_vif_waits_for_the_backend() {
     let v = streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap());
     assert_eq!(v.state(), PbState::Plugged);
     assert_eq!(fake.s().watches, [(id.clone(), true)]);
-    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Plugged);
+    assert_eq!(fake.recorded("a").unwrap().1, VifState::Plugged);
     assert!(!ctl.mark_ready("uid-a", "net/other").await.unwrap(), "another VIF");
     fake.s().fail.insert("record_state", 1);
     assert!(ctl.mark_ready("uid-a", &id).await.is_err(), "an unrecorded READY is not streamed");
     assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Plugged);
     assert!(ctl.mark_ready("uid-a", &id).await.unwrap());
     assert_eq!(streamed(&ctl.get_vif("uid-a").unwrap()).state(), PbState::Ready);
-    assert_eq!(fake.s().podvifs[&("ns".to_string(), "a".to_string())].2.as_ref().unwrap().1, VifState::Ready);
+    assert_eq!(fake.recorded("a").unwrap().1, VifState::Ready);
     // A repeated plug report keeps READY; unplugging stops the watch.
     assert_eq!(streamed(&ctl.report_plugged("uid-a", &id, "n1", true).await.unwrap()).state(), PbState::Ready);
     assert_eq!(streamed(&ctl.report_plugged("uid-a", &id, "n1", false).await.unwrap()).state(), PbState::Allocated);
@@ -754,26 +755,9 @@ async fn a_finalizer_removal_from_a_stale_view_falls_back_to_a_read() {
 
 /// Feeds the view a pod asking for further interfaces.
 fn see_networks(ctl: &Controller<Fake>, fake: &Fake, name: &str, networks: &str, t: EventType) {
-    let k = key(name);
-    let meta = fake.meta(&k.uid).unwrap_or_default();
-    let obj = Object {
-        kind: Kind::Pod as i32,
-        namespace: k.namespace.clone(),
-        name: k.name.clone(),
-        uid: k.uid.clone(),
-        deleting: meta.deleting,
-        body: Some(Body::Pod(Pod {
-            node_name: "n1".into(),
-            phase: "Pending".into(),
-            finalizers: meta.finalizers,
-            annotations: [(crate::core::attach::NETWORKS_ANNOTATION.to_string(), networks.to_string())].into(),
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    let ev = SubscribeResponse { resume_point: String::new(), r#type: t as i32, object: Some(obj) };
-    let ev = crate::grpc::follow::watched(&ev).unwrap();
-    view_lock(ctl.view()).apply(&ev, Instant::now());
+    let annotations = [(crate::core::attach::NETWORKS_ANNOTATION.to_string(), networks.to_string())].into();
+    let pod = Pod { node_name: "n1".into(), phase: "Pending".into(), annotations, ..Default::default() };
+    see_pod(ctl, fake, name, pod, t);
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod neutron;
 pub mod octavia;
 pub mod policy;
+mod resource;
 pub mod service;
 pub mod transport;
 

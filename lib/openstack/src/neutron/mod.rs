@@ -8,15 +8,14 @@ pub use trunk::*;
 pub use types::*;
 
 use http::Method;
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 use crate::client::Client;
 use crate::error::Error;
 use crate::filter::{Filter, MAX_IDS_PER_LIST};
+use crate::resource::{Resources, gone_is_false, has_id};
 use crate::service::ServiceType;
 use crate::transport::ApiRequest;
-use crate::{HasId, Wrap, path_segment, require_id};
+use crate::{Wrap, path_segment, require_id};
 
 const NET: ServiceType = ServiceType::Network;
 
@@ -378,44 +377,15 @@ impl Neutron {
     pub async fn delete_security_group_rule(&self, id: &str) -> Result<bool, Error> {
         self.delete("security_group_rules.delete", "/security-group-rules", id).await
     }
+}
 
-    // ---- shared shapes: `{"<singular>": {...}}` in and out, `{"<plural>": [...]}` lists ----
+impl Resources for Neutron {
+    const SERVICE: ServiceType = NET;
+    const PAGE_SIZE: usize = PAGE_SIZE;
+    const RETRY_ON_CONFLICT: bool = false;
 
-    async fn create<B: Serialize, T: DeserializeOwned>(
-        &self,
-        operation: &'static str,
-        path: &str,
-        key: &'static str,
-        body: &B,
-    ) -> Result<T, Error> {
-        let req = ApiRequest::with_json(NET, operation, Method::POST, path, &Wrap::new(key, body))?;
-        self.client.json_field::<T>(req, key).await
-    }
-
-    async fn get<T: DeserializeOwned>(
-        &self,
-        operation: &'static str,
-        collection: &str,
-        id: &str,
-        key: &'static str,
-    ) -> Result<T, Error> {
-        let path = format!("{collection}/{}", require_id(key, id)?);
-        self.client.json_field(ApiRequest::get(NET, operation, path), key).await
-    }
-
-    async fn delete(&self, operation: &'static str, collection: &str, id: &str) -> Result<bool, Error> {
-        let path = format!("{collection}/{}", require_id(collection.trim_start_matches('/'), id)?);
-        gone_is_false(self.client.send(ApiRequest::delete(NET, operation, path)).await)
-    }
-
-    async fn list<T: DeserializeOwned + HasId>(
-        &self,
-        operation: &'static str,
-        path: &str,
-        key: &'static str,
-        filter: &Filter,
-    ) -> Result<Vec<T>, Error> {
-        self.client.list_paged(NET, operation, path, key, filter, PAGE_SIZE).await
+    fn client(&self) -> &Client {
+        &self.client
     }
 }
 
@@ -454,23 +424,11 @@ impl TaggedResource {
     }
 }
 
-macro_rules! has_id {
-    ($($t:ty),*) => { $(impl HasId for $t { fn id(&self) -> &str { &self.id } })* };
-}
 has_id!(Port, Network, Subnet, SubnetPool, Router, FloatingIp, SecurityGroup, SecurityGroupRule);
 
 fn fill_project(project_id: &mut Option<String>, client: &Client) {
     if project_id.is_none() {
         *project_id = client.body_project_id();
-    }
-}
-
-/// A delete or tag removal: gone already is not a failure, only reported.
-pub(crate) fn gone_is_false<T>(r: Result<T, Error>) -> Result<bool, Error> {
-    match r {
-        Ok(_) => Ok(true),
-        Err(e) if e.is_not_found() => Ok(false),
-        Err(e) => Err(e),
     }
 }
 

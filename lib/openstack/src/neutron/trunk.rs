@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 use super::{NET, Neutron};
 use crate::error::Error;
 use crate::filter::Filter;
+use crate::require_id;
+use crate::resource::{Resources, has_id};
 use crate::transport::ApiRequest;
-use crate::{HasId, require_id};
 
 /// The segmentation type of every subport this crate adds.
 pub const VLAN: &str = "vlan";
@@ -52,11 +53,7 @@ pub struct Trunk {
     pub tags: Vec<String>,
 }
 
-impl HasId for Trunk {
-    fn id(&self) -> &str {
-        &self.id
-    }
-}
+has_id!(Trunk);
 
 /// The body of a trunk creation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

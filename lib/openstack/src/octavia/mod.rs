@@ -11,17 +11,15 @@ pub use types::*;
 use std::time::Duration;
 
 use http::Method;
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
 use crate::client::Client;
 use crate::error::{Call, Error};
 use crate::filter::Filter;
-use crate::neutron::gone_is_false;
+use crate::resource::{Resources, gone_is_false, has_id};
 use crate::service::ServiceType;
 use crate::transport::ApiRequest;
-use crate::{HasId, Wrap, require_id};
+use crate::{Wrap, require_id};
 
 const LB: ServiceType = ServiceType::LoadBalancer;
 
@@ -185,50 +183,18 @@ impl Octavia {
             .retry_on_conflict();
         self.client.send(req).await.map(drop)
     }
+}
 
-    // ---- shared shapes ----
+impl Resources for Octavia {
+    const SERVICE: ServiceType = LB;
+    const PAGE_SIZE: usize = PAGE_SIZE;
+    const RETRY_ON_CONFLICT: bool = true;
 
-    async fn create<B: Serialize, T: DeserializeOwned>(
-        &self,
-        operation: &'static str,
-        path: &str,
-        key: &'static str,
-        body: &B,
-    ) -> Result<T, Error> {
-        let req = ApiRequest::with_json(LB, operation, Method::POST, path, &Wrap::new(key, body))?.retry_on_conflict();
-        self.client.json_field(req, key).await
-    }
-
-    async fn get<T: DeserializeOwned>(
-        &self,
-        operation: &'static str,
-        collection: &str,
-        id: &str,
-        key: &'static str,
-    ) -> Result<T, Error> {
-        let path = format!("{collection}/{}", require_id(key, id)?);
-        self.client.json_field(ApiRequest::get(LB, operation, path), key).await
-    }
-
-    async fn delete(&self, operation: &'static str, collection: &str, id: &str) -> Result<bool, Error> {
-        let path = format!("{collection}/{}", require_id(operation, id)?);
-        gone_is_false(self.client.send(ApiRequest::delete(LB, operation, path).retry_on_conflict()).await)
-    }
-
-    async fn list<T: DeserializeOwned + HasId>(
-        &self,
-        operation: &'static str,
-        path: &str,
-        key: &'static str,
-        filter: &Filter,
-    ) -> Result<Vec<T>, Error> {
-        self.client.list_paged(LB, operation, path, key, filter, PAGE_SIZE).await
+    fn client(&self) -> &Client {
+        &self.client
     }
 }
 
-macro_rules! has_id {
-    ($($t:ty),*) => { $(impl HasId for $t { fn id(&self) -> &str { &self.id } })* };
-}
 has_id!(LoadBalancer, Listener, Pool, Member);
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::core::{NodeRoutes, Vif, VifState};
+/// Locks a shared index (poison-tolerant: see the function).
+pub use kuryr_stream::log::lock;
 use kuryr_stream::log::{Delta, Lagged, Log};
 use kuryr_stream::{Epoch, NotReady, Start};
 use tokio::sync::watch;
@@ -118,8 +120,6 @@ impl AsRef<Log<Key, Item>> for VifIndex {
 
 /// The index behind a mutex, as the controller, recovery and streams share it.
 pub type SharedIndex = Arc<Mutex<VifIndex>>;
-
-pub use kuryr_stream::log::lock;
 
 /// The node a VIF is on.
 pub fn vif_node(v: &Vif) -> &str {

@@ -18,6 +18,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use kuryr_proto::watcher::v1::{Kind, Object};
+/// Locks a shared index (poison-tolerant: see the function).
+pub use kuryr_stream::log::lock;
 use kuryr_stream::log::{Delta, Lagged, Log};
 use kuryr_stream::{Epoch, Start};
 use tokio::sync::watch;
@@ -77,8 +79,6 @@ impl AsRef<Log<Key, Object>> for Index {
 
 /// The index behind a mutex, as the watch tasks and streams share it.
 pub type SharedIndex = Arc<Mutex<Index>>;
-
-pub use kuryr_stream::log::lock;
 
 fn key(i: usize, obj: &Object) -> Key {
     (i, obj.namespace.clone(), obj.name.clone())

@@ -24,7 +24,8 @@ for _ in range(256):
         break
     s = socket.socket()
     try:
-        s.bind(("127.0.0.1", random.randrange(low, high)))
+        # An ephemeral range that starts too low to leave ports below it: any free port.
+        s.bind(("127.0.0.1", random.randrange(low, high) if high - low >= 1000 else 0))
     except OSError:
         s.close()
         continue

@@ -31,10 +31,16 @@ pub fn unique_id() -> String {
 /// so a port taken from it could be some client's by the time the server binds it (a database
 /// migration or a bootstrap can sit in between). Below the range, only another picker choosing
 /// the same port in the same moment collides; servers started with it fail loudly rather than
-/// silently share it.
+/// silently share it. A range that starts too low to leave 1,000 ports below it gets any free
+/// port, as before.
 pub fn free_port() -> Result<u16> {
     let high = ephemeral_low();
     let low = high.saturating_sub(PORT_POOL).max(1024);
+    if high.saturating_sub(low) < 1000 {
+        // An ephemeral range that starts too low to leave ports below it: any free port.
+        let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
+        return Ok(l.local_addr()?.port());
+    }
     for _ in 0..256 {
         let port = fastrand::u16(low..high);
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {

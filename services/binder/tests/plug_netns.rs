@@ -108,7 +108,8 @@ struct Subnets {
 
 impl Subnets {
     fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
+        // From 1: `fd00:…:0::1` would be printed `fd00:…::1`, and the addresses' checks miss it.
+        static NEXT: AtomicU32 = AtomicU32::new(1);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         Subnets { v4: format!("10.{}.{}", 100 + pid % 100, n % 256), v6: format!("fd00:{:x}:{n:x}", pid % 0xffff) }
@@ -199,6 +200,9 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
         host.contains(&format!("master {bridge}")) && host.contains("mtu 1400") && host.contains("state UP"),
         "{host}"
     );
+    // In hairpin mode as plugged (a pod may reach itself through a Service): no sweep runs here.
+    let port = ok("bridge", &["-d", "link", "show", "dev", &spec_a.host_ifname]);
+    assert!(port.contains("hairpin on"), "{port}");
     // The host end's MAC as reported (from the kernel's echo of the creation) is the kernel's.
     assert_eq!(plugged_a.host_mac, link_mac(&spec_a.host_ifname), "host end MAC");
 

@@ -8,8 +8,13 @@
 //! mode; otherwise it is dropped. The masquerade of [`super::render()`] then makes the reply come
 //! back through the node. Without `br_netfilter` hairpin mode changes nothing.
 //!
-//! The ports are found by their controller, every bridge a VIF of this node uses, after every
-//! change of the VIF cache (a pod's port exists once its VIF is reported plugged).
+//! The binder puts each port it plugs into hairpin mode as part of the ADD (`crate::plug`), so a
+//! pod can reach itself from its first packet. This task covers the ports it did not plug: those
+//! of pods plugged before the binder started (by an older version, or before a restart that lost
+//! the setting with a recreated bridge). It sweeps every port of the bridges the VIFs of this
+//! node use — found by their controller — when the binder starts and whenever that set of
+//! bridges changes, not after every change of the VIF cache: a sweep reads every link of the
+//! node, and a node with a hundred pods would otherwise read them all for each pod event.
 
 use std::collections::BTreeSet;
 
@@ -17,13 +22,13 @@ use futures::TryStreamExt;
 use kuryr_proto::allocator::v1::BindingDriver;
 use kuryr_runtime::Shutdown;
 use nix::errno::Errno;
-use rtnetlink::LinkUnspec;
-use rtnetlink::packet_route::link::{InfoBridgePort, InfoPortData, InfoPortKind, LinkAttribute, LinkInfo, LinkMessage};
+use rtnetlink::packet_route::link::{InfoBridgePort, InfoPortData, LinkAttribute, LinkInfo, LinkMessage};
 
 use crate::vifs::VifCache;
 
-/// Runs until shutdown: after every change of the VIF cache, puts every port of the VIFs'
-/// bridges that is not yet in hairpin mode into it.
+/// Runs until shutdown: whenever the set of bridges the VIF cache's VIFs use changes (at start,
+/// once the first VIFs are known), puts every port of those bridges that is not yet in hairpin
+/// mode into it. A sweep that fails is tried again with the next change of the cache.
 pub async fn run(cache: VifCache, shutdown: Shutdown) {
     let (conn, handle, _) = match rtnetlink::new_connection() {
         Ok(c) => c,
@@ -34,24 +39,31 @@ pub async fn run(cache: VifCache, shutdown: Shutdown) {
     };
     tokio::spawn(conn);
     let mut rx = cache.subscribe();
+    let mut swept = BTreeSet::new();
     loop {
-        let bridges: BTreeSet<String> = cache
-            .all()
-            .iter()
-            .filter_map(|v| v.binding.as_ref())
-            .filter(|b| b.driver() == BindingDriver::Bridge && !b.bridge.is_empty())
-            .map(|b| b.bridge.clone())
-            .collect();
-        if !bridges.is_empty()
-            && let Err(e) = ensure(&handle, &bridges).await
-        {
-            tracing::warn!(error = %e, "setting hairpin mode on bridge ports failed");
+        let bridges = bridges(&cache);
+        if bridges != swept {
+            match ensure(&handle, &bridges).await {
+                Ok(()) => swept = bridges,
+                Err(e) => tracing::warn!(error = %e, "setting hairpin mode on bridge ports failed"),
+            }
         }
         tokio::select! {
             r = rx.changed() => if r.is_err() { return },
             () = shutdown.clone().wait() => return,
         }
     }
+}
+
+/// The Linux bridges the cached VIFs are plugged into.
+fn bridges(cache: &VifCache) -> BTreeSet<String> {
+    cache
+        .all()
+        .iter()
+        .filter_map(|v| v.binding.as_ref())
+        .filter(|b| b.driver() == BindingDriver::Bridge && !b.bridge.is_empty())
+        .map(|b| b.bridge.clone())
+        .collect()
 }
 
 fn name(link: &LinkMessage) -> Option<&str> {
@@ -86,13 +98,7 @@ async fn ensure(handle: &rtnetlink::Handle, bridges: &BTreeSet<String>) -> Resul
     let wanted: BTreeSet<u32> =
         links.iter().filter(|l| name(l).is_some_and(|n| bridges.contains(n))).map(|l| l.header.index).collect();
     for link in links.iter().filter(|l| controller(l).is_some_and(|c| wanted.contains(&c)) && !hairpin(l)) {
-        let msg = LinkUnspec::new_with_index(link.header.index)
-            .append_extra_attribute(LinkAttribute::LinkInfo(vec![
-                LinkInfo::PortKind(InfoPortKind::Bridge),
-                LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
-            ]))
-            .build();
-        // RTM_NEWLINK on an existing link: RTM_SETLINK ignores port settings.
+        let msg = crate::plug::hairpin_port(link.header.index);
         match handle.link().set_port(msg).execute().await {
             Ok(()) => tracing::debug!(port = name(link), "hairpin mode on"),
             // The port went away meanwhile (the pod was deleted).

@@ -21,11 +21,12 @@ use crate::metrics::Steps;
 ///
 /// Steps: create the veth pair with the pod end born inside the pod's namespace, already named
 /// `ifname` and carrying the MAC and MTU, so no other namespace ever sees it, and the host end
-/// born up and (for a Linux bridge) already enslaved; only if the kernel refuses a name, find out
-/// which — `ifname` taken in the pod (→ [`PlugError::IfnameExists`]), or a stale host end of the
-/// same name (an interrupted earlier ADD of this attachment), removed before trying again; in
-/// the pod turn IPv6 DAD off for `ifname`, bring `lo` and `ifname` up, add the addresses (IPv6
-/// without DAD), the routes and the default routes; for OVS finally add the host end as a port.
+/// born up and (for a Linux bridge) already enslaved; only if the kernel refuses a name, find
+/// out which — `ifname` taken in the pod (→ [`PlugError::IfnameExists`]), or a stale host end of
+/// the same name (an interrupted earlier ADD of this attachment), removed before trying again;
+/// put a bridge port in hairpin mode; in the pod turn IPv6 DAD off for `ifname`, bring `lo` and
+/// `ifname` up, add the addresses (IPv6 without DAD), the routes and the default routes; for OVS
+/// finally add the host end as a port.
 ///
 /// The work runs on one namespace worker (`crate::netns`) with one netlink socket in each
 /// namespace: the worker's own in the host's, kept between jobs, and one opened in the pod's for
@@ -171,6 +172,12 @@ async fn plug_with(
         None => pod.require(ifname).await?.header.index,
     };
     steps.mark("nl_readback");
+    if controller.is_some() {
+        // Before the pod can send anything: a pod may reach itself through a Service or its own
+        // host port (`crate::lb::hairpin`). The kernel takes no port settings with the creation.
+        host.set_hairpin(host_link.header.index, host_ifname).await?;
+        steps.mark("nl_hairpin");
+    }
     configure_sandbox(pod, spec, index, steps).await?;
 
     if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid, vlan } = &spec.driver {

@@ -34,6 +34,7 @@ use crate::netns::NetnsError;
 
 pub use self::attach::{ensure_bridge, link_exists, list_host_links, plug, plug_timed, unplug};
 pub use self::check::{Expected, Observed, diff, diff_expected, inspect};
+pub(crate) use self::nl::hairpin_port;
 
 /// Prefix of every host-side interface name made by [`host_ifname`], for garbage collection.
 pub const HOST_IFNAME_PREFIX: &str = "kv";

@@ -23,7 +23,9 @@ use rtnetlink::packet_core::{
 };
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
-use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use rtnetlink::packet_route::link::{
+    InfoBridgePort, InfoKind, InfoPortData, InfoPortKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+};
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -120,6 +122,16 @@ pub(crate) async fn scoped<T>(
             source: std::io::Error::other("the netlink connection ended"),
         }),
     }
+}
+
+/// The `RTM_NEWLINK` message that turns hairpin mode on for the bridge port `index`.
+pub(crate) fn hairpin_port(index: u32) -> LinkMessage {
+    LinkUnspec::new_with_index(index)
+        .append_extra_attribute(LinkAttribute::LinkInfo(vec![
+            LinkInfo::PortKind(InfoPortKind::Bridge),
+            LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
+        ]))
+        .build()
 }
 
 /// The errno of a netlink error reply, if that is what the error is.
@@ -240,6 +252,18 @@ impl Nl {
     pub(crate) async fn set_up(&self, index: u32, name: &str) -> Result<(), PlugError> {
         let msg = LinkUnspec::new_with_index(index).up().build();
         self.handle.link().set(msg).execute().await.map_err(self.fail(format!("bring {name} up")))
+    }
+
+    /// Puts a Linux bridge's port in hairpin mode (frames may leave through the port they came
+    /// in on): `RTM_NEWLINK` on the existing link with its bridge-port data, as `RTM_SETLINK`
+    /// ignores port settings. See `crate::lb::hairpin` for why pods need it.
+    pub(crate) async fn set_hairpin(&self, index: u32, name: &str) -> Result<(), PlugError> {
+        self.handle
+            .link()
+            .set_port(hairpin_port(index))
+            .execute()
+            .await
+            .map_err(self.fail(format!("put bridge port {name} in hairpin mode")))
     }
 
     /// Sets a link's MAC address. The kernel then keeps it as chosen: on a bridge this stops the

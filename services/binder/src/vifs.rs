@@ -74,9 +74,10 @@ impl VifCache {
         self.lock().vifs.get(pod_uid).cloned()
     }
 
-    /// Every VIF known.
-    pub fn all(&self) -> Vec<Vif> {
-        self.lock().vifs.values().cloned().collect()
+    /// What `f` makes of each VIF known, where it makes something: read in place, so that a
+    /// question about a few fields does not copy every VIF.
+    pub fn filter_map<T, B: FromIterator<T>>(&self, f: impl FnMut(&Vif) -> Option<T>) -> B {
+        self.lock().vifs.values().filter_map(f).collect()
     }
 
     /// A receiver that sees a new value after every change of the cache.

@@ -57,13 +57,12 @@ pub async fn run(cache: VifCache, shutdown: Shutdown) {
 
 /// The Linux bridges the cached VIFs are plugged into.
 fn bridges(cache: &VifCache) -> BTreeSet<String> {
-    cache
-        .all()
-        .iter()
-        .filter_map(|v| v.binding.as_ref())
-        .filter(|b| b.driver() == BindingDriver::Bridge && !b.bridge.is_empty())
-        .map(|b| b.bridge.clone())
-        .collect()
+    cache.filter_map(|v| {
+        v.binding
+            .as_ref()
+            .filter(|b| b.driver() == BindingDriver::Bridge && !b.bridge.is_empty())
+            .map(|b| b.bridge.clone())
+    })
 }
 
 fn name(link: &LinkMessage) -> Option<&str> {

@@ -2,7 +2,8 @@
 //! known) next to the reference `bridge` + `host-local` plugins doing the same job in the same run,
 //! measured as a runtime sees it — from exec of the plugin to its exit — plus the floor under it
 //! (an exec of `true`, the shim's exec alone, and with one call to the binder), the time budget of
-//! each hop, the shim's size and memory and the binder's RSS.
+//! each hop, the shim's size and memory, the binder's RSS and its CPU per call (utime + stime
+//! while the calls ran, its reactions to them included).
 //!
 //! The time budget comes from the parts themselves: the shim's log line of each call (its
 //! runtime, connection, call), the binder's per-ADD and per-DEL log line (each step, in ms) and its
@@ -25,6 +26,7 @@ use kuryr_proto::allocator::v1::Vif;
 use kuryr_tests::binder::Binder;
 use kuryr_tests::metrics::Scrape;
 use kuryr_tests::netns::Netns;
+use kuryr_tests::procstat::{clock_ticks, cpu_ticks};
 use kuryr_tests::services::bin_path;
 use kuryr_tests::stats::ms;
 use kuryr_tests::vifserver::{ScriptedAllocator, bridge_vif};
@@ -325,6 +327,7 @@ async fn run() -> Result<()> {
     let node_path = node.path();
     let scrape = || Scrape::in_netns(&node_path, BINDER_METRICS);
     let before_add = scrape().await?;
+    let cpu_before_add = cpu_ticks(binder_pid);
     let mut kuryr = Vec::with_capacity(pods);
     let mut pod_ns = Vec::with_capacity(pods);
     for i in 0..pods {
@@ -337,6 +340,7 @@ async fn run() -> Result<()> {
             rss_100 = Some(rss_kib(binder_pid)?);
         }
     }
+    let cpu_add = cpu_ticks(binder_pid) - cpu_before_add;
     let after_add = scrape().await?;
     let shim_rss = peak_rss_kib(&shim, &[("CNI_COMMAND", "VERSION".to_string())], conf.as_bytes());
     // The floor under each call: an exec of `true`, the shim's exec alone (VERSION is answered by
@@ -379,10 +383,12 @@ async fn run() -> Result<()> {
     // DEL of every sandbox through the plugins themselves, the namespaces still there (as a
     // runtime does: DEL before it removes the sandbox's namespace).
     let mut kuryr_del = Vec::with_capacity(pods);
+    let cpu_before_del = cpu_ticks(binder_pid);
     for (_, env) in &pod_ns {
         let id = env[1].1.clone();
         kuryr_del.push((id, exec_plugin(&shim, &del_env(env), conf.as_bytes())?));
     }
+    let cpu_del = cpu_ticks(binder_pid) - cpu_before_del;
     let after_del = scrape().await?;
     let mut reference_del = Vec::with_capacity(pods);
     for (_, env) in &ref_ns {
@@ -410,6 +416,14 @@ async fn run() -> Result<()> {
     if let Some(r) = rss_100 {
         println!("kuryr-binder RSS with 100 pods: {:.1} MiB", r as f64 / 1024.0);
     }
+    // Everything the binder did while the calls ran, its reactions to them included (the
+    // background report, the VIF stream's updates, the hairpin sweep).
+    let per_call = |ticks: u64| ticks as f64 * 1000.0 / clock_ticks() / pods.max(1) as f64;
+    println!(
+        "kuryr-binder CPU per call (utime + stime while the calls ran): ADD {:.2} ms  DEL {:.2} ms",
+        per_call(cpu_add),
+        per_call(cpu_del)
+    );
 
     println!("# latency, exec to exit");
     let (d50, d99) = summary("kuryr-cni DEL", kuryr_del.into_iter().map(|(_, e)| e.took).collect());

@@ -189,6 +189,11 @@ impl Attachments {
     pub fn all(&self) -> Vec<Attachment> {
         self.lock().values().cloned().collect()
     }
+
+    /// The records `keep` selects; only those are copied.
+    pub fn filter(&self, keep: impl Fn(&Attachment) -> bool) -> Vec<Attachment> {
+        self.lock().values().filter(|a| keep(a)).cloned().collect()
+    }
 }
 
 type Key = (String, String);

@@ -142,11 +142,7 @@ impl CniService {
 
     /// The records of the further interfaces plugged with `container_id`/`ifname`.
     pub(crate) fn extras_of(&self, container_id: &str, ifname: &str) -> Vec<Attachment> {
-        self.attachments
-            .all()
-            .into_iter()
-            .filter(|a| a.container_id == container_id && a.primary.as_deref() == Some(ifname))
-            .collect()
+        self.attachments.filter(|a| a.container_id == container_id && a.primary.as_deref() == Some(ifname))
     }
 
     /// The further interfaces of a live attachment, for a repeated ADD's answer: in the order of

@@ -8,7 +8,7 @@ impl CniService {
     /// start-up. The runtime saw those ADDs fail and retries them or sends DEL; either way
     /// nothing half-made may stay. Then delivers the plugged reports left pending.
     pub async fn recover(&self) {
-        for att in self.attachments.all().into_iter().filter(|a| a.state == State::Adding) {
+        for att in self.attachments.filter(|a| a.state == State::Adding) {
             let _key = self.locks.lock(&att.container_id, &att.ifname).await;
             let Some(att) = self.attachments.get(&att.container_id, &att.ifname).filter(|a| a.state == State::Adding)
             else {

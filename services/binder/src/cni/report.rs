@@ -143,7 +143,7 @@ impl CniService {
 
     /// Restarts the background reports that a previous run of the binder left pending.
     pub(super) fn resume_pending_reports(&self) {
-        for att in self.attachments.all().into_iter().filter(|a| a.state == State::Ready && a.report_pending) {
+        for att in self.attachments.filter(|a| a.state == State::Ready && a.report_pending) {
             tracing::info!(container = att.container_id, ifname = att.ifname, "delivering a pending plugged report");
             self.report_in_background(&att.container_id, &att.ifname);
         }

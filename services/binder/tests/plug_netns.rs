@@ -2,95 +2,15 @@
 //! pairs, a Linux bridge. Needs root; everything it creates carries this process's id and is
 //! removed by guards, also when an assertion fails.
 
+mod common;
+
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use common::*;
 use ipnet::IpNet;
 use kuryr_binder::plug::{self, BindingDriver, IpConfig, PlugError, PlugSpec, Route};
-
-/// Runs a command; returns (success, stdout + stderr).
-fn run(cmd: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("cannot run {cmd}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
-}
-
-/// Runs a command that must succeed; returns its output.
-fn ok(cmd: &str, args: &[&str]) -> String {
-    let (success, text) = run(cmd, args);
-    assert!(success, "{cmd} {} failed: {text}", args.join(" "));
-    text
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
-        .unwrap_or(false)
-}
-
-/// A name unique to this process and call: `<prefix><pid hex><n>`, at most 15 characters.
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let name = format!("{prefix}{:x}x{n}", std::process::id());
-    assert!(name.len() <= 15, "{name} is too long for an interface name");
-    name
-}
-
-/// A network namespace that is deleted on drop.
-struct Netns {
-    name: String,
-}
-
-impl Netns {
-    fn new() -> Self {
-        let name = unique("kt-");
-        ok("ip", &["netns", "add", &name]);
-        Netns { name }
-    }
-
-    fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/var/run/netns/{}", self.name))
-    }
-
-    /// `ip -n <ns> args...`
-    fn ip(&self, args: &[&str]) -> (bool, String) {
-        let mut all = vec!["-n", self.name.as_str()];
-        all.extend_from_slice(args);
-        run("ip", &all)
-    }
-
-    fn ping(&self, args: &[&str]) -> (bool, String) {
-        let mut all = vec!["netns", "exec", self.name.as_str(), "ping", "-c1", "-W2"];
-        all.extend_from_slice(args);
-        run("ip", &all)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = run("ip", &["netns", "del", &self.name]);
-    }
-}
-
-/// Host links deleted on drop (the test bridge, host ends left by a failing assertion).
-struct HostLinks(Vec<String>);
-
-impl Drop for HostLinks {
-    fn drop(&mut self) {
-        for l in &self.0 {
-            if host_link_exists(l) {
-                let _ = run("ip", &["link", "del", l]);
-            }
-        }
-    }
-}
-
-fn host_link_exists(name: &str) -> bool {
-    run("ip", &["link", "show", "dev", name]).0
-}
 
 fn net(s: &str) -> IpNet {
     s.parse().expect("a CIDR")
@@ -154,7 +74,7 @@ macro_rules! require_root {
 #[tokio::test]
 async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
     require_root!();
-    let (a, b) = (Netns::new(), Netns::new());
+    let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
     let bridge = unique("ktb");
     let nets = Subnets::new();
     let driver = BindingDriver::Bridge { bridge: bridge.clone() };
@@ -249,7 +169,7 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
 #[tokio::test]
 async fn an_ifname_already_present_is_refused_and_leaves_nothing() {
     require_root!();
-    let a = Netns::new();
+    let a = Netns::new("kt-");
     let bridge = unique("ktb");
     let nets = Subnets::new();
     let driver = BindingDriver::Bridge { bridge: bridge.clone() };
@@ -271,7 +191,7 @@ async fn an_ifname_already_present_is_refused_and_leaves_nothing() {
 async fn a_missing_netns_is_its_own_error_and_leaves_nothing() {
     require_root!();
     let nets = Subnets::new();
-    let gone = Netns::new();
+    let gone = Netns::new("kt-");
     let bridge = unique("ktb");
     let spec = spec(&gone, &nets, 30, BindingDriver::Bridge { bridge: bridge.clone() });
     let _links = HostLinks(vec![bridge, spec.host_ifname.clone()]);
@@ -286,7 +206,7 @@ async fn a_missing_netns_is_its_own_error_and_leaves_nothing() {
 #[tokio::test]
 async fn a_failure_part_way_rolls_everything_back() {
     require_root!();
-    let a = Netns::new();
+    let a = Netns::new("kt-");
     let bridge = unique("ktb");
     let not_a_bridge = unique("ktv");
     let nets = Subnets::new();
@@ -327,7 +247,7 @@ async fn a_failure_part_way_rolls_everything_back() {
 #[tokio::test]
 async fn a_stale_host_end_from_an_interrupted_add_is_replaced() {
     require_root!();
-    let a = Netns::new();
+    let a = Netns::new("kt-");
     let bridge = unique("ktb");
     let nets = Subnets::new();
     let spec = spec(&a, &nets, 50, BindingDriver::Bridge { bridge: bridge.clone() });
@@ -357,7 +277,7 @@ fn link_mac(name: &str) -> String {
 async fn the_bridge_keeps_its_mac_while_pods_come_and_go() {
     require_root!();
     for existing in [false, true] {
-        let (a, b) = (Netns::new(), Netns::new());
+        let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
         let bridge = unique("ktm");
         let nets = Subnets::new();
         let driver = BindingDriver::Bridge { bridge: bridge.clone() };

@@ -6,12 +6,14 @@
 //! all live there, so concurrent runs and the real host never see each other's names. Needs
 //! root; skipped (with a message) only when Open vSwitch is not installed.
 
+mod common;
+
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use common::*;
 use ipnet::IpNet;
 use kuryr_binder::netns::{NetnsError, run_in_netns};
 use kuryr_binder::plug::{self, BindingDriver, IpConfig, PlugError, PlugSpec};
@@ -20,28 +22,6 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const SCHEMA: &str = "/usr/share/openvswitch/vswitch.ovsschema";
 
-fn run_cmd(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
-}
-
-fn run(cmd: &str, args: &[&str]) -> (bool, String) {
-    run_cmd(Command::new(cmd).args(args))
-}
-
-fn ok(cmd: &str, args: &[&str]) -> String {
-    let (success, text) = run(cmd, args);
-    assert!(success, "{cmd} {} failed: {text}", args.join(" "));
-    text
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
-        .unwrap_or(false)
-}
-
 /// Where a program is, looking at PATH and the sbin directories.
 fn find(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -49,40 +29,6 @@ fn find(program: &str) -> Option<PathBuf> {
         .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
         .map(|d| d.join(program))
         .find(|p| p.is_file())
-}
-
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    format!("{prefix}{:x}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
-}
-
-/// A network namespace that is deleted on drop.
-struct Netns {
-    name: String,
-}
-
-impl Netns {
-    fn new(prefix: &str) -> Self {
-        let name = unique(prefix);
-        ok("ip", &["netns", "add", &name]);
-        Netns { name }
-    }
-
-    fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/var/run/netns/{}", self.name))
-    }
-
-    fn exec(&self, args: &[&str]) -> (bool, String) {
-        let mut all = vec!["netns", "exec", self.name.as_str()];
-        all.extend_from_slice(args);
-        run("ip", &all)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = run("ip", &["netns", "del", &self.name]);
-    }
 }
 
 /// A private ovsdb-server + ovs-vswitchd, stopped (bridges deleted, datapath removed, daemons
@@ -278,9 +224,9 @@ async fn scenario() {
     assert_eq!(plug::diff(&spec_a, &observed), Vec::<String>::new());
 
     // Through the userspace datapath, both families.
-    let (pinged, out) = a.exec(&["ping", "-c1", "-W2", "10.77.0.11"]);
+    let (pinged, out) = a.ping(&["10.77.0.11"]);
     assert!(pinged, "IPv4 ping a -> b through br-int failed: {out}");
-    let (pinged, out) = b.exec(&["ping", "-6", "-c1", "-W2", "fd00:77::a"]);
+    let (pinged, out) = b.ping(&["-6", "fd00:77::a"]);
     assert!(pinged, "IPv6 ping b -> a through br-int failed: {out}");
 
     // A failing ovs-vsctl (no such bridge) is the last step of plug: everything is rolled back.

@@ -22,7 +22,7 @@ use kuryr_binder::hostport::HostPorts;
 use kuryr_binder::lb::nft::Nft;
 use kuryr_binder::metrics::CniMetrics;
 use kuryr_binder::upstream::Allocator;
-use kuryr_cni_types::CniError;
+use kuryr_cni_types::{CniError, Command as Op};
 use kuryr_proto::binder::v1::cni_server::Cni;
 use kuryr_proto::binder::v1::{CniRequest, GcRequest, StatusRequest, VersionRequest};
 use kuryr_runtime::auth::client::Credentials;
@@ -68,16 +68,6 @@ fn shim_version() -> impl Strategy<Value = String> {
 }
 
 /// The operation to call with a fuzzed request.
-#[derive(Clone, Copy, Debug)]
-enum Op {
-    Add,
-    Del,
-    Check,
-    Status,
-    Gc,
-    Version,
-}
-
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![Just(Op::Add), Just(Op::Del), Just(Op::Check), Just(Op::Status), Just(Op::Gc), Just(Op::Version)]
 }

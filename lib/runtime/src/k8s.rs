@@ -63,6 +63,25 @@ pub enum ApiFailure {
     },
 }
 
+/// Implements `From<ApiFailure>` for a service's error enum that has the variants
+/// `NotFound(String)`, `Conflict(String)` and
+/// `Api { action: String, source: Box<dyn Error + Send + Sync> }`: how a controller's cluster
+/// layer keeps the sorting of failed API calls.
+#[macro_export]
+macro_rules! from_api_failure {
+    ($error:ty) => {
+        impl From<$crate::k8s::ApiFailure> for $error {
+            fn from(f: $crate::k8s::ApiFailure) -> Self {
+                match f {
+                    $crate::k8s::ApiFailure::NotFound(m) => Self::NotFound(m),
+                    $crate::k8s::ApiFailure::Conflict(m) => Self::Conflict(m),
+                    $crate::k8s::ApiFailure::Other { action, source } => Self::Api { action, source: Box::new(source) },
+                }
+            }
+        }
+    };
+}
+
 impl ApiFailure {
     /// Sorts `e`, the failure of `action`.
     #[must_use]

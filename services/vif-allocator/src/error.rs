@@ -110,16 +110,7 @@ impl ClusterError {
     }
 }
 
-impl From<kuryr_runtime::k8s::ApiFailure> for ClusterError {
-    fn from(f: kuryr_runtime::k8s::ApiFailure) -> Self {
-        use kuryr_runtime::k8s::ApiFailure;
-        match f {
-            ApiFailure::NotFound(m) => ClusterError::NotFound(m),
-            ApiFailure::Conflict(m) => ClusterError::Conflict(m),
-            ApiFailure::Other { action, source } => ClusterError::Api { action, source: Box::new(source) },
-        }
-    }
-}
+kuryr_runtime::from_api_failure!(ClusterError);
 
 /// A failed reconcile.
 #[derive(Debug, thiserror::Error)]

@@ -40,6 +40,7 @@
 //! Everything is started from the shell scripts in `tests/env/`, so the same environment can be
 //! brought up by hand from the command line; the Rust side owns the lifetime (stopped on drop).
 
+pub mod apirequests;
 pub mod auth;
 pub mod binder;
 pub mod chaos;

@@ -27,7 +27,7 @@
 //! `BENCH_E2E_LOG` is the services' `--log` filter (default `info`; the breakdown needs `info`).
 #![allow(clippy::print_stdout)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
 use std::path::Path;
@@ -43,6 +43,7 @@ use kube::runtime::watcher;
 use kuryr_proto::service_names;
 use kuryr_proto::watcher::v1::watcher_client::WatcherClient;
 use kuryr_proto::watcher::v1::{EventType, Filter, Kind, SubscribeRequest};
+use kuryr_tests::apirequests::{Requests, apiserver_requests, requests_between};
 use kuryr_tests::cluster::{ALLOCATOR_ACCOUNT, Cluster, ClusterOptions, SYSTEM_NAMESPACE, WATCHER_ACCOUNT};
 use kuryr_tests::cri::{Containerd, ContainerdOptions};
 use kuryr_tests::kube::KubeEnv;
@@ -781,48 +782,6 @@ fn reference_conflist(ctd: &Containerd, node: u8) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // API requests, from the API server's own counters
-
-/// `apiserver_request_total`, summed by (verb, resource[/subresource]).
-type Requests = BTreeMap<(String, String), f64>;
-
-/// The API server's request counters now (its `/metrics`, read with the admin client).
-async fn apiserver_requests(client: &kube::Client) -> Result<Requests> {
-    let req = http::Request::get("/metrics").body(Vec::new())?;
-    let text = client.request_text(req).await.context("GET /metrics of the API server")?;
-    Ok(request_totals(&text))
-}
-
-fn request_totals(text: &str) -> Requests {
-    let mut out = Requests::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("apiserver_request_total{") else { continue };
-        let Some((labels, value)) = rest.rsplit_once("} ") else { continue };
-        let Ok(value) = value.trim().parse::<f64>() else { continue };
-        let labels: HashMap<&str, &str> = labels
-            .split(',')
-            .filter_map(|kv| kv.split_once('='))
-            .map(|(k, v)| (k.trim(), v.trim().trim_matches('"')))
-            .collect();
-        let get = |k: &str| labels.get(k).copied().unwrap_or_default();
-        let resource = match get("subresource") {
-            "" => get("resource").to_string(),
-            sub => format!("{}/{sub}", get("resource")),
-        };
-        *out.entry((get("verb").to_string(), resource)).or_default() += value;
-    }
-    out
-}
-
-/// What was counted between `before` and `after`, largest first, without zeros.
-fn requests_between(before: &Requests, after: &Requests) -> Vec<((String, String), f64)> {
-    let mut v: Vec<_> = after
-        .iter()
-        .map(|(k, a)| (k.clone(), a - before.get(k).copied().unwrap_or(0.0)))
-        .filter(|(_, d)| *d > 0.0)
-        .collect();
-    v.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    v
-}
 
 /// Named samples in ms.
 #[derive(Debug, Default)]

@@ -31,6 +31,7 @@ use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher::{self, Event, watcher};
+use kuryr_tests::apirequests::{Requests, apiserver_requests, requests_between};
 use kuryr_tests::conformance::kuryr_image;
 use kuryr_tests::procstat::CpuSnapshot;
 use kuryr_tests::realcluster::{NodeCni, RealCluster, RealClusterOptions};
@@ -114,13 +115,9 @@ async fn main() -> Result<()> {
     }
     let (rt, kt) = (reference.cpu.values().sum::<f64>(), kuryr.cpu.values().sum::<f64>());
     println!("  {:<28} {rt:>10.1} {kt:>10.1} {:>7.2}x", "all processes", kt / rt.max(f64::MIN_POSITIVE));
-    println!(
-        "  {:<28} {:>10.0} {:>10.0} {:>7.2}x",
-        "API requests served",
-        reference.requests,
-        kuryr.requests,
-        kuryr.requests / reference.requests.max(1.0)
-    );
+    let (rq, kq) = (reference.requests.values().sum::<f64>(), kuryr.requests.values().sum::<f64>());
+    println!("  {:<28} {rq:>10.0} {kq:>10.0} {:>7.2}x", "API requests served", kq / rq.max(1.0));
+    requests_table(&reference.requests, &kuryr.requests, pods);
     let (reference, kuryr) = (reference.stats, kuryr.stats);
 
     println!("\n  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8}", "pod created → Running (ms)", "n", "p50", "p90", "p99", "max");
@@ -138,6 +135,25 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
+/// The API requests of the two arms side by side, by (verb, resource), the largest differences
+/// first: which requests the network plugin added (or saved), per pod.
+fn requests_table(reference: &Requests, kuryr: &Requests, pods: usize) {
+    let per_pod = |n: f64| n / pods.max(1) as f64;
+    let keys: BTreeSet<&(String, String)> = reference.keys().chain(kuryr.keys()).collect();
+    let mut rows: Vec<(&(String, String), f64, f64)> = keys
+        .into_iter()
+        .map(|k| (k, reference.get(k).copied().unwrap_or(0.0), kuryr.get(k).copied().unwrap_or(0.0)))
+        .collect();
+    rows.sort_by(|a, b| (b.2 - b.1).abs().total_cmp(&(a.2 - a.1).abs()).then_with(|| a.0.cmp(b.0)));
+    println!(
+        "\n  {:<44} {:>10} {:>10} {:>14}",
+        "API requests by verb and resource", "reference", "kuryr", "kuryr − ref/pod"
+    );
+    for ((verb, resource), r, k) in rows.into_iter().take(20) {
+        println!("  {:<44} {r:>10.0} {k:>10.0} {:>+14.2}", format!("{verb} {resource}"), per_pod(k - r));
+    }
+}
+
 fn line(s: &Stats) -> String {
     format!("{} pods, p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms", s.n, s.p50, s.p99, s.max)
 }
@@ -148,8 +164,8 @@ struct Arm {
     stats: Stats,
     /// CPU seconds by process group, first create → last pod Running.
     cpu: BTreeMap<String, f64>,
-    /// Requests the API server served meanwhile.
-    requests: f64,
+    /// Requests the API server served meanwhile, by (verb, resource).
+    requests: Requests,
 }
 
 /// The group a process's CPU counts in, by its command name.
@@ -162,17 +178,6 @@ fn group(comm: &str) -> String {
         c if c.starts_with("kubelet-bench") => "this benchmark".into(),
         _ => "other".into(),
     }
-}
-
-/// The API server's `apiserver_request_total`, summed over every series.
-async fn requests_served(client: &kube::Client) -> Result<f64> {
-    let req = http::Request::get("/metrics").body(Vec::new()).context("building GET /metrics")?;
-    let text = client.request_text(req).await.context("GET /metrics of the API server")?;
-    Ok(text
-        .lines()
-        .filter(|l| l.starts_with("apiserver_request_total{"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum())
 }
 
 /// One arm: `pods` pods created at `rate`/s in a fresh namespace, each timed from just before its
@@ -210,7 +215,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
     };
     let interval = Duration::from_secs_f64(1.0 / rate);
     let cpu_before = CpuSnapshot::take();
-    let requests_before = requests_served(&client).await?;
+    let requests_before = apiserver_requests(&client).await?;
     let start = Instant::now();
     let mut creates = tokio::task::JoinSet::new();
     for i in 0..pods {
@@ -241,7 +246,8 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
     }
     watch.abort();
     let cpu = cpu_before.since(&CpuSnapshot::take(), group);
-    let requests = requests_served(&client).await? - requests_before;
+    let requests: Requests =
+        requests_between(&requests_before, &apiserver_requests(&client).await?).into_iter().collect();
     let created = created.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let running = running.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let samples: Vec<f64> = created

@@ -43,7 +43,8 @@ pub async fn run(cache: VifCache, shutdown: Shutdown) {
     loop {
         let bridges = bridges(&cache);
         if bridges != swept {
-            match ensure(&handle, &bridges).await {
+            // No bridge left (no VIF on one): nothing to read the links for.
+            match if bridges.is_empty() { Ok(()) } else { ensure(&handle, &bridges).await } {
                 Ok(()) => swept = bridges,
                 Err(e) => tracing::warn!(error = %e, "setting hairpin mode on bridge ports failed"),
             }

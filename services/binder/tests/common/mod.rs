@@ -33,12 +33,16 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// A name unique to this process and call: `<prefix><pid hex>x<n>`, at most 15 characters (an
+/// A name unique to this process and call: `<prefix><pid hex>x<n>`.
+fn numbered(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    format!("{prefix}{:x}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// An interface name unique to this process and call ([`numbered`]), at most 15 characters (an
 /// interface name's limit).
 pub fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let name = format!("{prefix}{:x}x{n}", std::process::id());
+    let name = numbered(prefix);
     assert!(name.len() <= 15, "{name} is too long for an interface name");
     name
 }
@@ -50,7 +54,8 @@ pub struct Netns {
 
 impl Netns {
     pub fn new(prefix: &str) -> Self {
-        let name = unique(prefix);
+        // Namespace names have no interface name's length limit.
+        let name = numbered(prefix);
         ok("ip", &["netns", "add", &name]);
         Netns { name }
     }

@@ -79,6 +79,19 @@ async fn allocates_node_local_addresses_idempotently_and_releases_them() {
     assert_eq!(st.allocations["10.244.0.2"].uid, "uid-1");
     assert_eq!(st.allocations["10.244.0.2"].mac, "0a:58:0a:f4:00:02");
     assert_eq!(st.allocations["10.244.0.3"].name, "pod-3");
+    // The allocations are one field for the API server's field tracking, not one per address.
+    let status_fields: Vec<serde_json::Value> = block
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| m.subresource.as_deref() == Some("status"))
+        .filter_map(|m| m.fields_v1.as_ref().map(|f| f.0.clone()))
+        .collect();
+    assert!(!status_fields.is_empty(), "no managedFields entry for the status: {:?}", block.metadata.managed_fields);
+    for fields in &status_fields {
+        assert_eq!(fields["f:status"]["f:allocations"], serde_json::json!({}), "{fields}");
+    }
     let status = Api::<PodNetwork>::all(client.clone()).get_status("pods").await.unwrap().status.unwrap();
     assert_eq!(status.allocated_blocks, 2);
 
@@ -105,6 +118,23 @@ async fn allocates_node_local_addresses_idempotently_and_releases_them() {
     // A released pod that comes back (same uid) is a new allocation.
     let a1b = store.allocate("pods", "node-a", &pod(1)).await.unwrap();
     assert_eq!(ips(&a1b), pairs(&[("10.244.0.5/24", "10.244.0.1")]));
+
+    // The API server does not check the entries (their schema cost it more than anything else in
+    // a status write): one of another shape, written behind the store's back, keeps its address
+    // taken and the block usable.
+    block_api
+        .patch_status(
+            "pods-10-244-1-0-24",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"allocations": {"10.244.1.3": "not an entry"}}})),
+        )
+        .await
+        .unwrap();
+    let b2 = store.allocate("pods", "node-b", &pod(5)).await.unwrap();
+    assert_eq!(ips(&b2), pairs(&[("10.244.1.4/24", "10.244.1.1")]));
+    assert!(store.release("pods", "uid-2").await.unwrap());
+    let st = block_api.get_status("pods-10-244-1-0-24").await.unwrap().status.unwrap();
+    assert_eq!(st.allocations.keys().collect::<Vec<_>>(), ["10.244.1.3", "10.244.1.4"]);
 
     // Clear errors for missing and invalid networks.
     let err = store.allocate("nope", "node-a", &pod(9)).await.unwrap_err();

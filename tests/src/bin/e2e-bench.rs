@@ -16,7 +16,10 @@
 //!    kubelet runs (so no CRI work competes); a watch on PodVifs marks each one allocated when
 //!    it records addresses. The API server's `apiserver_request_total`, read before the
 //!    first create and after the last allocation, gives the API requests per pod by verb and
-//!    resource (every client's, the bench's own creates excluded).
+//!    resource (every client's, the bench's own creates excluded), and `/proc` the CPU each
+//!    process spent meanwhile. A baseline runs first: the same creates on a fresh API server with
+//!    no kuryr service, so that the API server's and etcd's CPU per pod with kuryr is printed
+//!    beside what the creates alone cost them.
 //! 3. **Watcher memory.** A fresh API server holding many pods (bound to fake nodes, no
 //!    sandboxes) in two namespaces, and `kuryr-watcher` alone (no allocator) with one subscriber:
 //!    its RSS idle and once its index holds every pod.
@@ -49,6 +52,7 @@ use kuryr_tests::cri::{Containerd, ContainerdOptions};
 use kuryr_tests::kube::KubeEnv;
 use kuryr_tests::kubelet::{Kubelet, KubeletOptions, PodRecord};
 use kuryr_tests::objects;
+use kuryr_tests::procstat::CpuSnapshot;
 use kuryr_tests::services::{ServiceProcess, wait_until};
 use kuryr_tests::stats::{Stats, ms, ms_between};
 use kuryr_tests::util::{bin_dir, env_or, free_port, loadavg, repo_root, tail};
@@ -114,6 +118,9 @@ async fn run(cfg: Config) -> Result<()> {
     if cfg.pods > 0 && cfg.reference {
         report.reference = Some(reference_arm(cfg, &mut report).await.context("the reference arm")?);
     }
+    if cfg.burst > 0 {
+        burst_baseline(cfg.burst, &mut report).await.context("the burst's baseline")?;
+    }
     if cfg.pods > 0 || cfg.burst > 0 {
         cluster_parts(cfg, &mut report).await?;
     }
@@ -146,6 +153,10 @@ struct Report {
     /// API requests per burst pod, by (verb, resource), and the whole.
     requests: Vec<(String, f64)>,
     requests_per_pod: Option<f64>,
+    /// CPU seconds by process during the burst, the largest first.
+    burst_cpu: Vec<(String, f64)>,
+    /// CPU seconds of kube-apiserver and etcd for the burst's creates alone (no kuryr).
+    baseline_cpu: Option<f64>,
     /// The burst's allocations per second, with its label.
     allocations: Option<(String, f64)>,
 }
@@ -195,6 +206,13 @@ impl Report {
             println!("{:<58} {:>22}", "# API requests per pod in the burst, by verb and resource", "per pod");
             for (what, per_pod) in &self.requests {
                 println!("{what:<58} {per_pod:>22.2}");
+            }
+        }
+        if !self.burst_cpu.is_empty() {
+            println!();
+            println!("{:<58} {:>22}", "# CPU seconds during the burst, by process", "seconds");
+            for (what, seconds) in &self.burst_cpu {
+                println!("{what:<58} {seconds:>22.2}");
             }
         }
         for n in &self.notes {
@@ -847,8 +865,9 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
     tokio::time::timeout(Duration::from_secs(30), synced_rx).await.context("PodVif watch not synced")??;
     let before = allocator_counter(cluster).await?;
     let requests_before = apiserver_requests(&client).await?;
+    let cpu_before = CpuSnapshot::take();
 
-    let pods: Vec<Pod> = (0..n).map(|i| pod(BURST_NS, &format!("burst-{i:04}"), BURST_NODES[i % 2])).collect();
+    let pods = burst_pods(n);
     let t0 = Instant::now();
     let created_in = create_all(&client, pods).await?;
     let done = wait_progress("every burst PodVif allocated", Duration::from_secs(300), || async {
@@ -857,6 +876,7 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         Ok(map.values().copied().max().unwrap_or(t0))
     })
     .await?;
+    let cpu = cpu_before.since(&CpuSnapshot::take(), cpu_group);
     // Before the watch ends: a watch is counted when it ends.
     let requests_after = apiserver_requests(&client).await?;
     watch.abort();
@@ -886,6 +906,21 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         if per_s >= TARGET_ALLOCATIONS_PER_S { "met" } else { "MISSED" }
     ));
     burst_requests(&requests_before, &requests_after, n, report);
+    let server = |cpu: &std::collections::BTreeMap<String, f64>| {
+        ["kube-apiserver", "etcd"].iter().filter_map(|c| cpu.get(*c)).sum::<f64>()
+    };
+    if let Some(alone) = report.baseline_cpu {
+        let with = server(&cpu);
+        let per_pod = |s: f64| s * 1000.0 / n as f64;
+        report.figure(
+            "burst: kube-apiserver + etcd CPU per pod, with kuryr",
+            format!("{:.2} ms", per_pod(with)),
+            format!("(creates alone {:.2} ms; kuryr's share {:.2} ms, derived)", per_pod(alone), per_pod(with - alone)),
+        );
+    }
+    let mut cpu: Vec<(String, f64)> = cpu.into_iter().filter(|(_, s)| *s >= 0.01).collect();
+    cpu.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    report.burst_cpu = cpu;
     let held = metric(&scrape(&cluster.allocator().metrics).await?, "kuryr_allocator_vifs").unwrap_or(0.0);
     report.figure(
         format!("kuryr-vif-allocator RSS holding {held} VIFs"),
@@ -893,6 +928,44 @@ async fn burst(cluster: &Cluster, n: usize, report: &mut Report) -> Result<()> {
         "",
     );
     Ok(())
+}
+
+/// The burst's pods, alternating between the two burst nodes.
+fn burst_pods(n: usize) -> Vec<Pod> {
+    (0..n).map(|i| pod(BURST_NS, &format!("burst-{i:04}"), BURST_NODES[i % 2])).collect()
+}
+
+/// Part 2's baseline: the burst's creates alone, on a fresh API server with no kuryr service
+/// (nobody watches or writes the pods): how fast this machine creates them, and the CPU the API
+/// server and etcd spend on the creates themselves, so that the burst's figures show what kuryr
+/// adds.
+async fn burst_baseline(n: usize, report: &mut Report) -> Result<()> {
+    eprintln!("# part 2, baseline: the burst's {n} creates on a fresh API server, no network plugin");
+    let kube = KubeEnv::start().await?;
+    let client = kube.client().await?;
+    kuryr_tests::objects::create_namespace(&client, BURST_NS).await?;
+    let before = CpuSnapshot::take();
+    let took = create_all(&client, burst_pods(n)).await?;
+    let cpu = before.since(&CpuSnapshot::take(), cpu_group);
+    drop(kube);
+    let (apiserver, etcd) =
+        (cpu.get("kube-apiserver").copied().unwrap_or(0.0), cpu.get("etcd").copied().unwrap_or(0.0));
+    report.baseline_cpu = Some(apiserver + etcd);
+    report.figure(
+        format!("burst of {n}: the creates alone, no network plugin"),
+        format!("{:.0} /s", n as f64 / took.as_secs_f64()),
+        format!("(in {:.2} s; kube-apiserver {apiserver:.2} + etcd {etcd:.2} CPU s)", took.as_secs_f64()),
+    );
+    Ok(())
+}
+
+/// The group a process's CPU counts in during the burst, by its command name.
+fn cpu_group(comm: &str) -> String {
+    match comm {
+        c if c.starts_with("kuryr-") || c == "kube-apiserver" || c == "etcd" => c.to_string(),
+        c if c.starts_with("e2e-bench") => "this benchmark".into(),
+        c => format!("other: {c}"),
+    }
 }
 
 /// The API requests the burst cost per pod, from the API server's counters read before the

@@ -209,4 +209,32 @@ mod tests {
         let state = serde_json::to_value(VifState::Ready).unwrap();
         assert_eq!(state, json!("Ready"));
     }
+
+    /// The API server does not check a block's entries, so the allocator reads any entry: one of
+    /// another shape holds its address and matches no pod; a good one reads whole and is written
+    /// back in the same shape.
+    #[test]
+    fn block_entries_are_read_leniently() {
+        let block: AddressBlock = serde_json::from_value(json!({
+            "apiVersion": "kuryr.openstack.org/v1alpha1",
+            "kind": "AddressBlock",
+            "metadata": {"name": "pods-10-244-3-0-24"},
+            "spec": {"network": "pods", "cidr": "10.244.3.0/24", "node": "n1"},
+            "status": {"used": 3, "allocations": {
+                "10.244.3.2": {"namespace": "ns", "name": "a", "uid": "u1", "mac": "0a:58:0a:f4:03:02"},
+                "10.244.3.3": {"namespace": "ns", "uid": 7},
+                "10.244.3.4": "garbage",
+            }},
+        }))
+        .unwrap();
+        let allocations = &block.status.as_ref().unwrap().allocations;
+        let good = &allocations["10.244.3.2"];
+        assert_eq!((good.name.as_str(), good.uid.as_str(), good.mac.as_str()), ("a", "u1", "0a:58:0a:f4:03:02"));
+        assert_eq!(allocations["10.244.3.3"], BlockAllocation { namespace: "ns".into(), ..BlockAllocation::default() });
+        assert_eq!(allocations["10.244.3.4"], BlockAllocation::default());
+        assert_eq!(
+            serde_json::to_value(good).unwrap(),
+            json!({"namespace": "ns", "name": "a", "uid": "u1", "mac": "0a:58:0a:f4:03:02"})
+        );
+    }
 }

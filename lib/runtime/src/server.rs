@@ -25,29 +25,15 @@ use crate::listen::{Bound, ListenAddr};
 use crate::metrics::{GrpcMetrics, GrpcMetricsLayer, methods_of, serve_http};
 use crate::shutdown::{self, Shutdown, ShutdownTrigger};
 
-/// The gRPC services a binary serves: their routes, and their names for reflection.
-#[derive(Debug)]
+/// The gRPC services a binary serves: their routes, and their names for reflection. Start from
+/// `Services::default()` (none) and add each with [`Services::with`].
+#[derive(Debug, Default)]
 pub struct Services {
     routes: Routes,
     names: Vec<&'static str>,
 }
 
 impl Services {
-    /// The services of a binary, starting with `svc`.
-    pub fn new<S>(svc: S) -> Self
-    where
-        S: tower::Service<http::Request<tonic::body::Body>, Error = Infallible>
-            + NamedService
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Response: axum::response::IntoResponse,
-        S::Future: Send + 'static,
-    {
-        Self { routes: Routes::new(svc), names: vec![S::NAME] }
-    }
-
     /// Adds another service.
     #[must_use]
     pub fn with<S>(mut self, svc: S) -> Self

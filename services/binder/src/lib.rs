@@ -268,7 +268,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // few short strings.
     let cni = CniServer::new(service).max_decoding_message_size(MAX_REQUEST);
     let listen: Vec<ListenAddr> = config.listen.iter().chain(&config.tcp_listen).cloned().collect();
-    rt.serve(Services::new(cni), &listen, Some(&config.metrics_listen)).await
+    rt.serve(Services::default().with(cni), &listen, Some(&config.metrics_listen)).await
 }
 
 /// A `cniVersion` this plugin speaks (the error lists the supported ones).

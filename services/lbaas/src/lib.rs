@@ -230,7 +230,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let service = LbService::new(log, records, recovered, metrics, rt.shutdown())
         .with_heartbeat(config.heartbeat.stream_heartbeat);
     // Requests are a few names and a resume point.
-    let served = Services::new(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let served = Services::default().with(LoadBalancersServer::new(service).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     joining.released().await;

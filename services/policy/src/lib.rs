@@ -193,7 +193,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .with_heartbeat(config.heartbeat.stream_heartbeat)
         .with_shards(shards);
     // Requests are a node name and a resume point.
-    let served = Services::new(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let served = Services::default().with(PoliciesServer::new(service).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(served, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.
     joining.released().await;

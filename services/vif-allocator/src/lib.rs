@@ -314,7 +314,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let service = AllocatorService::new(index, cell, metrics, rt.shutdown())
         .with_shards(shards)
         .with_heartbeat(config.heartbeat.stream_heartbeat);
-    let services = Services::new(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
+    let services = Services::default()
+        .with(VifAllocatorServer::new(service).max_decoding_message_size(MAX_REQUEST))
         .with(PoolManagerServer::new(pool_api).max_decoding_message_size(MAX_REQUEST));
     let served = rt.serve(services, &config.listen, Some(&config.metrics_listen)).await;
     // The shard Leases are released at shutdown, so the other replicas take over at once.

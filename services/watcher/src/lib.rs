@@ -114,6 +114,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());
     let service = grpc::WatcherService::new(index, metrics, rt.shutdown(), config.heartbeat.stream_heartbeat);
     // A Subscribe request is a few kinds, names and a resume point.
-    let services = Services::new(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
+    let services = Services::default().with(WatcherServer::new(service).max_decoding_message_size(MAX_REQUEST));
     rt.serve(services, &config.listen, Some(&config.metrics_listen)).await
 }

@@ -26,7 +26,6 @@ use crate::core::{NodeRoutes, Vif, VifState};
 pub use kuryr_stream::log::lock;
 use kuryr_stream::log::{Delta, Lagged, Log};
 use kuryr_stream::{Epoch, NotReady, Start};
-use tokio::sync::watch;
 
 /// Deltas kept for resuming: a binder that reconnects within this many changes gets only what
 /// it missed. A delta is a few hundred bytes shared with the index, so 16k cost a few MB.
@@ -140,21 +139,6 @@ impl VifIndex {
     /// Wraps the index for sharing.
     pub fn shared(self) -> SharedIndex {
         Arc::new(Mutex::new(self))
-    }
-
-    /// This process's epoch.
-    pub fn epoch(&self) -> &Epoch {
-        self.log.epoch()
-    }
-
-    /// The latest revision.
-    pub fn revision(&self) -> u64 {
-        self.log.revision()
-    }
-
-    /// Observes the latest revision.
-    pub fn revisions(&self) -> watch::Receiver<u64> {
-        self.log.revisions()
     }
 
     /// Whether recovery has finished and streams are served.
@@ -367,7 +351,7 @@ mod tests {
         idx.upsert_vif(vif("a", "n1", VifState::Ready));
         assert!(idx.start("n1", "").is_err());
         idx.set_ready();
-        assert_eq!(idx.revision(), 0, "recovered VIFs are in the snapshot, not the history");
+        assert_eq!(idx.as_ref().revision(), 0, "recovered VIFs are in the snapshot, not the history");
         let Ok(Start::Snapshot { reset: false, items, cursor: 0 }) = idx.start("n1", "") else { panic!() };
         assert_eq!(items.len(), 1);
     }
@@ -389,7 +373,7 @@ mod tests {
     fn routes_need_blocks_and_an_address_and_follow_both() {
         let mut idx = ready();
         idx.set_node_ips("n2", vec!["192.168.0.2".into()]);
-        assert_eq!(idx.revision(), 0, "no blocks yet: no routes");
+        assert_eq!(idx.as_ref().revision(), 0, "no blocks yet: no routes");
         idx.set_blocks([("n2".to_string(), vec!["10.244.1.0/24".to_string()])].into());
         idx.set_blocks([("n2".to_string(), vec!["10.244.1.0/24".to_string()])].into());
         idx.set_node_ips("n2", vec!["192.168.0.2".into()]);
@@ -421,7 +405,7 @@ mod tests {
                 .into(),
         );
         let (items, cursor) = idx.snapshot("n1");
-        assert_eq!(cursor, idx.revision());
+        assert_eq!(cursor, idx.as_ref().revision());
         let shown: Vec<String> = items
             .iter()
             .map(|(_, i)| match i.as_ref() {
@@ -454,6 +438,6 @@ mod tests {
         assert_eq!(idx.forget_vifs(|v| vif_uid(v) == "p0"), 1);
         assert!(matches!(idx.start("n1", "e-4"), Ok(Start::Snapshot { reset: true, .. })));
         assert!(matches!(idx.start("n1", "e-5"), Ok(Start::Resume { cursor: 5 })));
-        assert!(idx.get("p0").is_none() && idx.revision() == 5, "dropped silently");
+        assert!(idx.get("p0").is_none() && idx.as_ref().revision() == 5, "dropped silently");
     }
 }

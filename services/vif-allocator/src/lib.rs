@@ -283,7 +283,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
     };
     let index = VifIndex::new(kuryr_stream::Epoch::random(), index::DEFAULT_HISTORY);
-    tracing::info!(epoch = %index.epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
+    tracing::info!(epoch = %index.as_ref().epoch(), backend = ?config.backend, network = config.network, workers = config.workers, "starting");
     let index = index.shared();
     let readiness = Readiness::default();
     readiness.spawn_driver(rt.health(), ready::SERVICES, rt.shutdown());

@@ -95,24 +95,9 @@ impl Index {
         Arc::new(Mutex::new(self))
     }
 
-    /// This process's epoch.
-    pub fn epoch(&self) -> &Epoch {
-        self.log.epoch()
-    }
-
-    /// The latest revision.
-    pub fn revision(&self) -> u64 {
-        self.log.revision()
-    }
-
     /// Whether every kind has finished its first list.
     pub fn is_synced(&self) -> bool {
         self.log.is_ready()
-    }
-
-    /// Observes the latest revision.
-    pub fn revisions(&self) -> watch::Receiver<u64> {
-        self.log.revisions()
     }
 
     /// Observes whether the index has synced.
@@ -303,7 +288,7 @@ pub(crate) mod tests {
         idx.apply(Kind::NetworkPolicy, Update::Restarted);
         idx.apply(Kind::NetworkPolicy, Update::ListDone);
         assert!(*synced.borrow());
-        assert_eq!(idx.revision(), 0, "pre-sync changes are in the snapshot, not the history");
+        assert_eq!(idx.as_ref().revision(), 0, "pre-sync changes are in the snapshot, not the history");
         let Ok(Start::Snapshot { reset: false, items, cursor: 0 }) = idx.start(&all, "") else { panic!() };
         assert_eq!(items.iter().map(|(_, o)| o.name.as_str()).collect::<Vec<_>>(), ["early"]);
     }
@@ -330,7 +315,7 @@ pub(crate) mod tests {
     #[test]
     fn a_relist_deletes_what_it_no_longer_names() {
         let mut idx = synced(16, vec![pod("a", "n1", "1"), pod("b", "n1", "2")]);
-        let revisions = idx.revisions();
+        let revisions = idx.as_ref().revisions();
         // After 410 Gone: a is unchanged, b vanished while disconnected, c is new.
         idx.apply(Kind::Pod, Update::Restarted);
         idx.apply(Kind::Pod, Update::Listed(pod("a", "n1", "9")));

@@ -108,7 +108,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut rt = Runtime::gated("kuryr-watcher", &config.common, config.kubeconfig.clone(), rules(&config))?;
     let metrics = metrics::Metrics::register(rt.registry());
     let index = index::Index::new(kuryr_stream::Epoch::random(), config.history);
-    tracing::info!(epoch = %index.epoch(), history = config.history, "starting");
+    tracing::info!(epoch = %index.as_ref().epoch(), history = config.history, "starting");
     let index = index.shared();
     rt.health().register(service_names::WATCHER).await;
     k8s::spawn(config.kubeconfig.clone(), index.clone(), metrics.clone(), rt.health(), rt.shutdown());

@@ -152,6 +152,8 @@ struct Report {
     kuryr: Option<Stats>,
     /// API requests per burst pod, by (verb, resource), and the whole.
     requests: Vec<(String, f64)>,
+    /// API requests per steady-rate pod, by (verb, resource), until every sandbox was up.
+    steady_requests: Vec<(String, f64)>,
     requests_per_pod: Option<f64>,
     /// CPU seconds by process during the burst, the largest first.
     burst_cpu: Vec<(String, f64)>,
@@ -199,6 +201,13 @@ impl Report {
             println!("{:<58} {:>22}  target", "# throughput and memory", "value");
             for (label, value, target) in &self.figures {
                 println!("{label:<58} {value:>22}  {target}");
+            }
+        }
+        if !self.steady_requests.is_empty() {
+            println!();
+            println!("{:<58} {:>22}", "# API requests per pod at the steady rate, by verb and resource", "per pod");
+            for (what, per_pod) in &self.steady_requests {
+                println!("{what:<58} {per_pod:>22.2}");
             }
         }
         if !self.requests.is_empty() {
@@ -463,11 +472,19 @@ async fn latency(cluster: &Cluster, cfg: Config, report: &mut Report) -> Result<
     let clock = Clock::now();
     let allocs_before = allocator_counter(cluster).await?;
     eprintln!("# part 1: {} pods at {} pods/s over {} nodes", cfg.pods, cfg.rate, nodes.len());
+    let requests_before = apiserver_requests(&client).await?;
 
     let (created, start, sending) = create_steady(&api, LATENCY_NS, &nodes, cfg).await?;
     // Every pod's sandbox up, as its kubelet records it.
     let records = wait_sandboxes(&created, || kubelet_records(cluster.kubelets(), LATENCY_NS)).await?;
     let all_up = start.elapsed();
+    let (rows, total) = per_pod_requests(&requests_before, &apiserver_requests(&client).await?, created.len());
+    report.steady_requests = rows;
+    report.figure(
+        format!("API requests per pod at {}/s (every client's, the bench's creates excluded)", cfg.rate),
+        format!("{:.2}", total / created.len().max(1) as f64),
+        "",
+    );
     eprintln!("  all sandboxes up {:.1} s after the first create", all_up.as_secs_f64());
 
     let allocator_metrics = scrape(&cluster.allocator().metrics).await?;
@@ -973,15 +990,8 @@ fn cpu_group(comm: &str) -> String {
 /// allocator, the watcher, the idle kubelets and binders of the cluster's own nodes) except the
 /// bench's own `n` pod creates.
 fn burst_requests(before: &Requests, after: &Requests, n: usize, report: &mut Report) {
-    let mut total = 0.0;
-    for ((verb, resource), count) in requests_between(before, after) {
-        let count = if verb == "POST" && resource == "pods" { count - n as f64 } else { count };
-        if count <= 0.0 {
-            continue;
-        }
-        total += count;
-        report.requests.push((format!("{verb} {resource}"), count / n as f64));
-    }
+    let (rows, total) = per_pod_requests(before, after, n);
+    report.requests = rows;
     let per_pod = total / n as f64;
     report.requests_per_pod = Some(per_pod);
     report.figure(
@@ -992,6 +1002,22 @@ fn burst_requests(before: &Requests, after: &Requests, n: usize, report: &mut Re
             if per_pod <= TARGET_REQUESTS_PER_POD { "met" } else { "MISSED" }
         ),
     );
+}
+
+/// The API requests served between `before` and `after` per pod of `n`, by (verb, resource),
+/// the bench's own `n` pod creates excluded; and their total.
+fn per_pod_requests(before: &Requests, after: &Requests, n: usize) -> (Vec<(String, f64)>, f64) {
+    let mut rows = Vec::new();
+    let mut total = 0.0;
+    for ((verb, resource), count) in requests_between(before, after) {
+        let count = if verb == "POST" && resource == "pods" { count - n as f64 } else { count };
+        if count <= 0.0 {
+            continue;
+        }
+        total += count;
+        rows.push((format!("{verb} {resource}"), count / n as f64));
+    }
+    (rows, total)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -127,3 +127,49 @@ async fn a_stale_copy_never_decides_alone() {
     assert!(all.contains(&(late.addresses[0].address, "uid-99".into())));
     assert_eq!(all.iter().filter(|(_, uid)| uid == "uid-99").count(), 1);
 }
+
+/// Dual-stack batches send both families' block writes at once. When one of them loses a
+/// conflict (another allocator changed that block) and the other is written, the pod is served
+/// again from a fresh read: what was written for it is given back first, so that it holds one
+/// address per family and both entries record the MAC of the IPv4 address it ends up with.
+#[tokio::test]
+async fn a_pod_is_served_whole_when_one_family_loses_a_conflict() {
+    let (env, client) = cluster().await.unwrap();
+    let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
+    let a = IpamStore::with_config(env.client().await.unwrap(), config);
+    let b = IpamStore::new(env.client().await.unwrap());
+    a.ensure_network("dual", &PodNetworkSpec::new(["10.80.0.0/16", "fd00:80::/64"])).await.unwrap();
+
+    // A reads and keeps both blocks; B then changes the IPv6 block alone (it gives back pod 0's
+    // IPv6 address), so A's next IPv4 write succeeds and its IPv6 write loses.
+    let first = a.allocate("dual", "node-a", &pod(0)).await.unwrap();
+    assert!(b.release_addresses("dual", "node-a", "uid-0", &[first.addresses[1].address]).await.unwrap());
+    let before = a.stats();
+    let second = a.allocate("dual", "node-a", &pod(2)).await.unwrap();
+    let after = a.stats();
+    assert!(after.conflicts > before.conflicts, "the stale copy was not refused by the API server");
+    // Both writes at once, the IPv4 one given back, then one family at a time: 5 writes.
+    assert_eq!(after.block_writes - before.block_writes, 5, "{before:?} → {after:?}");
+    assert_eq!(second.addresses.len(), 2);
+
+    let blocks = Api::<AddressBlock>::all(client.clone()).list(&Default::default()).await.unwrap();
+    let entries: Vec<(IpAddr, String, String)> = blocks
+        .items
+        .into_iter()
+        .filter(|b| b.spec.network == "dual")
+        .flat_map(|b| b.status.unwrap_or_default().allocations)
+        .map(|(ip, holder)| (ip.parse().unwrap(), holder.uid, holder.mac))
+        .collect();
+    let of = |uid: &str| entries.iter().filter(|(_, u, _)| u == uid).collect::<Vec<_>>();
+    // One entry per family for pod 2, at the addresses it was given, with one MAC.
+    let mine = of("uid-2");
+    assert_eq!(mine.len(), 2, "pod 2 holds {mine:?}");
+    let addresses: BTreeSet<IpAddr> = mine.iter().map(|(ip, _, _)| *ip).collect();
+    assert_eq!(addresses, second.addresses.iter().map(|x| x.address).collect());
+    assert_eq!(mine[0].2, mine[1].2, "the entries of pod 2 record two MACs");
+    assert_eq!(mine[0].2, second.vif.mac.to_string());
+    assert_eq!(of("uid-0").len(), 1);
+    assert!(!addresses.contains(&first.addresses[0].address));
+    // And no address is recorded twice (`recorded` checks).
+    assert_eq!(recorded(&client, "dual").await.len(), 3);
+}

@@ -7,6 +7,10 @@
 //! current; a 409 drops the copy, and the batch re-lists and computes again. The two answers
 //! that involve no write are confirmed by a list made during the batch instead: "the pod already
 //! holds this address" (allocation) and "the pod holds nothing here" (release).
+//!
+//! A dual-stack batch writes its IPv4 and IPv6 blocks together when it can (the plain case: room
+//! in every family, no pod holding anything yet); a pod whose two writes do not both succeed is
+//! served again one family at a time, after what was written for it is given back.
 
 use std::net::IpAddr;
 use std::time::Instant;
@@ -265,6 +269,14 @@ impl Batch<'_> {
         let mut states: Vec<PodState<'_>> =
             pods.iter().map(|pod| PodState { pod, got: Vec::new(), written: Vec::new(), error: None }).collect();
         let pools: Vec<Pool> = plan.pools().copied().collect();
+        if pools.len() > 1 {
+            self.retries = 0;
+            if let Err(e) = self.all_families(cache, &pools, &mut states).await {
+                // The families one by one below read again and report what still fails.
+                tracing::debug!(network = self.network, node = self.node, error = %e,
+                    "allocating every family at once failed; one by one instead");
+            }
+        }
         for pool in pools {
             self.retries = 0;
             if let Err(e) = self.family(cache, &mut plan, pool, &mut states).await {
@@ -313,6 +325,108 @@ impl Batch<'_> {
                 })
             })
             .collect()
+    }
+
+    /// Every family for every pod of the batch at once, with the blocks' writes sent together:
+    /// one round trip to the API server instead of one per family (dual-stack networks). Only
+    /// the plain case is served here — the node's copy has room in every family and no pod of
+    /// the batch holds an address yet; anything else, and any pod whose writes did not all
+    /// succeed, is left to [`family`](Self::family) one family at a time. A pod is served
+    /// whole or not at all: what was written for a pod whose other write lost a conflict is
+    /// given back first, so that its entries' MAC (derived from its IPv4 address) stays one.
+    async fn all_families(
+        &mut self,
+        cache: &mut Option<Cached>,
+        pools: &[Pool],
+        states: &mut [PodState<'_>],
+    ) -> Result<(), StoreError> {
+        let cached = self.blocks(cache, false).await?;
+        let plain = states.iter().all(|s| {
+            s.got.is_empty()
+                && s.error.is_none()
+                && pools.iter().all(|pool| assign::holding(&cached.blocks, pool, &s.pod.uid).is_none())
+        }) && pools.iter().all(|pool| assign::free_in_pool(&cached.blocks, pool) >= states.len() as u128);
+        if !plain {
+            return Ok(());
+        }
+        // Per pod, per pool in the plan's order: the block index and the new address.
+        let mut placed: Vec<Vec<(usize, AssignedAddress)>> = vec![Vec::new(); states.len()];
+        let mut objects: Vec<(usize, String, AddressBlock)> = Vec::new();
+        for pool in pools {
+            let wants: Vec<Want<'_>> = states
+                .iter()
+                .zip(&placed)
+                .map(|(s, p)| Want { pod: s.pod, mac: p.first().map(|(_, a)| MacAddr::for_address(a.address)) })
+                .collect();
+            let (got, drafts) = assign::assign(&cached.blocks, pool, &wants);
+            for (slot, g) in placed.iter_mut().zip(got) {
+                let Some((b, address)) = g else { return Ok(()) };
+                let p = &cached.blocks[b];
+                slot.push((b, AssignedAddress { block_name: p.name(), block: p.block, address }));
+            }
+            objects.extend(drafts.iter().map(|d| (d.index, cached.blocks[d.index].name(), d.object(&cached.blocks))));
+        }
+        let indexes: Vec<usize> = objects.iter().map(|(i, _, _)| *i).collect();
+        let results = self.write(objects.into_iter().map(|(_, n, o)| (n, o)).collect()).await;
+        // Per written block: `None` when it was written, `Some(None)` when it lost a conflict,
+        // `Some(Some(e))` when it failed for good.
+        let mut outcomes: Vec<(usize, Option<Option<StoreError>>)> = Vec::new();
+        let mut conflict = false;
+        for (index, result) in indexes.into_iter().zip(results) {
+            let outcome = match result {
+                Ok(obj) => {
+                    Self::keep(cache, index, obj)?;
+                    None
+                }
+                Err(e) if is_retryable(&e) => {
+                    bump(&self.store.counters.conflicts);
+                    conflict = true;
+                    Some(None)
+                }
+                Err(e) => {
+                    let name = cache.as_ref().and_then(|c| c.blocks.get(index)).map(Parsed::name).unwrap_or_default();
+                    Some(Some(kube_err(format!("recording addresses in address block {name}"))(e)))
+                }
+            };
+            outcomes.push((index, outcome));
+        }
+        let outcome = |b: usize| outcomes.iter().find(|(i, _)| *i == b).and_then(|(_, o)| o.clone());
+        let mut undo: Vec<Removal> = Vec::new();
+        for (state, slot) in states.iter_mut().zip(placed) {
+            let written: Vec<IpAddr> =
+                slot.iter().filter(|(b, _)| outcome(*b).is_none()).map(|(_, a)| a.address).collect();
+            let failure = slot.iter().find_map(|(b, _)| outcome(*b).flatten());
+            let lost = slot.iter().any(|(b, _)| matches!(outcome(*b), Some(None)));
+            if let Some(e) = failure {
+                // Failed: what was written is undone with the batch's other failures.
+                state.written = written;
+                state.error = Some(e);
+            } else if lost {
+                // Lost a conflict only: give back what was written; the pod is served again.
+                if !written.is_empty() {
+                    undo.push(Removal { uid: state.pod.uid.clone(), only: Some(written) });
+                }
+            } else {
+                state.written = written;
+                state.got = slot.into_iter().map(|(_, a)| a).collect();
+            }
+        }
+        if conflict {
+            *cache = None;
+        }
+        if !undo.is_empty() {
+            for (removal, outcome) in undo.iter().zip(self.remove(cache, &undo).await) {
+                if let Err(e) = outcome {
+                    // Left in the blocks, the address is found held by the pod and kept.
+                    tracing::warn!(network = self.network, node = self.node, pod = %removal.uid, error = %e,
+                        "could not give back an address of an allocation that lost a conflict");
+                }
+            }
+        }
+        if conflict {
+            self.back_off().await?;
+        }
+        Ok(())
     }
 
     /// One family for every pod of the batch that lacks it: its existing address, or a new one.

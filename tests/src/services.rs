@@ -15,13 +15,16 @@ use crate::util::{repo_root, unique_id};
 pub fn bin_path(name: &str) -> Result<PathBuf> {
     // Benchmarks point this at optimised builds.
     if let Some(dir) = std::env::var_os("KURYR_BIN_DIR") {
-        let p = PathBuf::from(dir).join(name);
+        // Absolute: the path is also linked into containerd's CNI directory (the shim), where a
+        // relative one would dangle.
+        let p = std::path::absolute(PathBuf::from(dir).join(name))?;
         if p.is_file() {
             return Ok(p);
         }
         bail!("{} is not built (KURYR_BIN_DIR)", p.display());
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
+    let target = std::path::absolute(target)?;
     for profile in ["debug", "release"] {
         let p = target.join(profile).join(name);
         if p.is_file() {

@@ -979,9 +979,12 @@ async fn burst_baseline(n: usize, report: &mut Report) -> Result<()> {
 /// The group a process's CPU counts in during the burst, by its command name.
 fn cpu_group(comm: &str) -> String {
     match comm {
-        c if c.starts_with("kuryr-") || c == "kube-apiserver" || c == "etcd" => c.to_string(),
+        c if c.starts_with("kuryr-") || c.starts_with("containerd") || c == "kube-apiserver" || c == "etcd" => {
+            c.to_string()
+        }
         c if c.starts_with("e2e-bench") => "this benchmark".into(),
-        c => format!("other: {c}"),
+        // Kernel threads and the rest of the machine.
+        _ => "other".into(),
     }
 }
 

@@ -79,15 +79,20 @@ async fn a_burst_for_one_node_is_written_in_batches() {
     assert!(recorded(&client, "burst").await.is_empty());
 }
 
+/// Two stores as two allocator processes would hold them: A keeps its copy of a node's blocks
+/// for an hour, so that only the safety rules (not expiry) keep it right; B changes the blocks
+/// behind A's back.
+async fn two_stores(env: &kuryr_tests::kube::KubeEnv) -> (IpamStore, IpamStore) {
+    let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
+    (IpamStore::with_config(env.client().await.unwrap(), config), IpamStore::new(env.client().await.unwrap()))
+}
+
 /// Store A keeps a copy of node-a's blocks; store B (another process) changes them behind its
 /// back. A must notice at the write (409) or confirm with a fresh read, never trust the copy.
 #[tokio::test]
 async fn a_stale_copy_never_decides_alone() {
     let (env, client) = cluster().await.unwrap();
-    // A long TTL, so that only the safety rules (not expiry) keep store A right.
-    let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
-    let a = IpamStore::with_config(env.client().await.unwrap(), config);
-    let b = IpamStore::new(env.client().await.unwrap());
+    let (a, b) = two_stores(&env).await;
     let spec = PodNetworkSpec { ipv4_block_prefix: 28, ..PodNetworkSpec::new(["10.70.0.0/24"]) };
     a.ensure_network("stale", &spec).await.unwrap();
 
@@ -135,9 +140,7 @@ async fn a_stale_copy_never_decides_alone() {
 #[tokio::test]
 async fn a_pod_is_served_whole_when_one_family_loses_a_conflict() {
     let (env, client) = cluster().await.unwrap();
-    let config = StoreConfig { blocks_ttl: Duration::from_secs(3600), ..StoreConfig::default() };
-    let a = IpamStore::with_config(env.client().await.unwrap(), config);
-    let b = IpamStore::new(env.client().await.unwrap());
+    let (a, b) = two_stores(&env).await;
     a.ensure_network("dual", &PodNetworkSpec::new(["10.80.0.0/16", "fd00:80::/64"])).await.unwrap();
 
     // A reads and keeps both blocks; B then changes the IPv6 block alone (it gives back pod 0's

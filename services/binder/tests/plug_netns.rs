@@ -109,8 +109,10 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
     assert!(addrs.contains(&format!("inet {}.10/24", nets.v4)), "{addrs}");
     assert!(addrs.contains(&format!("inet6 {}::a/64", nets.v6)), "{addrs}");
     assert!(!addrs.contains("tentative"), "IPv6 address still under DAD: {addrs}");
-    let dad = ok("ip", &["netns", "exec", &a.name, "cat", "/proc/sys/net/ipv6/conf/eth0/accept_dad"]);
-    assert_eq!(dad.trim(), "0", "DAD is on for the pod's interface");
+    // The link-local address is the one the kernel would make from the MAC, and usable at once.
+    let link_local = eui64_link_local(&spec_a.mac);
+    assert!(addrs.contains(&format!("inet6 {link_local}/64 scope link nodad")), "{addrs}");
+    assert_eq!(addrs.matches("scope link").count(), 1, "one link-local address: {addrs}");
     let (_, routes4) = a.ip(&["route", "show"]);
     assert!(routes4.contains(&format!("default via {} dev eth0", nets.gw4())), "{routes4}");
     let (_, routes6) = a.ip(&["-6", "route", "show"]);
@@ -120,6 +122,11 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
         host.contains(&format!("master {bridge}")) && host.contains("mtu 1400") && host.contains("state UP"),
         "{host}"
     );
+    // The host end has no IPv6 of its own: no address, none to be made when it comes up.
+    let host6 = ok("ip", &["-6", "addr", "show", "dev", &spec_a.host_ifname]);
+    assert!(!host6.contains("inet6"), "{host6}");
+    let host_details = ok("ip", &["-d", "link", "show", "dev", &spec_a.host_ifname]);
+    assert!(host_details.contains("addrgenmode none"), "{host_details}");
     // In hairpin mode as plugged (a pod may reach itself through a Service): no sweep runs here.
     let port = ok("bridge", &["-d", "link", "show", "dev", &spec_a.host_ifname]);
     assert!(port.contains("hairpin on"), "{port}");
@@ -133,6 +140,8 @@ async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
     assert!(pinged, "IPv6 ping b -> a failed: {out}");
     let (pinged, out) = a.ping(&[&nets.gw4()]);
     assert!(pinged, "IPv4 ping a -> gateway failed: {out}");
+    let (pinged, out) = b.ping(&["-6", &format!("{link_local}%eth0")]);
+    assert!(pinged, "IPv6 link-local ping b -> a failed: {out}");
 
     // CHECK: clean, then a removed default route is named.
     let observed = plug::inspect(a.path(), "eth0").await.unwrap();
@@ -260,6 +269,51 @@ async fn a_stale_host_end_from_an_interrupted_add_is_replaced() {
     assert!(!host_link_exists(&format!("{}p", spec.host_ifname)), "the stale pair was not removed");
     plug::unplug(Some(a.path()), "eth0", &spec.host_ifname, &spec.driver, None).await.unwrap();
     assert!(!host_link_exists(&spec.host_ifname));
+}
+
+/// The modified EUI-64 link-local address of `mac` (RFC 4291, appendix A), as iproute2 prints it.
+fn eui64_link_local(mac: &str) -> String {
+    let b: Vec<u8> = mac.split(':').map(|x| u8::from_str_radix(x, 16).expect("a MAC")).collect();
+    let groups = [
+        u16::from_be_bytes([b[0] ^ 0x02, b[1]]),
+        u16::from_be_bytes([b[2], 0xff]),
+        u16::from_be_bytes([0xfe, b[3]]),
+        u16::from_be_bytes([b[4], b[5]]),
+    ];
+    std::net::Ipv6Addr::new(0xfe80, 0, 0, 0, groups[0], groups[1], groups[2], groups[3]).to_string()
+}
+
+/// A link whose MTU is too small for IPv6 has no IPv6 settings to take: the pod's end (IPv4
+/// only) is brought up without them, with no link-local address, and works.
+#[tokio::test]
+async fn a_link_too_small_for_ipv6_is_plugged_without_it() {
+    require_root!();
+    let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
+    let bridge = unique("ktv");
+    let nets = Subnets::new();
+    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
+    let v4_only = |ns: &Netns, octet: u8| {
+        let mut s = spec(ns, &nets, octet, driver.clone());
+        s.mtu = 1200;
+        s.ips.retain(|c| c.address.addr().is_ipv4());
+        s
+    };
+    let (spec_a, spec_b) = (v4_only(&a, 20), v4_only(&b, 21));
+    let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+    plug::ensure_bridge(&bridge, &spec_a.gateway_addresses()).await.unwrap();
+    plug::plug(&spec_a, None).await.unwrap();
+    plug::plug(&spec_b, None).await.unwrap();
+    let (_, link) = a.ip(&["link", "show", "dev", "eth0"]);
+    assert!(link.contains("mtu 1200") && link.contains("state UP"), "{link}");
+    let (_, addrs) = a.ip(&["addr", "show", "dev", "eth0"]);
+    assert!(addrs.contains(&format!("inet {}.20/24", nets.v4)) && !addrs.contains("inet6"), "{addrs}");
+    let host = ok("ip", &["link", "show", "dev", &spec_a.host_ifname]);
+    assert!(host.contains("state UP") && host.contains(&format!("master {bridge}")), "{host}");
+    let (pinged, out) = a.ping(&[&format!("{}.21", nets.v4)]);
+    assert!(pinged, "IPv4 ping a -> b failed: {out}");
+    for (ns, s) in [(&a, &spec_a), (&b, &spec_b)] {
+        plug::unplug(Some(ns.path()), "eth0", &s.host_ifname, &driver, None).await.unwrap();
+    }
 }
 
 /// The bridge's MAC address, from iproute2.

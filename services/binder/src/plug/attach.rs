@@ -86,10 +86,9 @@ async fn plug_steps(
     crate::netns::check_pod_file(&netns_file, &spec.netns)?;
     steps.mark("netns_check");
     // A netlink socket stays in the namespace it was opened in: the worker visits the pod's only
-    // to open one there (and, in the same visit, to switch DAD off for the interfaces created
-    // next), and otherwise stays in the host's, so that ovs-vsctl and the rollback run there.
-    let (conn, pod, dad) = Nl::open_in_and(&netns_file, &spec.netns, disable_dad)?;
-    dad?;
+    // to open one there, and otherwise stays in the host's, so that ovs-vsctl and the rollback
+    // run there.
+    let (conn, pod) = Nl::open_in(&netns_file, &spec.netns)?;
     let host = nl::host()?;
     steps.mark("netns_entry");
     nl::scoped(conn, plug_with(spec, mac, ovs_db, undo, steps, &netns_file, &pod, &host)).await
@@ -116,7 +115,7 @@ async fn plug_with(
                 super::vlan::add_kernel_vlan(spec, mac, uplink, *vlan, netns_file, pod, host).await?;
             undo.pod_link = Some((spec.netns.clone(), ifname.to_string()));
             steps.mark("nl_vlan");
-            configure_sandbox(pod, spec, index, steps).await?;
+            configure_sandbox(pod, spec, mac, index, steps).await?;
             return Ok(Plugged {
                 host_ifname: uplink.clone(),
                 host_mac: uplink_mac,
@@ -131,7 +130,8 @@ async fn plug_with(
 
     let veth = || {
         let mut peer = LinkUnspec::new_with_name(ifname).address(mac.to_vec()).setns_by_fd(netns_file.as_raw_fd());
-        let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname).up();
+        // The host end is born down: it comes up below, with its port settings and without IPv6.
+        let mut veth = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth).name(host_ifname);
         if spec.mtu > 0 {
             peer = peer.mtu(spec.mtu);
             veth = veth.mtu(spec.mtu);
@@ -172,13 +172,14 @@ async fn plug_with(
         None => pod.require(ifname).await?.header.index,
     };
     steps.mark("nl_readback");
-    if controller.is_some() {
-        // Before the pod can send anything: a pod may reach itself through a Service or its own
-        // host port (`crate::lb::hairpin`). The kernel takes no port settings with the creation.
-        host.set_hairpin(host_link.header.index, host_ifname).await?;
-        steps.mark("nl_hairpin");
-    }
-    configure_sandbox(pod, spec, index, steps).await?;
+    // Up, as a bridge port in hairpin mode before the pod can send anything (a pod may reach
+    // itself through a Service or its own host port, `crate::lb::hairpin`), and with no IPv6 of
+    // its own: a port carries the pod's traffic and needs no address, and without a link-local
+    // one the kernel has no duplicate address detection, router solicitations or MLD reports to
+    // run for it.
+    host.up_without_link_local(host_link.header.index, host_ifname, controller.is_some()).await?;
+    steps.mark("nl_host_up");
+    configure_sandbox(pod, spec, mac, index, steps).await?;
 
     if let BindingDriver::Ovs { bridge, iface_id, attached_mac, vm_uuid, vlan } = &spec.driver {
         // Armed before running: a timed-out ovs-vsctl may still have added the port.
@@ -202,17 +203,36 @@ async fn plug_with(
     })
 }
 
-/// Configures the pod end (index `index`) through the pod's netlink socket. `lo`, the link and
-/// the addresses go out back to back (the kernel takes them in any order); the routes follow one
-/// at a time, as each may need the link up, an address, or a route before it.
-async fn configure_sandbox(pod: &Nl, spec: &PlugSpec, index: u32, steps: &mut Steps) -> Result<(), PlugError> {
+/// Configures the pod end (index `index`, MAC `mac`) through the pod's netlink socket. `lo`, the
+/// link and the addresses go out back to back (the kernel takes them in any order); the routes
+/// follow one at a time, as each may need the link up, an address, or a route before it.
+///
+/// The link-local address is added here too, like the others without duplicate address
+/// detection, instead of being left to the kernel (`addrgenmode none`): it is the one the kernel
+/// would make from the MAC, usable as soon as ADD returns, as a pod must be able to talk at once.
+/// (Switching DAD off in the pod's `default` settings instead takes a write under
+/// `/proc/sys/net`, whose lookups grow with the number of namespaces on the node.) Addresses come
+/// from IPAM and are unique by construction; a namespace without IPv6 gets none.
+async fn configure_sandbox(
+    pod: &Nl,
+    spec: &PlugSpec,
+    mac: [u8; 6],
+    index: u32,
+    steps: &mut Steps,
+) -> Result<(), PlugError> {
     let ifname = spec.ifname.as_str();
-    let mut first: Vec<futures::future::BoxFuture<'_, Result<(), PlugError>>> =
-        vec![Box::pin(pod.set_up(LOOPBACK_INDEX, "lo")), Box::pin(pod.set_up(index, ifname))];
-    for ip in &spec.ips {
-        first.push(Box::pin(pod.add_address(index, ifname, ip.address)));
+    let addresses = futures::future::try_join_all(spec.ips.iter().map(|ip| pod.add_address(index, ifname, ip.address)));
+    let (lo, ipv6, addresses, link_local) = futures::join!(
+        pod.set_up(LOOPBACK_INDEX, "lo"),
+        pod.up_without_link_local(index, ifname, false),
+        addresses,
+        pod.add_address(index, ifname, nl::link_local(mac)),
+    );
+    lo?;
+    addresses?;
+    if ipv6? {
+        link_local?;
     }
-    futures::future::try_join_all(first).await?;
     steps.mark("nl_up_addr");
     for route in &spec.all_routes() {
         pod.add_route(index, ifname, route).await?;
@@ -230,22 +250,6 @@ async fn bridge_index(nl: &Nl, name: &str) -> Result<u32, PlugError> {
     match nl.link(name).await? {
         Some(link) if nl::link_kind(&link) == Some(&InfoKind::Bridge) && nl::link_up(&link) => Ok(link.header.index),
         _ => ensure_bridge_with(nl, name, &[]).await,
-    }
-}
-
-/// Turns off IPv6 duplicate address detection for the interfaces created from now on in the
-/// current thread's namespace (`/proc/sys/net` resolves per thread): the pod's `default`, which a
-/// new interface copies when it is registered. Done in the visit that opens the pod's netlink
-/// socket, before the pod's end is created, so that its link-local address, like the NODAD
-/// global ones, is usable at once: a pod must be able to talk as soon as ADD returns. Addresses
-/// come from IPAM and are unique by construction. Without IPv6 in the namespace there is nothing
-/// to do.
-fn disable_dad() -> Result<(), PlugError> {
-    match std::fs::write("/proc/sys/net/ipv6/conf/default/accept_dad", "0") {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(PlugError::Io { op: "disable IPv6 DAD (net.ipv6.conf.default.accept_dad) in the pod", source: e })
-        }
-        _ => Ok(()),
     }
 }
 

@@ -24,7 +24,8 @@ use rtnetlink::packet_core::{
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
 use rtnetlink::packet_route::link::{
-    InfoBridgePort, InfoKind, InfoPortData, InfoPortKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    AfSpecInet6, AfSpecUnspec, In6AddrGenMode, InfoBridgePort, InfoKind, InfoPortData, InfoPortKind, LinkAttribute,
+    LinkFlags, LinkInfo, LinkMessage,
 };
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -125,13 +126,52 @@ pub(crate) async fn scoped<T>(
 }
 
 /// The `RTM_NEWLINK` message that turns hairpin mode on for the bridge port `index`.
+/// `RTM_SETLINK` ignores port settings; `RTM_NEWLINK` on the existing link applies them.
 pub(crate) fn hairpin_port(index: u32) -> LinkMessage {
-    LinkUnspec::new_with_index(index)
-        .append_extra_attribute(LinkAttribute::LinkInfo(vec![
-            LinkInfo::PortKind(InfoPortKind::Bridge),
-            LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
-        ]))
-        .build()
+    LinkUnspec::new_with_index(index).append_extra_attribute(hairpin()).build()
+}
+
+/// A Linux bridge port's data with hairpin mode on (frames may leave through the port they came
+/// in on).
+fn hairpin() -> LinkAttribute {
+    LinkAttribute::LinkInfo(vec![
+        LinkInfo::PortKind(InfoPortKind::Bridge),
+        LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
+    ])
+}
+
+/// The `RTM_NEWLINK` message with a link's settings that the kernel does not take with its
+/// creation: as a Linux bridge's port (`bridge_port`) hairpin mode (see `crate::lb::hairpin`), and,
+/// when `no_link_local`, no IPv6 link-local address of the kernel's making (`addrgenmode none`).
+/// `RTM_NEWLINK` on an existing link applies port data, then everything `RTM_SETLINK` does.
+pub(crate) fn settings_message(index: u32, bridge_port: bool, no_link_local: bool) -> LinkMessage {
+    let mut msg = LinkUnspec::new_with_index(index);
+    if bridge_port {
+        msg = msg.append_extra_attribute(hairpin());
+    }
+    if no_link_local {
+        msg = msg.append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![
+            AfSpecInet6::AddrGenMode(In6AddrGenMode::None),
+        ])]));
+    }
+    msg.build()
+}
+
+/// The IPv6 link-local address the kernel would give an interface with this MAC (modified
+/// EUI-64, RFC 4291 appendix A), in `fe80::/64`.
+pub(crate) fn link_local(mac: [u8; 6]) -> IpNet {
+    let [a, b, c, d, e, f] = mac;
+    let addr = Ipv6Addr::new(
+        0xfe80,
+        0,
+        0,
+        0,
+        u16::from_be_bytes([a ^ 0x02, b]),
+        u16::from_be_bytes([c, 0xff]),
+        u16::from_be_bytes([0xfe, d]),
+        u16::from_be_bytes([e, f]),
+    );
+    IpNet::V6(ipnet::Ipv6Net::new_assert(addr, 64))
 }
 
 /// The errno of a netlink error reply, if that is what the error is.
@@ -164,21 +204,9 @@ impl Nl {
     /// for the one call that creates the socket and comes back. Returns the connection to drive
     /// (see [`scoped`]) and the handle. Must be called inside a tokio runtime.
     pub(crate) fn open_in(file: &File, path: &Path) -> Result<(impl Future<Output = ()> + use<>, Self), PlugError> {
-        let (conn, nl, done) = Self::open_in_and(file, path, || Ok(()))?;
-        done?;
-        Ok((conn, nl))
-    }
-
-    /// [`Nl::open_in`], also running `also` inside the namespace during the same visit; its
-    /// outcome is returned beside the socket.
-    pub(crate) fn open_in_and(
-        file: &File,
-        path: &Path,
-        also: fn() -> Result<(), PlugError>,
-    ) -> Result<(impl Future<Output = ()> + use<>, Self, Result<(), PlugError>), PlugError> {
-        let (socket, done) = crate::netns::visit(file, path, || (rtnetlink::new_connection(), also()))?;
+        let socket = crate::netns::visit(file, path, rtnetlink::new_connection)?;
         let (conn, handle, _) = socket.map_err(|source| PlugError::Io { op: "open a netlink socket", source })?;
-        Ok((conn, Nl { handle, label: path.display().to_string() }, done))
+        Ok((conn, Nl { handle, label: path.display().to_string() }))
     }
 
     /// Maps a netlink error to [`PlugError::Netlink`] naming `op` and this namespace.
@@ -254,16 +282,33 @@ impl Nl {
         self.handle.link().set(msg).execute().await.map_err(self.fail(format!("bring {name} up")))
     }
 
-    /// Puts a Linux bridge's port in hairpin mode (frames may leave through the port they came
-    /// in on): `RTM_NEWLINK` on the existing link with its bridge-port data, as `RTM_SETLINK`
-    /// ignores port settings. See `crate::lb::hairpin` for why pods need it.
-    pub(crate) async fn set_hairpin(&self, index: u32, name: &str) -> Result<(), PlugError> {
-        self.handle
-            .link()
-            .set_port(hairpin_port(index))
-            .execute()
-            .await
-            .map_err(self.fail(format!("put bridge port {name} in hairpin mode")))
+    /// Brings link `index` up with no IPv6 link-local address of the kernel's making, and as a
+    /// bridge port in hairpin mode ([`settings_message`]). The settings go first, in a request of
+    /// their own, and the link comes up in the next: both are sent at once. (In one request the
+    /// kernel brings the link up before it applies the IPv6 setting, and makes the address in
+    /// between when the link's carrier is already on.) Returns whether the link has IPv6: a node
+    /// without it (or a link whose MTU is too small for it) takes no IPv6 setting, and then only
+    /// the port's are applied.
+    pub(crate) async fn up_without_link_local(
+        &self,
+        index: u32,
+        name: &str,
+        bridge_port: bool,
+    ) -> Result<bool, PlugError> {
+        let settings = self.handle.link().set_port(settings_message(index, bridge_port, true)).execute();
+        let (settings, up) = futures::join!(settings, self.set_up(index, name));
+        up?;
+        match settings {
+            Ok(()) => Ok(true),
+            Err(e) if errno(&e) == Some(Errno::EAFNOSUPPORT) => {
+                if bridge_port {
+                    let port = self.handle.link().set_port(settings_message(index, true, false));
+                    port.execute().await.map_err(self.fail(format!("put bridge port {name} in hairpin mode")))?;
+                }
+                Ok(false)
+            }
+            Err(e) => Err(self.fail(format!("apply the settings of {name}"))(e)),
+        }
     }
 
     /// Sets a link's MAC address. The kernel then keeps it as chosen: on a bridge this stops the
@@ -504,4 +549,30 @@ fn route_of(m: &RouteMessage) -> Option<Route> {
         _ => None,
     });
     Some(Route { dst: IpNet::new(dst, m.header.destination_prefix_length).ok()?, gw })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_link_local_address_is_the_modified_eui64_of_the_mac() {
+        // The universal/local bit flipped, ff:fe in the middle.
+        assert_eq!(link_local([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]).to_string(), "fe80::5054:ff:fe12:3456/64");
+        assert_eq!(link_local([0x00, 0x00, 0x00, 0x00, 0x00, 0x01]).to_string(), "fe80::200:ff:fe00:1/64");
+    }
+
+    #[test]
+    fn the_settings_message_carries_only_what_is_asked() {
+        let has = |m: &LinkMessage, f: fn(&LinkAttribute) -> bool| m.attributes.iter().any(f);
+        let port = |a: &LinkAttribute| matches!(a, LinkAttribute::LinkInfo(_));
+        let af = |a: &LinkAttribute| matches!(a, LinkAttribute::AfSpecUnspec(_));
+        let full = settings_message(7, true, true);
+        assert_eq!(full.header.index, 7);
+        assert!(has(&full, port) && has(&full, af));
+        // Settings only: bringing the link up is a request of its own, after them.
+        assert!(full.header.change_mask.is_empty() && full.header.flags.is_empty());
+        assert!(!has(&settings_message(7, false, true), port));
+        assert!(!has(&settings_message(7, true, false), af));
+    }
 }

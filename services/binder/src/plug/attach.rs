@@ -207,12 +207,14 @@ async fn plug_with(
 /// link and the addresses go out back to back (the kernel takes them in any order); the routes
 /// follow one at a time, as each may need the link up, an address, or a route before it.
 ///
-/// The link-local address is added here too, like the others without duplicate address
-/// detection, instead of being left to the kernel (`addrgenmode none`): it is the one the kernel
-/// would make from the MAC, usable as soon as ADD returns, as a pod must be able to talk at once.
-/// (Switching DAD off in the pod's `default` settings instead takes a write under
-/// `/proc/sys/net`, whose lookups grow with the number of namespaces on the node.) Addresses come
-/// from IPAM and are unique by construction; a namespace without IPv6 gets none.
+/// The link-local address is added too, like the others without duplicate address detection,
+/// instead of being left to the kernel (`addrgenmode none`): it is the one the kernel would make
+/// from the MAC, usable as soon as ADD returns, as a pod must be able to talk at once. (Switching
+/// DAD off in the pod's `default` settings instead takes a write under `/proc/sys/net`, whose
+/// lookups grow with the number of namespaces on the node.) It goes beside the routes, which do
+/// not need it: the kernel's work for each new address holds the RTNL lock, and the requests sent
+/// right after an address wait for it (README, Benchmarks). Addresses come from IPAM and are
+/// unique by construction; a namespace without IPv6 gets none.
 async fn configure_sandbox(
     pod: &Nl,
     spec: &PlugSpec,
@@ -222,21 +224,27 @@ async fn configure_sandbox(
 ) -> Result<(), PlugError> {
     let ifname = spec.ifname.as_str();
     let addresses = futures::future::try_join_all(spec.ips.iter().map(|ip| pod.add_address(index, ifname, ip.address)));
-    let (lo, ipv6, addresses, link_local) = futures::join!(
-        pod.set_up(LOOPBACK_INDEX, "lo"),
-        pod.up_without_link_local(index, ifname, false),
-        addresses,
-        pod.add_address(index, ifname, nl::link_local(mac)),
-    );
+    let (lo, ipv6, addresses) =
+        futures::join!(pod.set_up(LOOPBACK_INDEX, "lo"), pod.up_without_link_local(index, ifname, false), addresses);
     lo?;
     addresses?;
-    if ipv6? {
-        link_local?;
-    }
     steps.mark("nl_up_addr");
-    for route in &spec.all_routes() {
-        pod.add_route(index, ifname, route).await?;
-    }
+    let routes = async {
+        for route in &spec.all_routes() {
+            pod.add_route(index, ifname, route).await?;
+        }
+        Ok::<_, PlugError>(())
+    };
+    let link_local = async {
+        match ipv6 {
+            Ok(true) => pod.add_address(index, ifname, nl::link_local(mac)).await,
+            Ok(false) => Ok(()),
+            Err(e) => Err(e),
+        }
+    };
+    let (routes, link_local) = futures::join!(routes, link_local);
+    routes?;
+    link_local?;
     steps.mark("nl_routes");
     Ok(())
 }

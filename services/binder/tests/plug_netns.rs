@@ -62,6 +62,31 @@ fn spec(ns: &Netns, nets: &Subnets, host_octet: u8, driver: BindingDriver) -> Pl
     }
 }
 
+/// Two pods' namespaces and specs (octets `octet` and `octet + 1`, each changed by `tweak`) on a
+/// bridge of their own; the host links are removed when it is dropped.
+struct TwoPods {
+    links: HostLinks,
+    a: Netns,
+    b: Netns,
+    bridge: String,
+    nets: Subnets,
+    driver: BindingDriver,
+    spec_a: PlugSpec,
+    spec_b: PlugSpec,
+}
+
+fn two_pods(bridge_prefix: &str, octet: u8, tweak: fn(&mut PlugSpec)) -> TwoPods {
+    let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
+    let bridge = unique(bridge_prefix);
+    let nets = Subnets::new();
+    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
+    let (mut spec_a, mut spec_b) = (spec(&a, &nets, octet, driver.clone()), spec(&b, &nets, octet + 1, driver.clone()));
+    tweak(&mut spec_a);
+    tweak(&mut spec_b);
+    let links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+    TwoPods { links, a, b, bridge, nets, driver, spec_a, spec_b }
+}
+
 macro_rules! require_root {
     () => {
         if !is_root() {
@@ -74,12 +99,7 @@ macro_rules! require_root {
 #[tokio::test]
 async fn two_pods_on_a_bridge_talk_over_ipv4_and_ipv6() {
     require_root!();
-    let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
-    let bridge = unique("ktb");
-    let nets = Subnets::new();
-    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
-    let (spec_a, spec_b) = (spec(&a, &nets, 10, driver.clone()), spec(&b, &nets, 11, driver.clone()));
-    let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+    let TwoPods { links: _links, a, b, bridge, nets, driver, spec_a, spec_b } = two_pods("ktb", 10, |_| {});
 
     let gateways = spec_a.gateway_addresses();
     plug::ensure_bridge(&bridge, &gateways).await.unwrap();
@@ -288,18 +308,11 @@ fn eui64_link_local(mac: &str) -> String {
 #[tokio::test]
 async fn a_link_too_small_for_ipv6_is_plugged_without_it() {
     require_root!();
-    let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
-    let bridge = unique("ktv");
-    let nets = Subnets::new();
-    let driver = BindingDriver::Bridge { bridge: bridge.clone() };
-    let v4_only = |ns: &Netns, octet: u8| {
-        let mut s = spec(ns, &nets, octet, driver.clone());
+    let v4_only = |s: &mut PlugSpec| {
         s.mtu = 1200;
         s.ips.retain(|c| c.address.addr().is_ipv4());
-        s
     };
-    let (spec_a, spec_b) = (v4_only(&a, 20), v4_only(&b, 21));
-    let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+    let TwoPods { links: _links, a, b, bridge, nets, driver, spec_a, spec_b } = two_pods("ktv", 20, v4_only);
     plug::ensure_bridge(&bridge, &spec_a.gateway_addresses()).await.unwrap();
     plug::plug(&spec_a, None).await.unwrap();
     plug::plug(&spec_b, None).await.unwrap();
@@ -331,12 +344,7 @@ fn link_mac(name: &str) -> String {
 async fn the_bridge_keeps_its_mac_while_pods_come_and_go() {
     require_root!();
     for existing in [false, true] {
-        let (a, b) = (Netns::new("kt-"), Netns::new("kt-"));
-        let bridge = unique("ktm");
-        let nets = Subnets::new();
-        let driver = BindingDriver::Bridge { bridge: bridge.clone() };
-        let (spec_a, spec_b) = (spec(&a, &nets, 60, driver.clone()), spec(&b, &nets, 61, driver.clone()));
-        let _links = HostLinks(vec![bridge.clone(), spec_a.host_ifname.clone(), spec_b.host_ifname.clone()]);
+        let TwoPods { links: _links, a, b, bridge, driver, spec_a, spec_b, .. } = two_pods("ktm", 60, |_| {});
         if existing {
             ok("ip", &["link", "add", &bridge, "type", "bridge"]);
         }

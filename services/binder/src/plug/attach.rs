@@ -228,6 +228,7 @@ async fn configure_sandbox(
         futures::join!(pod.set_up(LOOPBACK_INDEX, "lo"), pod.up_without_link_local(index, ifname, false), addresses);
     lo?;
     addresses?;
+    let ipv6 = ipv6?;
     steps.mark("nl_up_addr");
     let routes = async {
         for route in &spec.all_routes() {
@@ -235,13 +236,7 @@ async fn configure_sandbox(
         }
         Ok::<_, PlugError>(())
     };
-    let link_local = async {
-        match ipv6 {
-            Ok(true) => pod.add_address(index, ifname, nl::link_local(mac)).await,
-            Ok(false) => Ok(()),
-            Err(e) => Err(e),
-        }
-    };
+    let link_local = async { if ipv6 { pod.add_address(index, ifname, nl::link_local(mac)).await } else { Ok(()) } };
     let (routes, link_local) = futures::join!(routes, link_local);
     routes?;
     link_local?;

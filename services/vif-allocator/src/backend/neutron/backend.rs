@@ -46,6 +46,10 @@ impl VifBackend for NeutronBackend {
             let mut inv = guard(&self.inv);
             let taken = inv.unassign(&pod.uid);
             let keep = taken.as_ref().is_some_and(|(k, _)| inv.keeps(k, self.limits) && self.serves(k));
+            if let Some((_, port)) = &taken {
+                // An audit listing Neutron meanwhile may still see the pod's device id on it.
+                inv.changing(&port.id);
+            }
             (taken, keep)
         };
         let Some((key, port)) = taken else { return Ok(false) };
@@ -75,9 +79,12 @@ impl VifBackend for NeutronBackend {
             }
         };
         if let Err(e) = outcome {
-            guard(&self.inv).assign(&pod.uid, &key, port);
+            let mut inv = guard(&self.inv);
+            inv.changed(&port.id);
+            inv.assign(&pod.uid, &key, port);
             return Err(e);
         }
+        guard(&self.inv).changed(&port.id);
         self.gauges();
         if let Some(nn) = self.namespace_networks() {
             nn.released(&key.network);

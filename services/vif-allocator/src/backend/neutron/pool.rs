@@ -108,8 +108,9 @@ pub struct Inventory {
     removed: VecDeque<(u64, String)>,
     /// The sequence number of the latest removal.
     removals: u64,
-    /// Ports whose deletion in Neutron is in flight: a listing may still name them.
-    deleting: std::collections::HashSet<String>,
+    /// Ports out of the pools whose change in Neutron is in flight (hand-out, release,
+    /// deletion): a listing may still name them as they were before.
+    in_flight: std::collections::HashSet<String>,
 }
 
 impl Inventory {
@@ -118,10 +119,12 @@ impl Inventory {
         self.in_use.get(pod_uid).map(|(_, p)| p)
     }
 
-    /// Takes the oldest free port of a pool.
+    /// Takes the oldest free port of a pool. Its hand-out in Neutron is in flight from now until
+    /// [`Inventory::changed`]: a listing begun meanwhile may still name it free.
     pub fn take(&mut self, key: &PoolKey) -> Option<Port> {
         let port = self.pools.get_mut(key)?.free.pop_front()?;
         self.note_removed(&port.id);
+        self.in_flight.insert(port.id.clone());
         Some(port)
     }
 
@@ -133,16 +136,17 @@ impl Inventory {
         }
     }
 
-    /// A port's deletion in Neutron begins: until it ends ([`Inventory::deleted`]) a listing
-    /// that names it is not taken back.
-    pub fn deleting(&mut self, port_id: &str) {
-        self.deleting.insert(port_id.to_string());
+    /// A change of a port in Neutron begins (its release or deletion; a hand-out begins with
+    /// [`Inventory::take`]): until it ends ([`Inventory::changed`]) a listing that names the
+    /// port is not taken back, whatever it shows of it.
+    pub fn changing(&mut self, port_id: &str) {
+        self.in_flight.insert(port_id.to_string());
     }
 
-    /// A port's deletion in Neutron ended (done or failed): it counts as removed now, for a
+    /// A port's change in Neutron ended (done or failed): it counts as removed now, for a
     /// listing begun while it was in flight.
-    pub fn deleted(&mut self, port_id: &str) {
-        self.deleting.remove(port_id);
+    pub fn changed(&mut self, port_id: &str) {
+        self.in_flight.remove(port_id);
         self.note_removed(port_id);
     }
 
@@ -348,7 +352,7 @@ impl Inventory {
     ///
     /// `listed_after` is [`Inventory::removals`] as it was before Neutron was listed: a port
     /// removed here since (handed out, released, deleted), or being deleted, may still be in the
-    /// listing and is not taken back; if more removals happened than are remembered, nothing is
+    /// listing and is not taken back, nor is a port whose change is in flight; if more removals happened than are remembered, nothing is
     /// absorbed this time.
     pub fn absorb_unknown(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory, listed_after: u64) -> usize {
         if self.removals > listed_after && self.removed.front().is_none_or(|(seq, _)| *seq > listed_after + 1) {
@@ -356,7 +360,7 @@ impl Inventory {
         }
         let mut known = self.port_ids();
         known.extend(self.removed.iter().filter(|(seq, _)| *seq > listed_after).map(|(_, id)| id.clone()));
-        known.extend(self.deleting.iter().cloned());
+        known.extend(self.in_flight.iter().cloned());
         let busy = |inv: &Inventory, k: &PoolKey| inv.pools.get(k).is_some_and(|s| s.creating > 0);
         let mut added = 0;
         for (k, s) in fresh.pools {

@@ -35,11 +35,11 @@ impl NeutronBackend {
     }
 
     /// Deletes a port in Neutron; while the call is in flight (and for audits listing Neutron
-    /// meanwhile, after it) the pools' audit does not take the port back (`Inventory::deleting`).
+    /// meanwhile, after it) the pools' audit does not take the port back (`Inventory::changing`).
     pub(super) async fn delete_port(&self, id: &str, why: &'static str) -> Result<(), ClusterError> {
-        guard(&self.inv).deleting(id);
+        guard(&self.inv).changing(id);
         let deleted = self.neutron.delete_port(id).await;
-        guard(&self.inv).deleted(id);
+        guard(&self.inv).changed(id);
         deleted.map_err(neutron_err(format!("deleting port {id}")))?;
         self.metrics.deleted(why);
         Ok(())
@@ -49,31 +49,45 @@ impl NeutronBackend {
     pub(super) async fn take_from_pool(&self, pod: &PodKey, key: &PoolKey) -> Result<Option<Port>, ClusterError> {
         loop {
             let Some(port) = guard(&self.inv).take(key) else { return Ok(None) };
-            // The pool's groups too: a pool port can have been given a NetworkPolicy's group
-            // after its pod was released (kuryr-policy's Neutron backend acting on a stale view),
-            // and the pod gets what its record says it got.
-            let update = PortUpdate {
-                device_id: Some(pod.uid.clone()),
-                name: Some(port_name(pod)),
-                security_groups: (!self.reset_groups.is_empty()).then(|| self.reset_groups.clone()),
-                ..PortUpdate::default()
-            };
-            // Only if the port is as this replica last saw it: another replica that held the
-            // node's shard may have handed it out meanwhile ([`shards`]).
-            match self.neutron.update_port(&port.id, &update, port.revision_number).await {
-                Err(e) if e.is_conflict() => self.pool_port_changed(key, &port).await?,
-                Ok(p) if p.binding_failed() => {
-                    tracing::warn!(port = %p.id, node = %key.node, "pool port failed to bind; deleting it");
-                    let _ = self.delete_port(&p.id, "binding_failed").await;
-                }
-                Ok(p) => return Ok(Some(p)),
-                Err(e) if e.is_not_found() => {
-                    tracing::warn!(port = %port.id, "pool port deleted behind our back; taking the next");
-                }
-                Err(e) => {
-                    guard(&self.inv).untake(key, port.clone());
-                    return Err(neutron_err(format!("assigning pool port {} to the pod", port.id))(e));
-                }
+            let handed = self.hand_out(pod, key, &port).await;
+            // Over, whichever way: an audit that listed Neutron while the update was in flight
+            // may have seen the port still free, and must not put it back into the pool.
+            guard(&self.inv).changed(&port.id);
+            if let Some(p) = handed? {
+                return Ok(Some(p));
+            }
+        }
+    }
+
+    /// Gives a port taken from a pool to the pod in Neutron: the port as updated, or `None`
+    /// when it cannot be had (changed, gone, failed to bind) and the next one is to be tried.
+    async fn hand_out(&self, pod: &PodKey, key: &PoolKey, port: &Port) -> Result<Option<Port>, ClusterError> {
+        // The pool's groups too: a pool port can have been given a NetworkPolicy's group after
+        // its pod was released (kuryr-policy's Neutron backend acting on a stale view), and the
+        // pod gets what its record says it got.
+        let update = PortUpdate {
+            device_id: Some(pod.uid.clone()),
+            name: Some(port_name(pod)),
+            security_groups: (!self.reset_groups.is_empty()).then(|| self.reset_groups.clone()),
+            ..PortUpdate::default()
+        };
+        // Only if the port is as this replica last saw it: another replica that held the
+        // node's shard may have handed it out meanwhile ([`shards`]).
+        match self.neutron.update_port(&port.id, &update, port.revision_number).await {
+            Err(e) if e.is_conflict() => self.pool_port_changed(key, port).await.map(|()| None),
+            Ok(p) if p.binding_failed() => {
+                tracing::warn!(port = %p.id, node = %key.node, "pool port failed to bind; deleting it");
+                let _ = self.delete_port(&p.id, "binding_failed").await;
+                Ok(None)
+            }
+            Ok(p) => Ok(Some(p)),
+            Err(e) if e.is_not_found() => {
+                tracing::warn!(port = %port.id, "pool port deleted behind our back; taking the next");
+                Ok(None)
+            }
+            Err(e) => {
+                guard(&self.inv).untake(key, port.clone());
+                Err(neutron_err(format!("assigning pool port {} to the pod", port.id))(e))
             }
         }
     }

@@ -173,9 +173,9 @@ fn ports_removed_while_neutron_was_listed_are_not_absorbed_back() {
     // back either; nor one whose deletion is still in flight.
     let mut del = Inventory::default();
     let at = del.removals();
-    del.deleting("a");
-    del.deleting("b");
-    del.deleted("a");
+    del.changing("a");
+    del.changing("b");
+    del.changed("a");
     assert_eq!(del.absorb_unknown(|_| true, listing(), at), 2, "x and c");
     assert!(del.view(&k).unwrap().free == ["x"]);
     // A listing begun after the removals takes what Neutron still has.
@@ -191,6 +191,45 @@ fn ports_removed_while_neutron_was_listed_are_not_absorbed_back() {
     }
     assert_eq!(busy.absorb_unknown(|_| true, listing(), before), 0);
     assert_eq!(busy.absorb_unknown(|_| true, listing(), busy.removals()), 4);
+}
+
+#[test]
+fn a_port_being_handed_out_or_released_is_not_absorbed_from_a_listing_that_saw_it_before() {
+    let mut inv = Inventory::default();
+    let k = key("n1");
+    inv.put_free(&k, port("a"));
+    inv.assign("uid-1", &k, port("b"));
+    // Taken for a pod; the listing begins after the take and answers before Neutron has the
+    // pod's device id on it, so it names the port free.
+    assert_eq!(inv.take(&k).unwrap().id, "a");
+    let during = inv.removals();
+    let free_a = || {
+        let mut fresh = Inventory::default();
+        fresh.put_free(&k, port("a"));
+        fresh
+    };
+    assert_eq!(inv.absorb_unknown(|_| true, free_a(), during), 0, "a is being handed out");
+    // The hand-out ends; the listing begun while it was in flight still does not bring it back.
+    inv.changed("a");
+    assert_eq!(inv.absorb_unknown(|_| true, free_a(), during), 0);
+    assert!(inv.view(&k).unwrap().free.is_empty());
+    inv.assign("uid-2", &k, port("a"));
+    // Released: the listing begun after the unassign may still show the pod's device id on it.
+    let (_, b) = inv.unassign("uid-1").unwrap();
+    inv.changing(&b.id);
+    let during = inv.removals();
+    let held_b = || {
+        let mut fresh = Inventory::default();
+        fresh.assign("uid-1", &k, port("b"));
+        fresh
+    };
+    assert_eq!(inv.absorb_unknown(|_| true, held_b(), during), 0, "b is being released");
+    inv.changed(&b.id);
+    assert_eq!(inv.absorb_unknown(|_| true, held_b(), during), 0);
+    assert!(inv.held("uid-1").is_none());
+    // A listing begun after the change ended takes what Neutron says.
+    let after = inv.removals();
+    assert_eq!(inv.absorb_unknown(|_| true, held_b(), after), 1);
 }
 
 /// Which pools a replica keeps follows the shard of their node, as kuryr_shard assigns it.

@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 
 use super::assign::{self, Parsed, Removal, Want};
 use super::types::{Allocation, AssignedAddress, bump};
+use super::error::fail_rest;
 use super::{IpamStore, StoreError, is_retryable, kube_err};
 use crate::core::PodKey;
 use crate::core::ipam::{MacAddr, NetworkPlan, PlanError, Pool};
@@ -593,18 +594,5 @@ fn take_holders(blocks: &[Parsed], pool: &Pool, states: &mut [PodState<'_>], can
             }
             None => true,
         })
-        .collect()
-}
-
-/// Every removal without an outcome fails with `e`; those already carried out report so.
-fn fail_rest(
-    outcome: Vec<Option<Result<bool, StoreError>>>,
-    released: Vec<bool>,
-    e: &StoreError,
-) -> Vec<Result<bool, StoreError>> {
-    outcome
-        .into_iter()
-        .zip(released)
-        .map(|(o, r)| o.unwrap_or_else(|| if r { Ok(true) } else { Err(e.clone()) }))
         .collect()
 }

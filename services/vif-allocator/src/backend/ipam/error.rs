@@ -96,6 +96,19 @@ pub(super) fn is_retryable(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_not_found())
 }
 
+/// Every removal without an outcome fails with `e`; those already carried out report so.
+pub(super) fn fail_rest(
+    outcome: Vec<Option<Result<bool, StoreError>>>,
+    released: Vec<bool>,
+    e: &StoreError,
+) -> Vec<Result<bool, StoreError>> {
+    outcome
+        .into_iter()
+        .zip(released)
+        .map(|(o, r)| o.unwrap_or_else(|| if r { Ok(true) } else { Err(e.clone()) }))
+        .collect()
+}
+
 pub(super) fn check_non_empty(field: &'static str, value: &str) -> Result<(), StoreError> {
     if value.trim().is_empty() {
         return Err(StoreError::InvalidArgument { field, reason: "must not be empty".into() });

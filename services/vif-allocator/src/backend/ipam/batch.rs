@@ -19,8 +19,8 @@ use kube::api::PostParams;
 use tokio::sync::oneshot;
 
 use super::assign::{self, Parsed, Removal, Want};
-use super::types::{Allocation, AssignedAddress, bump};
 use super::error::fail_rest;
+use super::types::{Allocation, AssignedAddress, bump};
 use super::{IpamStore, StoreError, is_retryable, kube_err};
 use crate::core::PodKey;
 use crate::core::ipam::{MacAddr, NetworkPlan, PlanError, Pool};

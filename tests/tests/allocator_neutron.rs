@@ -202,7 +202,9 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
     let watcher = w.watcher().unwrap();
     let mut alloc = w.allocator(&watcher);
     alloc.wait_ready(SLOW).await.unwrap();
-    let binder = Arc::new(w.binder(&alloc, SLOW, &[]).await.unwrap());
+    let binder = Arc::new(
+        w.binder(&alloc, SLOW, &[]).await.unwrap_or_else(|e| panic!("{e:#}\nthe allocator:\n{}", alloc.proc.logs())),
+    );
     let alloc_before = Scrape::http(&alloc.metrics_url).await.unwrap();
     let binder_before = Scrape::in_netns(&w.node.netns_path(), "127.0.0.1:9631").await.unwrap();
 

@@ -46,13 +46,12 @@ impl VifBackend for NeutronBackend {
             let mut inv = guard(&self.inv);
             let taken = inv.unassign(&pod.uid);
             let keep = taken.as_ref().is_some_and(|(k, _)| inv.keeps(k, self.limits) && self.serves(k));
-            if let Some((_, port)) = &taken {
-                // An audit listing Neutron meanwhile may still see the pod's device id on it.
-                inv.changing(&port.id);
-            }
             (taken, keep)
         };
         let Some((key, port)) = taken else { return Ok(false) };
+        // Until the release ends: an audit listing Neutron meanwhile may still see the pod's
+        // device id on the port.
+        let _change = InFlight::begin(&self.inv, &port.id);
         guard(&self.watched).remove(&port.id);
         let outcome = if keep {
             match self.neutron.update_port(&port.id, &recycled(&self.reset_groups), None).await {
@@ -79,12 +78,9 @@ impl VifBackend for NeutronBackend {
             }
         };
         if let Err(e) = outcome {
-            let mut inv = guard(&self.inv);
-            inv.changed(&port.id);
-            inv.assign(&pod.uid, &key, port);
+            guard(&self.inv).assign(&pod.uid, &key, port);
             return Err(e);
         }
-        guard(&self.inv).changed(&port.id);
         self.gauges();
         if let Some(nn) = self.namespace_networks() {
             nn.released(&key.network);

@@ -58,7 +58,7 @@ use self::metrics::{NeutronMetrics, PoolLabels, ReasonLabels};
 use self::namespaces::NamespaceNetworks;
 use self::namespaces::k8s::NamespaceKube;
 use self::pool::{Inventory, Limits, Place, PoolKey, PoolView};
-use self::ports::{port_name, recycled};
+use self::ports::{InFlight, port_name, recycled};
 use self::vif::{SubnetInfo, VifShape};
 use crate::backend::VifBackend;
 use crate::core::{PodKey, VifRecord};

@@ -2,10 +2,12 @@
 //! a pool, taking a free pool port for a pod, creating a pod's port on its path (after looking
 //! for one a lost answer left behind), bulk creates into a pool, and deleting.
 
+use std::sync::Mutex;
+
 use kuryr_openstack::Filter;
 use kuryr_openstack::neutron::{FixedIp, Port, PortCreate, PortUpdate};
 
-use super::pool::PoolKey;
+use super::pool::{Inventory, PoolKey};
 use super::vif::VifShape;
 use super::{NeutronBackend, guard, neutron_err};
 use crate::core::PodKey;
@@ -37,9 +39,10 @@ impl NeutronBackend {
     /// Deletes a port in Neutron; while the call is in flight (and for audits listing Neutron
     /// meanwhile, after it) the pools' audit does not take the port back (`Inventory::changing`).
     pub(super) async fn delete_port(&self, id: &str, why: &'static str) -> Result<(), ClusterError> {
-        guard(&self.inv).changing(id);
-        let deleted = self.neutron.delete_port(id).await;
-        guard(&self.inv).changed(id);
+        let deleted = {
+            let _change = InFlight::begin(&self.inv, id);
+            self.neutron.delete_port(id).await
+        };
         deleted.map_err(neutron_err(format!("deleting port {id}")))?;
         self.metrics.deleted(why);
         Ok(())
@@ -49,10 +52,13 @@ impl NeutronBackend {
     pub(super) async fn take_from_pool(&self, pod: &PodKey, key: &PoolKey) -> Result<Option<Port>, ClusterError> {
         loop {
             let Some(port) = guard(&self.inv).take(key) else { return Ok(None) };
-            let handed = self.hand_out(pod, key, &port).await;
-            // Over, whichever way: an audit that listed Neutron while the update was in flight
-            // may have seen the port still free, and must not put it back into the pool.
-            guard(&self.inv).changed(&port.id);
+            let handed = {
+                // Over when this ends, whichever way (cancelled too): an audit that listed
+                // Neutron while the update was in flight may have seen the port still free,
+                // and must not put it back into the pool.
+                let _change = InFlight::begin(&self.inv, &port.id);
+                self.hand_out(pod, key, &port).await
+            };
             if let Some(p) = handed? {
                 return Ok(Some(p));
             }
@@ -201,6 +207,27 @@ impl NeutronBackend {
     }
 }
 
+/// A port's change in Neutron in flight (`Inventory::changing`), ended (`Inventory::changed`)
+/// when dropped: also when the call making the change is cancelled, so that the audit takes the
+/// port in again from later listings.
+pub(super) struct InFlight<'a> {
+    inv: &'a Mutex<Inventory>,
+    port: String,
+}
+
+impl<'a> InFlight<'a> {
+    pub(super) fn begin(inv: &'a Mutex<Inventory>, port: &str) -> Self {
+        guard(inv).changing(port);
+        Self { inv, port: port.to_string() }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        guard(self.inv).changed(&self.port);
+    }
+}
+
 /// The name of a pod's port: `<namespace>/<name>`, what orphan collection reads back.
 pub(super) fn port_name(pod: &PodKey) -> String {
     format!("{}/{}", pod.namespace, pod.name)
@@ -215,5 +242,44 @@ pub(super) fn recycled(reset_groups: &[String]) -> PortUpdate {
         name: Some(String::new()),
         security_groups: (!reset_groups.is_empty()).then(|| reset_groups.to_vec()),
         ..PortUpdate::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    fn port(id: &str) -> Port {
+        Port { id: id.into(), ..Port::default() }
+    }
+
+    #[test]
+    fn a_change_cancelled_half_way_ends_and_the_port_can_be_taken_in_again() {
+        let inv = Mutex::new(Inventory::default());
+        let key = PoolKey::new("n1", "p", "net", Vec::new());
+        guard(&inv).put_free(&key, port("a"));
+        let taken = guard(&inv).take(&key).unwrap();
+        let listing = || {
+            let mut fresh = Inventory::default();
+            fresh.put_free(&key, port("a"));
+            fresh
+        };
+        // A hand-out polled until its Neutron call, then dropped: the caller was cancelled.
+        let mut hand_out = Box::pin(async {
+            let _change = InFlight::begin(&inv, &taken.id);
+            std::future::pending::<()>().await;
+        });
+        assert!(hand_out.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());
+        let during = guard(&inv).removals();
+        assert_eq!(guard(&inv).absorb_unknown(|_| true, listing(), during), 0, "in flight");
+        drop(hand_out);
+        assert_eq!(guard(&inv).absorb_unknown(|_| true, listing(), during), 0, "listed while in flight");
+        let after = guard(&inv).removals();
+        assert_eq!(guard(&inv).absorb_unknown(|_| true, listing(), after), 1, "a later listing takes it in");
+        assert_eq!(guard(&inv).view(&key).unwrap().free, ["a"]);
     }
 }

@@ -351,9 +351,9 @@ impl Inventory {
     /// Neutron. Returns how many were added.
     ///
     /// `listed_after` is [`Inventory::removals`] as it was before Neutron was listed: a port
-    /// removed here since (handed out, released, deleted), or being deleted, may still be in the
-    /// listing and is not taken back, nor is a port whose change is in flight; if more removals happened than are remembered, nothing is
-    /// absorbed this time.
+    /// removed here since (handed out, released, deleted), or whose change is in flight, may
+    /// still be in the listing and is not taken back; if more removals happened than are
+    /// remembered, nothing is absorbed this time.
     pub fn absorb_unknown(&mut self, which: impl Fn(&str) -> bool, fresh: Inventory, listed_after: u64) -> usize {
         if self.removals > listed_after && self.removed.front().is_none_or(|(seq, _)| *seq > listed_after + 1) {
             return 0;

@@ -51,14 +51,12 @@ impl NeutronBackend {
     /// The pod's port from a pool, if a free one can be had.
     pub(super) async fn take_from_pool(&self, pod: &PodKey, key: &PoolKey) -> Result<Option<Port>, ClusterError> {
         loop {
-            let Some(port) = guard(&self.inv).take(key) else { return Ok(None) };
-            let handed = {
-                // Over when this ends, whichever way (cancelled too): an audit that listed
-                // Neutron while the update was in flight may have seen the port still free,
-                // and must not put it back into the pool.
-                let _change = InFlight::begin(&self.inv, &port.id);
-                self.hand_out(pod, key, &port).await
-            };
+            // The hand-out is over when the guard drops, whichever way (cancelled too): an audit
+            // that listed Neutron while the update was in flight may have seen the port still
+            // free, and must not put it back into the pool.
+            let Some((port, change)) = InFlight::take(&self.inv, key) else { return Ok(None) };
+            let handed = self.hand_out(pod, key, &port).await;
+            drop(change);
             if let Some(p) = handed? {
                 return Ok(Some(p));
             }
@@ -220,6 +218,14 @@ impl<'a> InFlight<'a> {
         guard(inv).changing(port);
         Self { inv, port: port.to_string() }
     }
+
+    /// Takes the oldest free port of a pool (`Inventory::take`, which puts its hand-out in
+    /// flight) with the guard that ends the hand-out.
+    pub(super) fn take(inv: &'a Mutex<Inventory>, key: &PoolKey) -> Option<(Port, Self)> {
+        let port = guard(inv).take(key)?;
+        let id = port.id.clone();
+        Some((port, Self { inv, port: id }))
+    }
 }
 
 impl Drop for InFlight<'_> {
@@ -262,7 +268,6 @@ mod tests {
         let inv = Mutex::new(Inventory::default());
         let key = PoolKey::new("n1", "p", "net", Vec::new());
         guard(&inv).put_free(&key, port("a"));
-        let taken = guard(&inv).take(&key).unwrap();
         let listing = || {
             let mut fresh = Inventory::default();
             fresh.put_free(&key, port("a"));
@@ -270,7 +275,7 @@ mod tests {
         };
         // A hand-out polled until its Neutron call, then dropped: the caller was cancelled.
         let mut hand_out = Box::pin(async {
-            let _change = InFlight::begin(&inv, &taken.id);
+            let _taken = InFlight::take(&inv, &key).unwrap();
             std::future::pending::<()>().await;
         });
         assert!(hand_out.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());

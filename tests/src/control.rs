@@ -230,6 +230,52 @@ impl ControlPlane {
     }
 }
 
+/// Lease name → resourceVersion of every Lease of the shard set `set` in `kuryr-system`: shard
+/// and membership Leases.
+pub async fn lease_versions(admin: &kube::Client, set: &str) -> Result<BTreeMap<String, String>> {
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), SYSTEM_NAMESPACE);
+    let list = leases.list(&ListParams::default().labels(&format!("kuryr.openstack.org/shard-set={set}"))).await?;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|l| (l.metadata.name.unwrap_or_default(), l.metadata.resource_version.unwrap_or_default()))
+        .collect())
+}
+
+/// Waits until each of the Leases `names` of the shard set `set` has been written `times` times
+/// since `before` (a [`lease_versions`] read), polling; returns the versions read last.
+pub async fn wait_rewritten(
+    admin: &kube::Client,
+    set: &str,
+    names: &[String],
+    before: &BTreeMap<String, String>,
+    times: usize,
+    timeout: std::time::Duration,
+) -> Result<BTreeMap<String, String>> {
+    let mut seen: BTreeMap<&str, Vec<String>> =
+        names.iter().map(|n| (n.as_str(), before.get(n).cloned().into_iter().collect())).collect();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let now = lease_versions(admin, set).await?;
+        for (name, versions) in &mut seen {
+            if let Some(v) = now.get(*name)
+                && versions.last() != Some(v)
+            {
+                versions.push(v.clone());
+            }
+        }
+        let short: Vec<_> = seen.iter().filter(|(_, v)| v.len() <= times).map(|(n, _)| *n).collect();
+        if short.is_empty() {
+            return Ok(now);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {names:?} to be written {times} times: {short:?} were not"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// Shard → (holder identity, its advertised endpoint) of the shard set `set` (`kuryr-lbaas`,
 /// `kuryr-vif-allocator`), as its Lease objects in `kuryr-system` say; held Leases only.
 pub async fn shard_holders(admin: &kube::Client, set: &str) -> Result<BTreeMap<u32, (String, String)>> {

@@ -13,7 +13,14 @@
 //!    the other within the Lease duration plus one renewal interval of the kill (read from the
 //!    Leases); every pod gets exactly one VIF and is reported plugged (READY), no address is
 //!    handed out twice, both replicas did part of the work.
+//!    In the steady state the memberships keep the shards: two renewals of both membership
+//!    Leases, and no shard Lease written meanwhile.
 //! 3. Deleting every pod leaves no pod, PodVif, finalizer or allocation behind.
+//! 4. A replica of an earlier version beside the survivor (a membership Lease without the
+//!    renewal annotation, kept alive by this test, holding no shard): the survivor gives it its
+//!    fair share and renews the shard Leases it keeps every round, as that version judges a
+//!    shard Lease by its own renewals; once it is gone, the survivor holds everything again and
+//!    writes no shard Lease.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -22,13 +29,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kuryr_proto::allocator::v1::vif_allocator_client::VifAllocatorClient;
 use kuryr_proto::allocator::v1::{ReportPluggedRequest, Vif, VifEventType, VifState, WatchVifsRequest};
 use kuryr_proto::service_names::VIF_ALLOCATOR;
-use kuryr_tests::control::{ControlPlane, Served, shard_holders};
+use kuryr_tests::cluster::SYSTEM_NAMESPACE;
+use kuryr_tests::control::{ControlPlane, Served, lease_versions, shard_holders, wait_rewritten};
 use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
@@ -47,6 +57,7 @@ const TICK: Duration = Duration::from_millis(600);
 const PHASE_TIMEOUT: Duration = Duration::from_secs(90);
 const FINALIZER: &str = "kuryr.openstack.org/vif";
 const OWNER_METADATA: &str = "kuryr-shard-owner";
+const SET: &str = "kuryr-vif-allocator";
 
 /// Lines of each replica's log in a failure message.
 const LOG_LINES: usize = 200;
@@ -208,6 +219,16 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     }
+    // The steady state: both memberships renewed twice — the second write in a round begun after
+    // the first round's writes were done — and not one shard Lease written meanwhile.
+    let before = lease_versions(&admin, SET).await.unwrap();
+    let members: Vec<String> = before.keys().filter(|n| n.contains("-member-")).cloned().collect();
+    assert_eq!(members.len(), 2, "{before:?}");
+    let after = wait_rewritten(&admin, SET, &members, &before, 2, PHASE_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    assert_eq!(shard_versions(&after), shard_versions(&before), "shard Leases written in the steady state");
+
     let shard_of = |node: &str| {
         // FNV-1a 64, as kuryr-shard documents it.
         let h = node.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
@@ -410,4 +431,91 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
     for b in binders {
         let _ = tokio::time::timeout(Duration::from_secs(5), b).await;
     }
+
+    // 4. A replica of an earlier version joins: a membership Lease without the renewal
+    // annotation, renewed by this test every 0.5 s.
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), SYSTEM_NAMESPACE);
+    let earlier = format!("{SET}-member-earlier");
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(earlier.clone()),
+            labels: Some(BTreeMap::from([
+                ("kuryr.openstack.org/shard-set".to_string(), SET.to_string()),
+                ("kuryr.openstack.org/shard-role".to_string(), "member".to_string()),
+            ])),
+            annotations: Some(BTreeMap::from([(
+                "kuryr.openstack.org/endpoint".to_string(),
+                "127.0.0.1:1".to_string(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some("earlier".into()),
+            lease_duration_seconds: Some(LEASE.as_secs() as i32),
+            renew_time: Some(MicroTime(Timestamp::now())),
+            ..Default::default()
+        }),
+    };
+    leases.create(&pp, &lease).await.unwrap();
+    let (renewing_tx, mut renewing) = watch::channel(true);
+    let renewer = tokio::spawn({
+        let (leases, earlier) = (leases.clone(), earlier.clone());
+        async move {
+            while *renewing.borrow() {
+                let mut l = leases.get(&earlier).await.unwrap();
+                l.spec.get_or_insert_with(Default::default).renew_time = Some(MicroTime(Timestamp::now()));
+                leases.replace(&earlier, &PostParams::default(), &l).await.unwrap();
+                let _ = tokio::time::timeout(Duration::from_millis(500), renewing.changed()).await;
+            }
+        }
+    });
+    let mine = |a_id: String| {
+        let admin = admin.clone();
+        async move {
+            let h = shard_holders(&admin, SET).await?;
+            Ok::<_, anyhow::Error>(h.into_iter().filter(|(_, (id, _))| *id == a_id).map(|(i, _)| i).collect::<Vec<_>>())
+        }
+    };
+    wait_until("a giving the earlier replica its fair share", PHASE_TIMEOUT, || async {
+        let n = metric(&a, "kuryr_shards_owned").await;
+        anyhow::ensure!(n == f64::from(SHARDS / 2), "{n}");
+        anyhow::ensure!(mine(a.id.clone()).await?.len() == SHARDS as usize / 2, "Leases not released yet");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    // Every shard Lease a keeps is written in each round now.
+    let kept: Vec<String> = mine(a.id.clone()).await.unwrap().into_iter().map(|i| format!("{SET}-shard-{i}")).collect();
+    let a_member = vec![format!("{SET}-member-{}", a.id)];
+    let before = lease_versions(&admin, SET).await.unwrap();
+    wait_rewritten(&admin, SET, &kept, &before, 2, PHASE_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    eprintln!(
+        "with a replica of an earlier version about, {} renews its {} shard Leases every round",
+        a.id,
+        kept.len()
+    );
+
+    // It goes: a holds every shard again, and writes no shard Lease once it does.
+    renewing_tx.send_replace(false);
+    renewer.await.unwrap();
+    leases.delete(&earlier, &DeleteParams::default()).await.unwrap();
+    wait_until("a holding every shard again", PHASE_TIMEOUT, || async {
+        let n = metric(&a, "kuryr_shards_owned").await;
+        anyhow::ensure!(n == f64::from(SHARDS), "{n}");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    let before = lease_versions(&admin, SET).await.unwrap();
+    let after = wait_rewritten(&admin, SET, &a_member, &before, 2, PHASE_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
+    assert_eq!(shard_versions(&after), shard_versions(&before), "shard Leases written with no earlier version about");
+}
+
+/// The shard Leases' entries of a [`lease_versions`] read.
+fn shard_versions(versions: &BTreeMap<String, String>) -> BTreeMap<&String, &String> {
+    versions.iter().filter(|(n, _)| n.contains("-shard-")).collect()
 }

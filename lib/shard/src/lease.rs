@@ -1,8 +1,8 @@
 //! The rounds against the Kubernetes API: list the Leases, renew the membership, carry out the
 //! [plan](crate::plan), publish the [`Ownership`]; and the fence that stops work on a shard
-//! whose Lease was not renewed in time, whatever the rounds are doing.
+//! whose membership (and Lease) was not renewed in time, whatever the rounds are doing.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -19,12 +19,19 @@ use crate::config::ShardConfig;
 use crate::hash::fnv1a64;
 use crate::metrics::ShardMetrics;
 use crate::ownership::{Owner, Ownership};
-use crate::plan::{LeaseView, ShardLease, Tracker, plan};
+use crate::plan::{LeaseView, Member, ShardLease, Tracker, plan, shard_expired};
 
 /// The annotation holding the holder's endpoint, on shard and membership Leases.
 pub const ENDPOINT_ANNOTATION: &str = "kuryr.openstack.org/endpoint";
 /// The annotation of a membership Lease holding the replica's number of shards.
 pub const SHARDS_ANNOTATION: &str = "kuryr.openstack.org/shards";
+/// The annotation of a membership Lease saying how its holder keeps its shard Leases alive:
+/// [`RENEWAL_BY_MEMBERSHIP`] (through the membership Lease, see [`crate::plan`]); replicas of
+/// earlier versions do not write it and renew every shard Lease every round.
+pub const RENEWAL_ANNOTATION: &str = "kuryr.openstack.org/shard-renewal";
+/// The value of [`RENEWAL_ANNOTATION`] of replicas that renew their shards through their
+/// membership.
+pub const RENEWAL_BY_MEMBERSHIP: &str = "membership";
 /// The label naming the service a Lease belongs to (the one list of a round selects on it).
 pub const SET_LABEL: &str = "kuryr.openstack.org/shard-set";
 /// The label telling shard Leases (`shard`) from membership Leases (`member`).
@@ -158,9 +165,10 @@ impl Publisher {
     }
 }
 
-/// Stops work on shards whose Lease was not renewed in time: a shard renewed at `t` is worked
-/// on until `t + duration − tick` at most, so it is let go at least one renewal interval before
-/// any other replica can take it (they wait a whole duration from when they see the renewal).
+/// Stops work on shards whose membership was not renewed in time: a shard whose holder's
+/// membership Lease was renewed at `t` is worked on until `t + duration − tick` at most, so it
+/// is let go at least one renewal interval before any other replica can take it (they wait a
+/// whole duration from when they see the renewal).
 async fn fence(publisher: Publisher, shutdown: Shutdown) {
     let check = (publisher.config.tick() / 4).max(Duration::from_millis(20));
     loop {
@@ -271,6 +279,7 @@ impl Driver {
         let mut annotations = BTreeMap::from([(ENDPOINT_ANNOTATION.to_string(), self.config.endpoint.clone())]);
         if role == "member" {
             annotations.insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
+            annotations.insert(RENEWAL_ANNOTATION.to_string(), RENEWAL_BY_MEMBERSHIP.to_string());
         }
         Lease {
             metadata: ObjectMeta {
@@ -332,30 +341,41 @@ impl Driver {
             now,
         );
         let my_member = self.config.member_lease(&me);
-        let mut next_expiry: Option<Instant> = None;
         let shards = self.config.shards as usize;
         let mut shard_leases: Vec<Option<(Lease, LeaseView)>> = vec![None; shards];
         let mut member: Option<Lease> = None;
+        // The other replicas' memberships, by holder.
+        let mut members: HashMap<String, Member> = HashMap::new();
         let mut live: HashSet<String> = HashSet::from([me.clone()]);
         let mut stale = Vec::new();
-        for l in list.items {
-            let name = l.metadata.name.clone().unwrap_or_default();
-            let view = view_of(&l);
-            let role = l.metadata.labels.as_ref().and_then(|m| m.get(ROLE_LABEL)).map(String::as_str);
-            let foreign = view.holder.as_deref().is_some_and(|h| h != me);
-            if foreign && !self.tracker.expired(&name, &view, now, wall) {
-                let at = self.tracker.expires_at(&name, &view, now);
+        // When the first Lease of another replica that decides something expires.
+        let mut next_expiry: Option<Instant> = None;
+        let mut expiring = |name: &str, view: &LeaseView| {
+            if view.holder.as_deref().is_some_and(|h| h != me) && !self.tracker.expired(name, view, now, wall) {
+                let at = self.tracker.expires_at(name, view, now);
                 next_expiry = match (next_expiry, at) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
             }
+        };
+        for l in list.items {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            let view = view_of(&l);
+            let role = l.metadata.labels.as_ref().and_then(|m| m.get(ROLE_LABEL)).map(String::as_str);
             if let Some(i) = self.config.shard_index(&name) {
                 shard_leases[i as usize] = Some((l, view));
             } else if name == my_member {
                 member = Some(l);
             } else if role == Some("member") {
+                expiring(&name, &view);
                 let expired = self.tracker.expired(&name, &view, now, wall);
+                let renews_shards =
+                    l.metadata.annotations.as_ref().and_then(|a| a.get(RENEWAL_ANNOTATION)).map(String::as_str)
+                        == Some(RENEWAL_BY_MEMBERSHIP);
+                if let Some(h) = &view.holder {
+                    members.insert(h.clone(), Member { expired, renews_shards });
+                }
                 match &view.holder {
                     Some(h) if !expired => {
                         live.insert(h.clone());
@@ -369,8 +389,20 @@ impl Driver {
                 }
             }
         }
+        // A shard Lease decides its own expiry only when its holder does not renew it through the
+        // membership (whose expiry is counted above).
+        let holder_of = |v: &LeaseView| v.holder.as_ref().and_then(|h| members.get(h)).copied();
+        for (i, o) in shard_leases.iter().enumerate() {
+            if let Some((_, v)) = o
+                && !holder_of(v).is_some_and(|m| m.renews_shards)
+            {
+                expiring(&self.config.shard_lease(i as u32), v);
+            }
+        }
         self.next_expiry = next_expiry;
-        self.renew_member(&my_member, member).await?;
+        // A live replica of an earlier version judges every shard Lease by its own renewals.
+        let earlier = members.values().any(|m| !m.expired && !m.renews_shards);
+        let member_sent = self.renew_member(&my_member, member).await?;
         self.metrics.members.set(i64::try_from(live.len()).unwrap_or(i64::MAX));
         for (name, version) in stale.into_iter().take(4) {
             let dp = DeleteParams {
@@ -389,12 +421,20 @@ impl Driver {
             .map(|(i, o)| {
                 o.as_ref().map(|(_, v)| ShardLease {
                     holder: v.holder.clone(),
-                    expired: self.tracker.expired(&self.config.shard_lease(i as u32), v, now, wall),
+                    expired: shard_expired(
+                        self.tracker.expired(&self.config.shard_lease(i as u32), v, now, wall),
+                        holder_of(v),
+                    ),
                 })
             })
             .collect();
         let owned: BTreeSet<u32> = self.publisher.lock().owned.keys().copied().collect();
-        let p = plan(&me, &views, &owned, live.len(), self.offset);
+        let mut p = plan(&me, &views, &owned, live.len(), self.offset, !earlier);
+        if member_sent.is_none() {
+            // The membership was not renewed: nothing is kept, confirmed or taken on it. The shards
+            // worked on run until the fence, and the next round tries again.
+            (p.keep, p.renew, p.acquire) = (Vec::new(), Vec::new(), Vec::new());
+        }
 
         // Lost, then released: work stops before anything is written.
         if !p.lost.is_empty() || !p.release.is_empty() {
@@ -430,9 +470,9 @@ impl Driver {
             }
         }
 
-        // Renewals and acquisitions, all at once; each is valid from when it was sent.
-        let sent = Instant::now();
-        let valid_until = sent + self.config.duration.saturating_sub(self.config.tick());
+        // Renewals and acquisitions, all at once. Every shard is valid from when the membership
+        // was renewed, which came first: the others judge it by the membership.
+        let valid_until = member_sent.map(|sent| sent + self.config.duration.saturating_sub(self.config.tick()));
         let renewals = p.renew.iter().filter_map(|&i| {
             let (l, _) = shard_leases[i as usize].clone()?;
             let l = self.renewed(l, false);
@@ -454,14 +494,25 @@ impl Driver {
             }
         });
         let (renewed, acquired) = tokio::join!(join_all(renewals), join_all(acquisitions));
-        self.metrics.renew_latency.observe(sent.elapsed().as_secs_f64());
+        if let Some(sent) = member_sent {
+            self.metrics.renew_latency.observe(sent.elapsed().as_secs_f64());
+        }
 
         let mut s = self.publisher.lock();
         let mut gained = Vec::new();
+        if let Some(until) = valid_until {
+            for i in &p.keep {
+                // Unless the fence let it go meanwhile: then the next round confirms it by a write.
+                if let Some(t) = s.owned.get_mut(i) {
+                    *t = until;
+                }
+            }
+        }
         for (i, r) in renewed {
             match r {
                 Ok(_) => {
-                    if s.owned.insert(i, valid_until).is_none() {
+                    let Some(until) = valid_until else { continue };
+                    if s.owned.insert(i, until).is_none() {
                         // Held by this identity but not worked on: a restart, or fenced earlier.
                         gained.push(i);
                     }
@@ -487,7 +538,8 @@ impl Driver {
         for (i, r) in acquired {
             match r {
                 Ok(_) => {
-                    s.owned.insert(i, valid_until);
+                    let Some(until) = valid_until else { continue };
+                    s.owned.insert(i, until);
                     gained.push(i);
                 }
                 Err(e) if is_status(&e, 409) => tracing::debug!(shard = i, "another replica took the shard first"),
@@ -517,27 +569,28 @@ impl Driver {
         Ok(())
     }
 
-    /// Creates or renews this replica's membership Lease.
-    async fn renew_member(&self, name: &str, current: Option<Lease>) -> anyhow::Result<()> {
+    /// Creates or renews this replica's membership Lease; returns when the write was sent, or
+    /// `None` when it lost a race (the membership was not renewed).
+    async fn renew_member(&self, name: &str, current: Option<Lease>) -> anyhow::Result<Option<Instant>> {
         let me = self.config.identity.clone();
+        let sent = Instant::now();
         let r = match current {
             Some(l) => {
                 let mut l = self.renewed(l, true);
-                l.metadata
-                    .annotations
-                    .get_or_insert_with(Default::default)
-                    .insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
+                let annotations = l.metadata.annotations.get_or_insert_with(Default::default);
+                annotations.insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
+                annotations.insert(RENEWAL_ANNOTATION.to_string(), RENEWAL_BY_MEMBERSHIP.to_string());
                 self.api.replace(name, &PostParams::default(), &l).await
             }
             None => self.api.create(&PostParams::default(), &self.lease(name, "member", Some(&me))).await,
         };
         match r {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(Some(sent)),
             // Written by someone else since the list (a replica with the same identity?): the
             // next round reads it again.
             Err(e) if is_status(&e, 409) => {
                 tracing::warn!(lease = name, "membership Lease changed under this replica; is --replica-id unique?");
-                Ok(())
+                Ok(None)
             }
             Err(e) => Err(anyhow::anyhow!("renewing the membership Lease {name}: {e}")),
         }

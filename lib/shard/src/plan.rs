@@ -7,6 +7,14 @@
 //! past by this machine's clock, which lets a fresh replica take over Leases of replicas that
 //! died long ago without waiting a duration first, while tolerating a duration of clock skew.
 //!
+//! **Renewal through the membership.** A replica renews its membership Lease every round and
+//! writes a shard Lease only when it takes it, releases it, or starts working on it again (after
+//! a restart or a fence): the membership carries the shards it holds. A shard Lease whose holder's
+//! membership Lease says so ([`Member::renews_shards`]) is expired when that membership Lease is;
+//! any other (a holder of an earlier version, or one whose membership Lease is gone) by its own
+//! renewals, as above. While a live replica of an earlier version is about, which judges every
+//! shard Lease by its own renewals, the held shard Leases are renewed every round as well.
+//!
 //! **Fair share.** `ceil(shards / live members)`, where the live members are the replicas whose
 //! membership Lease is not expired (this one always counts). A replica below its share takes
 //! free or expired shard Leases; one above it releases the excess, so a new replica gets work
@@ -75,6 +83,24 @@ impl Tracker {
     }
 }
 
+/// A membership Lease as the judgement of the shard Leases needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// Whether the membership Lease is expired.
+    pub expired: bool,
+    /// Whether its holder keeps its shard Leases alive through it (see the module docs).
+    pub renews_shards: bool,
+}
+
+/// Whether a shard Lease is expired: by its holder's membership Lease (`holder`, when listed)
+/// when the holder renews its shards through it, otherwise by its own renewals (`own`).
+pub fn shard_expired(own: bool, holder: Option<Member>) -> bool {
+    match holder {
+        Some(m) if m.renews_shards => m.expired,
+        _ => own,
+    }
+}
+
 /// The fair share of `shards` among `live` replicas.
 pub fn fair_share(shards: u32, live: usize) -> u32 {
     shards.div_ceil(u32::try_from(live.max(1)).unwrap_or(u32::MAX))
@@ -94,8 +120,11 @@ pub struct ShardLease {
 pub struct Plan {
     /// Owned by this replica as far as it knew, now held by someone else or gone: stop at once.
     pub lost: Vec<u32>,
-    /// Held by this replica: renew.
+    /// Held by this replica, to be written: not worked on yet (a restart, or fenced earlier),
+    /// or renewed every round because a replica of an earlier version is about.
     pub renew: Vec<u32>,
+    /// Held by this replica and worked on: kept through the membership Lease, nothing written.
+    pub keep: Vec<u32>,
     /// Held by this replica beyond its fair share: stop working on them, then release.
     pub release: Vec<u32>,
     /// Free or expired: take.
@@ -107,8 +136,16 @@ pub struct Plan {
 /// Plans a round for replica `me`. `leases[i]` is shard `i`'s Lease (`None`: it does not
 /// exist yet); `owned` what this replica works on now; `live` the live replicas (this one
 /// included); shards are considered in order from `offset`, so that replicas starting together
-/// do not all reach for the same free shards first.
-pub fn plan(me: &str, leases: &[Option<ShardLease>], owned: &BTreeSet<u32>, live: usize, offset: u32) -> Plan {
+/// do not all reach for the same free shards first. With `by_membership` the shards worked on
+/// are kept without a write ([`Plan::keep`]); without it every held shard is renewed.
+pub fn plan(
+    me: &str,
+    leases: &[Option<ShardLease>],
+    owned: &BTreeSet<u32>,
+    live: usize,
+    offset: u32,
+    by_membership: bool,
+) -> Plan {
     let shards = u32::try_from(leases.len()).unwrap_or(u32::MAX);
     let fair = fair_share(shards, live);
     let order: Vec<u32> = (0..shards).map(|k| (k + offset % shards.max(1)) % shards.max(1)).collect();
@@ -117,7 +154,7 @@ pub fn plan(me: &str, leases: &[Option<ShardLease>], owned: &BTreeSet<u32>, live
     p.lost = owned.iter().copied().filter(|&i| i >= shards || !held_by_me(i)).collect();
     let mine: Vec<u32> = order.iter().copied().filter(|&i| held_by_me(i)).collect();
     let keep = usize::try_from(fair).unwrap_or(usize::MAX).min(mine.len());
-    p.renew = mine[..keep].to_vec();
+    (p.keep, p.renew) = mine[..keep].iter().partition(|&&i| by_membership && owned.contains(&i));
     p.release = mine[keep..].to_vec();
     let need = usize::try_from(fair).unwrap_or(usize::MAX).saturating_sub(mine.len());
     p.acquire = order
@@ -167,7 +204,7 @@ mod tests {
     #[test]
     fn a_lone_replica_takes_everything_that_is_free_or_expired() {
         let leases = vec![None, free(), expired("dead"), held("other"), None];
-        let p = plan("me", &leases, &set(&[]), 1, 0);
+        let p = plan("me", &leases, &set(&[]), 1, 0, false);
         assert_eq!(p.acquire, [0, 1, 2, 4], "not the one another replica holds");
         assert!(p.renew.is_empty() && p.release.is_empty() && p.lost.is_empty());
     }
@@ -176,31 +213,31 @@ mod tests {
     fn two_replicas_split_and_the_rich_one_releases_its_excess() {
         // Four shards, all held by a; b joined.
         let leases = vec![held("a"), held("a"), held("a"), held("a")];
-        let pa = plan("a", &leases, &set(&[0, 1, 2, 3]), 2, 0);
+        let pa = plan("a", &leases, &set(&[0, 1, 2, 3]), 2, 0, false);
         assert_eq!((pa.fair, pa.renew.as_slice(), pa.release.as_slice()), (2, &[0, 1][..], &[2, 3][..]));
         assert!(pa.acquire.is_empty());
-        let pb = plan("b", &leases, &set(&[]), 2, 0);
+        let pb = plan("b", &leases, &set(&[]), 2, 0, false);
         assert!(pb.acquire.is_empty(), "nothing free yet");
         // a released 2 and 3: b takes them.
         let leases = vec![held("a"), held("a"), free(), free()];
-        assert_eq!(plan("b", &leases, &set(&[]), 2, 0).acquire, [2, 3]);
-        assert_eq!(plan("a", &leases, &set(&[0, 1]), 2, 0).renew, [0, 1]);
+        assert_eq!(plan("b", &leases, &set(&[]), 2, 0, false).acquire, [2, 3]);
+        assert_eq!(plan("a", &leases, &set(&[0, 1]), 2, 0, false).renew, [0, 1]);
     }
 
     #[test]
     fn a_dead_replica_s_shards_are_taken_once_expired() {
         let leases = vec![held("a"), held("a"), held("b"), held("b")];
-        let p = plan("a", &leases, &set(&[0, 1]), 1, 0);
+        let p = plan("a", &leases, &set(&[0, 1]), 1, 0, false);
         assert!(p.acquire.is_empty(), "b's Leases are not expired yet");
         let leases = vec![held("a"), held("a"), expired("b"), expired("b")];
-        let p = plan("a", &leases, &set(&[0, 1]), 1, 0);
+        let p = plan("a", &leases, &set(&[0, 1]), 1, 0, false);
         assert_eq!((p.renew.as_slice(), p.acquire.as_slice()), (&[0, 1][..], &[2, 3][..]));
     }
 
     #[test]
     fn shards_taken_by_someone_else_are_lost_at_once() {
         let leases = vec![held("a"), held("b"), None];
-        let p = plan("a", &leases, &set(&[0, 1, 2]), 2, 0);
+        let p = plan("a", &leases, &set(&[0, 1, 2]), 2, 0, false);
         assert_eq!(p.lost, [1, 2]);
         assert_eq!(p.renew, [0]);
         assert_eq!(p.acquire, [2], "a shard whose Lease is gone is free again");
@@ -210,16 +247,46 @@ mod tests {
     fn leases_still_held_after_a_restart_are_renewed() {
         // Same identity, nothing owned in memory yet: the Leases are its own.
         let leases = vec![held("a"), held("a"), free()];
-        let p = plan("a", &leases, &set(&[]), 1, 0);
+        let p = plan("a", &leases, &set(&[]), 1, 0, false);
         assert_eq!((p.renew.as_slice(), p.acquire.as_slice()), (&[0, 1][..], &[2][..]));
+    }
+
+    #[test]
+    fn through_the_membership_only_shards_not_worked_on_are_written() {
+        let leases = vec![held("a"), held("a"), held("a"), held("b")];
+        // 0 and 1 worked on; 2 held from before a restart (or a fence): confirmed by a write.
+        let p = plan("a", &leases, &set(&[0, 1]), 2, 0, true);
+        assert_eq!((p.keep.as_slice(), p.renew.as_slice()), (&[0, 1][..], &[][..]), "fair share 2: {p:?}");
+        assert_eq!(p.release, [2]);
+        let p = plan("a", &leases, &set(&[0]), 1, 0, true);
+        assert_eq!((p.keep.as_slice(), p.renew.as_slice()), (&[0][..], &[1, 2][..]));
+        // With a replica of an earlier version about, every held shard is written.
+        let p = plan("a", &leases, &set(&[0, 1]), 1, 0, false);
+        assert_eq!((p.keep.as_slice(), p.renew.as_slice()), (&[][..], &[0, 1, 2][..]));
+        // A shard lost is lost either way.
+        let p = plan("a", &leases, &set(&[0, 3]), 1, 0, true);
+        assert_eq!((p.lost.as_slice(), p.keep.as_slice()), (&[3][..], &[0][..]));
+    }
+
+    #[test]
+    fn a_shard_lease_follows_its_holder_s_membership_when_it_says_so() {
+        let member = |expired, renews_shards| Some(Member { expired, renews_shards });
+        // Unchanged for ages by itself, but its holder's membership is renewed: alive.
+        assert!(!shard_expired(true, member(false, true)));
+        assert!(shard_expired(false, member(true, true)), "the holder's membership expired");
+        // A holder of an earlier version, or without a membership Lease: the shard's own renewals.
+        assert!(shard_expired(true, member(false, false)));
+        assert!(!shard_expired(false, member(true, false)));
+        assert!(shard_expired(true, None));
+        assert!(!shard_expired(false, None));
     }
 
     #[test]
     fn the_offset_rotates_the_choice() {
         let leases = vec![free(), free(), free(), free()];
-        assert_eq!(plan("a", &leases, &set(&[]), 2, 0).acquire, [0, 1]);
-        assert_eq!(plan("b", &leases, &set(&[]), 2, 3).acquire, [3, 0]);
-        assert_eq!(plan("b", &[], &set(&[]), 2, 3), Plan { fair: 0, ..Plan::default() });
+        assert_eq!(plan("a", &leases, &set(&[]), 2, 0, false).acquire, [0, 1]);
+        assert_eq!(plan("b", &leases, &set(&[]), 2, 3, false).acquire, [3, 0]);
+        assert_eq!(plan("b", &[], &set(&[]), 2, 3, false), Plan { fair: 0, ..Plan::default() });
     }
 
     #[test]

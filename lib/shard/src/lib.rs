@@ -9,13 +9,17 @@
 //!   holder's gRPC endpoint in the annotation `kuryr.openstack.org/endpoint`, so that others can
 //!   route a shard's work to its owner.
 //! - **Rounds**, every fifth of the Lease duration: one list of the service's Leases; the
-//!   membership renewed; owned shard Leases renewed; free or expired ones taken up to the fair
-//!   share `ceil(shards / live replicas)`; shards beyond it released (work stops first), so a
-//!   new replica gets work promptly ([`plan`]). Every write carries the resourceVersion read, so
-//!   two replicas never both win a Lease.
-//! - **Fencing by time**: a shard whose Lease was not renewed within the duration minus one
-//!   renewal interval is let go at once, before any other replica may take it; so is one whose
-//!   renewal lost a race.
+//!   membership renewed, which keeps the replica's shards alive too (a shard Lease is written
+//!   when it is taken, released, or worked on again after a restart or a fence, so a steady
+//!   round costs one list and one write whatever the number of shards); free or expired ones
+//!   taken up to the fair share `ceil(shards / live replicas)`; shards beyond it released (work
+//!   stops first), so a new replica gets work promptly ([`plan`]). Every write carries the
+//!   resourceVersion read, so two replicas never both win a Lease. While a live replica of an
+//!   earlier version (which renewed every shard Lease every round, and judges them so) is about,
+//!   the held shard Leases are renewed every round as well.
+//! - **Fencing by time**: a shard whose holder's membership was not renewed within the duration
+//!   minus one renewal interval is let go at once, before any other replica may take it; so is
+//!   one whose confirming write lost a race.
 //! - **Shutdown**: everything is released and the membership Lease deleted, so the others take
 //!   over at once instead of after a duration.
 //!

@@ -21,9 +21,10 @@ kuryr_runtime::metric_set! {
         /// renewal lost a race), `expired` (not renewed in time: fenced by the clock), `gone` (the
         /// Lease was deleted).
         pub losses: Family<ReasonLabels, Counter> => "kuryr_shard_losses", "Shards lost, by reason";
-        /// Duration of the renewals of one round (all owned Leases, concurrently).
+        /// Duration of the renewals of one round: the membership, then the shard Leases written
+        /// in it (taken, confirmed), concurrently.
         pub renew_latency: Histogram = kuryr_runtime::metrics::latency_histogram()
-            => "kuryr_shard_renew_seconds", "Time to renew the owned shard Leases in one round";
+            => "kuryr_shard_renew_seconds", "Time to renew the membership and write the shard Leases of one round";
         /// Rounds that failed (the Lease list or the membership renewal).
         pub round_failures: Counter
             => "kuryr_shard_round_failures", "Rounds that could not list the Leases or renew the membership";

@@ -15,7 +15,9 @@
 //! Where the time goes is printed beside it: the CPU seconds each group of processes spent during
 //! each arm (from the first create to the last pod Running: utime + stime of every process, with
 //! the children it reaped — the CNI plugins count towards containerd, which runs them), and the
-//! requests the API server served (`apiserver_request_total`), per arm.
+//! requests the API server served (`apiserver_request_total`), per arm, and the Events recorded
+//! meanwhile by type, reason and the kind and namespace of their object (a probe failing under
+//! load, a sandbox retried: what the request counts alone do not say).
 //!
 //! Goal: kuryr p99 ≤ 1 s and ≤ 1.1× the reference.
 #![allow(clippy::print_stdout)]
@@ -27,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Container, Event as CoreEvent, Namespace, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher::{self, Event, watcher};
@@ -118,6 +120,7 @@ async fn main() -> Result<()> {
     let (rq, kq) = (reference.requests.values().sum::<f64>(), kuryr.requests.values().sum::<f64>());
     println!("  {:<28} {rq:>10.0} {kq:>10.0} {:>7.2}x", "API requests served", kq / rq.max(1.0));
     requests_table(&reference.requests, &kuryr.requests, pods);
+    events_table(&reference.events, &kuryr.events);
     let (reference, kuryr) = (reference.stats, kuryr.stats);
 
     println!("\n  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8}", "pod created → Running (ms)", "n", "p50", "p90", "p99", "max");
@@ -166,6 +169,62 @@ struct Arm {
     cpu: BTreeMap<String, f64>,
     /// Requests the API server served meanwhile, by (verb, resource).
     requests: Requests,
+    /// Events recorded meanwhile (counted with their repeats), by [`event_key`].
+    events: BTreeMap<String, i64>,
+}
+
+/// Every Event's uid → (key, count): its repeats raise the count of one Event.
+async fn event_counts(client: &kube::Client, arm_namespace: &str) -> Result<HashMap<String, (String, i64)>> {
+    let list = Api::<CoreEvent>::all(client.clone()).list(&ListParams::default()).await.context("listing Events")?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter_map(|e| {
+            let uid = e.metadata.uid.clone()?;
+            Some((uid, (event_key(&e, arm_namespace), i64::from(e.count.unwrap_or(1).max(1)))))
+        })
+        .collect())
+}
+
+/// `type reason (kind in namespace)`, the arm's own namespace as `bench`.
+fn event_key(e: &CoreEvent, arm_namespace: &str) -> String {
+    let ns = e.involved_object.namespace.as_deref().unwrap_or("-");
+    let ns = if ns == arm_namespace { "bench" } else { ns };
+    format!(
+        "{} {} ({} in {ns})",
+        e.type_.as_deref().unwrap_or("-"),
+        e.reason.as_deref().unwrap_or("-"),
+        e.involved_object.kind.as_deref().unwrap_or("-")
+    )
+}
+
+/// The Events recorded between two [`event_counts`] reads, by key.
+fn events_between(
+    before: &HashMap<String, (String, i64)>,
+    after: &HashMap<String, (String, i64)>,
+) -> BTreeMap<String, i64> {
+    let mut out = BTreeMap::new();
+    for (uid, (key, n)) in after {
+        let earlier = before.get(uid).map_or(0, |(_, n)| *n);
+        if *n > earlier {
+            *out.entry(key.clone()).or_insert(0) += n - earlier;
+        }
+    }
+    out
+}
+
+/// The Events of the two arms side by side, the largest differences first.
+fn events_table(reference: &BTreeMap<String, i64>, kuryr: &BTreeMap<String, i64>) {
+    let keys: BTreeSet<&String> = reference.keys().chain(kuryr.keys()).collect();
+    let mut rows: Vec<(&String, i64, i64)> = keys
+        .into_iter()
+        .map(|k| (k, reference.get(k).copied().unwrap_or(0), kuryr.get(k).copied().unwrap_or(0)))
+        .collect();
+    rows.sort_by(|a, b| (b.2 - b.1).abs().cmp(&(a.2 - a.1).abs()).then_with(|| a.0.cmp(b.0)));
+    println!("\n  {:<60} {:>10} {:>10}", "Events during the arm (with repeats)", "reference", "kuryr");
+    for (key, r, k) in rows.into_iter().take(20) {
+        println!("  {key:<60} {r:>10} {k:>10}");
+    }
 }
 
 /// The group a process's CPU counts in, by its command name.
@@ -216,6 +275,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
     let interval = Duration::from_secs_f64(1.0 / rate);
     let cpu_before = CpuSnapshot::take();
     let requests_before = apiserver_requests(&client).await?;
+    let events_before = event_counts(&client, namespace).await?;
     let start = Instant::now();
     let mut creates = tokio::task::JoinSet::new();
     for i in 0..pods {
@@ -248,6 +308,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
     let cpu = cpu_before.since(&CpuSnapshot::take(), group);
     let requests: Requests =
         requests_between(&requests_before, &apiserver_requests(&client).await?).into_iter().collect();
+    let events = events_between(&events_before, &event_counts(&client, namespace).await?);
     let created = created.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let running = running.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let samples: Vec<f64> = created
@@ -264,7 +325,7 @@ async fn arm(cluster: &RealCluster, namespace: &str, image: &str, pods: usize, r
         })
         .await?;
     Api::<Namespace>::all(client.clone()).delete(namespace, &DeleteParams::default()).await?;
-    Ok(Arm { stats: Stats::of(&samples).context("no samples")?, cpu, requests })
+    Ok(Arm { stats: Stats::of(&samples).context("no samples")?, cpu, requests, events })
 }
 
 fn bench_pod(name: &str, image: &str) -> Pod {

@@ -181,7 +181,9 @@ async fn event_counts(client: &kube::Client, arm_namespace: &str) -> Result<Hash
         .into_iter()
         .filter_map(|e| {
             let uid = e.metadata.uid.clone()?;
-            Some((uid, (event_key(&e, arm_namespace), i64::from(e.count.unwrap_or(1).max(1)))))
+            // Repeats raise `count` (core/v1) or `series.count` (events.k8s.io/v1).
+            let repeats = e.count.max(e.series.as_ref().and_then(|s| s.count)).unwrap_or(1).max(1);
+            Some((uid, (event_key(&e, arm_namespace), i64::from(repeats))))
         })
         .collect())
 }

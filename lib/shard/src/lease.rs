@@ -471,8 +471,10 @@ impl Driver {
         }
 
         // Renewals and acquisitions, all at once. Every shard is valid from when the membership
-        // was renewed, which came first: the others judge it by the membership.
-        let valid_until = member_sent.map(|sent| sent + self.config.duration.saturating_sub(self.config.tick()));
+        // was renewed, which came first: the others judge it by the membership. (Without a
+        // renewal there is nothing to keep, renew or take, so no shard gets a deadline here.)
+        let valid_until =
+            member_sent.unwrap_or_else(Instant::now) + self.config.duration.saturating_sub(self.config.tick());
         let renewals = p.renew.iter().filter_map(|&i| {
             let (l, _) = shard_leases[i as usize].clone()?;
             let l = self.renewed(l, false);
@@ -500,19 +502,16 @@ impl Driver {
 
         let mut s = self.publisher.lock();
         let mut gained = Vec::new();
-        if let Some(until) = valid_until {
-            for i in &p.keep {
-                // Unless the fence let it go meanwhile: then the next round confirms it by a write.
-                if let Some(t) = s.owned.get_mut(i) {
-                    *t = until;
-                }
+        for i in &p.keep {
+            // Unless the fence let it go meanwhile: then the next round confirms it by a write.
+            if let Some(t) = s.owned.get_mut(i) {
+                *t = valid_until;
             }
         }
         for (i, r) in renewed {
             match r {
                 Ok(_) => {
-                    let Some(until) = valid_until else { continue };
-                    if s.owned.insert(i, until).is_none() {
+                    if s.owned.insert(i, valid_until).is_none() {
                         // Held by this identity but not worked on: a restart, or fenced earlier.
                         gained.push(i);
                     }
@@ -538,8 +537,7 @@ impl Driver {
         for (i, r) in acquired {
             match r {
                 Ok(_) => {
-                    let Some(until) = valid_until else { continue };
-                    s.owned.insert(i, until);
+                    s.owned.insert(i, valid_until);
                     gained.push(i);
                 }
                 Err(e) if is_status(&e, 409) => tracing::debug!(shard = i, "another replica took the shard first"),

@@ -1,55 +1,37 @@
 //! The rounds against the Kubernetes API: list the Leases, renew the membership, carry out the
-//! [plan](crate::plan), publish the [`Ownership`]; and the fence that stops work on a shard
-//! whose membership (and Lease) was not renewed in time, whatever the rounds are doing.
+//! [plan](crate::plan), publish the [`Ownership`] (module `publish`, with the fence that stops
+//! work on a shard whose membership was not renewed in time); the Lease objects themselves are
+//! built in module `objects`.
+
+mod objects;
+mod publish;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::join_all;
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kuryr_runtime::Shutdown;
 use tokio::sync::watch;
 use tracing::Instrument as _;
 
+pub use self::objects::{
+    ENDPOINT_ANNOTATION, RENEWAL_ANNOTATION, RENEWAL_BY_MEMBERSHIP, ROLE_LABEL, SET_LABEL, SHARDS_ANNOTATION,
+};
+use self::objects::{MEMBER, SHARD, fresh, member_renewed, renewed, renews_shards, view_of};
+use self::publish::{Publisher, State, fence};
 use crate::config::ShardConfig;
 use crate::hash::fnv1a64;
 use crate::metrics::ShardMetrics;
 use crate::ownership::{Owner, Ownership};
 use crate::plan::{LeaseView, Member, ShardLease, Tracker, plan, shard_expired};
 
-/// The annotation holding the holder's endpoint, on shard and membership Leases.
-pub const ENDPOINT_ANNOTATION: &str = "kuryr.openstack.org/endpoint";
-/// The annotation of a membership Lease holding the replica's number of shards.
-pub const SHARDS_ANNOTATION: &str = "kuryr.openstack.org/shards";
-/// The annotation of a membership Lease saying how its holder keeps its shard Leases alive:
-/// [`RENEWAL_BY_MEMBERSHIP`] (through the membership Lease, see [`crate::plan`]); replicas of
-/// earlier versions do not write it and renew every shard Lease every round.
-pub const RENEWAL_ANNOTATION: &str = "kuryr.openstack.org/shard-renewal";
-/// The value of [`RENEWAL_ANNOTATION`] of replicas that renew their shards through their
-/// membership.
-pub const RENEWAL_BY_MEMBERSHIP: &str = "membership";
-/// The label naming the service a Lease belongs to (the one list of a round selects on it).
-pub const SET_LABEL: &str = "kuryr.openstack.org/shard-set";
-/// The label telling shard Leases (`shard`) from membership Leases (`member`).
-pub const ROLE_LABEL: &str = "kuryr.openstack.org/shard-role";
-
 /// Membership Leases of replicas gone this many durations are deleted by the others.
 const STALE_MEMBER_DURATIONS: u32 = 10;
 /// At shutdown, how long releasing the Leases may take.
 const RELEASE_BOUND: Duration = Duration::from_secs(5);
-
-/// What the rounds and the fence share.
-#[derive(Debug)]
-struct State {
-    /// Owned shards and until when each may be worked on without a renewal.
-    owned: BTreeMap<u32, Instant>,
-    owners: Vec<Option<Owner>>,
-    ready: bool,
-}
 
 /// A running shard set: the ownership it publishes, and the end of its release at shutdown.
 #[derive(Clone, Debug)]
@@ -122,77 +104,6 @@ pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, s
     ShardHandle { ownership, stopped }
 }
 
-/// Publishes ownership changes.
-#[derive(Clone, Debug)]
-struct Publisher {
-    tx: Arc<watch::Sender<Arc<Ownership>>>,
-    state: Arc<Mutex<State>>,
-    config: Arc<ShardConfig>,
-    metrics: ShardMetrics,
-}
-
-impl Publisher {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Sends the state when it differs from what was last sent.
-    fn publish(&self, state: &State) {
-        let mut owners = state.owners.clone();
-        for &i in state.owned.keys() {
-            if let Some(o) = owners.get_mut(i as usize) {
-                *o = Some(Owner {
-                    identity: self.config.identity.clone(),
-                    endpoint: Some(self.config.endpoint.clone()),
-                });
-            }
-        }
-        let next = Ownership {
-            shards: self.config.shards,
-            identity: self.config.identity.clone(),
-            ready: state.ready,
-            owned: state.owned.keys().copied().collect(),
-            owners,
-        };
-        self.metrics.owned.set(i64::try_from(state.owned.len()).unwrap_or(i64::MAX));
-        self.tx.send_if_modified(|cur| {
-            if **cur == next {
-                return false;
-            }
-            *cur = Arc::new(next);
-            true
-        });
-    }
-}
-
-/// Stops work on shards whose membership was not renewed in time: a shard whose holder's
-/// membership Lease was renewed at `t` is worked on until `t + duration − tick` at most, so it
-/// is let go at least one renewal interval before any other replica can take it (they wait a
-/// whole duration from when they see the renewal).
-async fn fence(publisher: Publisher, shutdown: Shutdown) {
-    let check = (publisher.config.tick() / 4).max(Duration::from_millis(20));
-    loop {
-        let wake = {
-            let mut s = publisher.lock();
-            let now = Instant::now();
-            let expired: Vec<u32> = s.owned.iter().filter(|(_, until)| **until <= now).map(|(i, _)| *i).collect();
-            for i in &expired {
-                s.owned.remove(i);
-                publisher.metrics.lost("expired");
-                tracing::warn!(shard = i, "shard Lease not renewed in time; stopped working on it");
-            }
-            if !expired.is_empty() {
-                publisher.publish(&s);
-            }
-            s.owned.values().min().copied().map_or(now + check, |t| t.min(now + check))
-        };
-        tokio::select! {
-            () = tokio::time::sleep_until(wake.into()) => {}
-            () = shutdown.clone().wait() => return,
-        }
-    }
-}
-
 struct Driver {
     api: Api<Lease>,
     config: ShardConfig,
@@ -205,27 +116,6 @@ struct Driver {
     /// When the first Lease of another replica expires if not renewed: the next round runs
     /// then rather than up to a renewal interval later, so takeover is prompt.
     next_expiry: Option<Instant>,
-}
-
-fn now_micro() -> MicroTime {
-    MicroTime(Timestamp::now())
-}
-
-fn duration_seconds(d: Duration) -> i32 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-    i32::try_from(secs).unwrap_or(i32::MAX)
-}
-
-/// What a round reads of a Lease.
-fn view_of(l: &Lease) -> LeaseView {
-    let spec = l.spec.clone().unwrap_or_default();
-    LeaseView {
-        holder: spec.holder_identity.filter(|h| !h.is_empty()),
-        endpoint: l.metadata.annotations.as_ref().and_then(|a| a.get(ENDPOINT_ANNOTATION)).cloned(),
-        renewed: spec.renew_time.map(|t| SystemTime::from(t.0)),
-        duration: Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0).max(1)).unwrap_or(1)),
-        version: l.metadata.resource_version.clone().unwrap_or_default(),
-    }
 }
 
 fn is_status(e: &kube::Error, code: u16) -> bool {
@@ -274,54 +164,6 @@ impl Driver {
         }
     }
 
-    fn lease(&self, name: &str, role: &str, holder: Option<&str>) -> Lease {
-        let now = now_micro();
-        let mut annotations = BTreeMap::from([(ENDPOINT_ANNOTATION.to_string(), self.config.endpoint.clone())]);
-        if role == "member" {
-            annotations.insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
-            annotations.insert(RENEWAL_ANNOTATION.to_string(), RENEWAL_BY_MEMBERSHIP.to_string());
-        }
-        Lease {
-            metadata: ObjectMeta {
-                name: Some(name.to_string()),
-                namespace: Some(self.config.namespace.clone()),
-                labels: Some(BTreeMap::from([
-                    (SET_LABEL.to_string(), self.config.service.clone()),
-                    (ROLE_LABEL.to_string(), role.to_string()),
-                ])),
-                annotations: Some(annotations),
-                ..Default::default()
-            },
-            spec: Some(LeaseSpec {
-                holder_identity: holder.map(str::to_string),
-                lease_duration_seconds: Some(duration_seconds(self.config.duration)),
-                acquire_time: Some(now.clone()),
-                renew_time: Some(now),
-                lease_transitions: Some(0),
-                ..Default::default()
-            }),
-        }
-    }
-
-    /// `l` renewed by this replica (taken, when `take`).
-    fn renewed(&self, mut l: Lease, take: bool) -> Lease {
-        let now = now_micro();
-        let spec = l.spec.get_or_insert_with(Default::default);
-        let me = self.config.identity.clone();
-        if take && spec.holder_identity.as_deref() != Some(me.as_str()) {
-            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
-            spec.acquire_time = Some(now.clone());
-        }
-        spec.holder_identity = Some(me);
-        spec.renew_time = Some(now);
-        spec.lease_duration_seconds = Some(duration_seconds(self.config.duration));
-        l.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(ENDPOINT_ANNOTATION.to_string(), self.config.endpoint.clone());
-        l
-    }
-
     async fn round(&mut self) -> anyhow::Result<()> {
         let me = self.config.identity.clone();
         let service = self.config.service.clone();
@@ -367,14 +209,11 @@ impl Driver {
                 shard_leases[i as usize] = Some((l, view));
             } else if name == my_member {
                 member = Some(l);
-            } else if role == Some("member") {
+            } else if role == Some(MEMBER) {
                 expiring(&name, &view);
                 let expired = self.tracker.expired(&name, &view, now, wall);
-                let renews_shards =
-                    l.metadata.annotations.as_ref().and_then(|a| a.get(RENEWAL_ANNOTATION)).map(String::as_str)
-                        == Some(RENEWAL_BY_MEMBERSHIP);
                 if let Some(h) = &view.holder {
-                    members.insert(h.clone(), Member { expired, renews_shards });
+                    members.insert(h.clone(), Member { expired, renews_shards: renews_shards(&l) });
                 }
                 match &view.holder {
                     Some(h) if !expired => {
@@ -477,15 +316,15 @@ impl Driver {
             member_sent.unwrap_or_else(Instant::now) + self.config.duration.saturating_sub(self.config.tick());
         let renewals = p.renew.iter().filter_map(|&i| {
             let (l, _) = shard_leases[i as usize].clone()?;
-            let l = self.renewed(l, false);
+            let l = renewed(&self.config, l, false);
             let name = self.config.shard_lease(i);
             let api = self.api.clone();
             Some(async move { (i, api.replace(&name, &PostParams::default(), &l).await) })
         });
         let acquisitions = p.acquire.iter().map(|&i| {
             let name = self.config.shard_lease(i);
-            let existing = shard_leases[i as usize].clone().map(|(l, _)| self.renewed(l, true));
-            let fresh = self.lease(&name, "shard", Some(&me));
+            let existing = shard_leases[i as usize].clone().map(|(l, _)| renewed(&self.config, l, true));
+            let fresh = fresh(&self.config, &name, SHARD, Some(&me));
             let api = self.api.clone();
             async move {
                 let r = match existing {
@@ -573,14 +412,8 @@ impl Driver {
         let me = self.config.identity.clone();
         let sent = Instant::now();
         let r = match current {
-            Some(l) => {
-                let mut l = self.renewed(l, true);
-                let annotations = l.metadata.annotations.get_or_insert_with(Default::default);
-                annotations.insert(SHARDS_ANNOTATION.to_string(), self.config.shards.to_string());
-                annotations.insert(RENEWAL_ANNOTATION.to_string(), RENEWAL_BY_MEMBERSHIP.to_string());
-                self.api.replace(name, &PostParams::default(), &l).await
-            }
-            None => self.api.create(&PostParams::default(), &self.lease(name, "member", Some(&me))).await,
+            Some(l) => self.api.replace(name, &PostParams::default(), &member_renewed(&self.config, l)).await,
+            None => self.api.create(&PostParams::default(), &fresh(&self.config, name, MEMBER, Some(&me))).await,
         };
         match r {
             Ok(_) => Ok(Some(sent)),

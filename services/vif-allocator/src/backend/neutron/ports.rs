@@ -5,10 +5,10 @@
 use std::sync::Mutex;
 
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{FixedIp, Port, PortCreate, PortUpdate};
+use kuryr_openstack::neutron::{Port, PortCreate, PortUpdate};
 
 use super::pool::{Inventory, PoolKey};
-use super::vif::VifShape;
+use super::vif::{PortOwner, VifShape};
 use super::{NeutronBackend, guard, neutron_err};
 use crate::core::PodKey;
 use crate::error::ClusterError;
@@ -19,20 +19,16 @@ const BULK_MAX: u32 = 50;
 
 impl NeutronBackend {
     pub(super) fn port_create(&self, shape: &VifShape, node: &str, pod: Option<&PodKey>) -> PortCreate {
+        let owner = PortOwner {
+            project: &self.project,
+            device_owner: &self.device_owner,
+            security_groups: &self.security_groups,
+            tag: &self.tag,
+        };
         PortCreate {
-            network_id: shape.network_id.clone(),
-            name: pod.map(port_name),
-            project_id: Some(self.project.clone()),
-            fixed_ips: Some(
-                shape.subnets.iter().map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None }).collect(),
-            ),
             device_id: pod.map(|p| p.uid.clone()),
-            device_owner: Some(self.device_owner.clone()),
             binding_host_id: Some(node.to_string()),
-            security_groups: (!self.security_groups.is_empty()).then(|| self.security_groups.clone()),
-            admin_state_up: Some(true),
-            tags: Some(vec![self.tag.clone()]),
-            ..PortCreate::default()
+            ..shape.port_create(owner, pod.map(port_name))
         }
     }
 

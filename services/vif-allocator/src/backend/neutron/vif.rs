@@ -3,7 +3,7 @@
 //! binding with the port id as `iface-id` (what the ML2/OVS agent looks for on `br-int`).
 
 use ipnet::IpNet;
-use kuryr_openstack::neutron::{Port, Subnet};
+use kuryr_openstack::neutron::{FixedIp, Port, PortCreate, Subnet};
 
 use crate::core::{VifBinding, VifIp, VifRecord, VifRoute};
 
@@ -53,7 +53,39 @@ pub struct VifShape {
     pub bridge: String,
 }
 
+/// Who a port is made for and how it is marked, whatever its binding: the project, the
+/// `device_owner`, the security groups (Neutron's default group when empty) and the cluster's tag.
+#[derive(Clone, Copy, Debug)]
+pub struct PortOwner<'a> {
+    /// The project the port is made in.
+    pub project: &'a str,
+    /// The port's `device_owner`.
+    pub device_owner: &'a str,
+    /// The port's security groups; Neutron's default group when empty.
+    pub security_groups: &'a [String],
+    /// The cluster's tag, `kuryr.openstack.org/cluster=<id>`.
+    pub tag: &'a str,
+}
+
 impl VifShape {
+    /// A port to create on the network, one address on each pod subnet, named after `name`
+    /// when given; the binding's fields (`device_id`, `binding_host_id`) are the caller's.
+    pub fn port_create(&self, owner: PortOwner<'_>, name: Option<String>) -> PortCreate {
+        PortCreate {
+            network_id: self.network_id.clone(),
+            name,
+            project_id: Some(owner.project.to_string()),
+            fixed_ips: Some(
+                self.subnets.iter().map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None }).collect(),
+            ),
+            device_owner: Some(owner.device_owner.to_string()),
+            security_groups: (!owner.security_groups.is_empty()).then(|| owner.security_groups.to_vec()),
+            admin_state_up: Some(true),
+            tags: Some(vec![owner.tag.to_string()]),
+            ..PortCreate::default()
+        }
+    }
+
     /// The VIF of `port`. Fixed IPs on subnets other than the pod subnets are left out; a port
     /// with no address on a pod subnet is an error (it cannot carry the pod's traffic).
     pub fn record(&self, port: &Port) -> Result<VifRecord, String> {
@@ -101,7 +133,7 @@ impl VifShape {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use kuryr_openstack::neutron::{FixedIp, HostRoute};
+    use kuryr_openstack::neutron::HostRoute;
 
     use super::*;
 

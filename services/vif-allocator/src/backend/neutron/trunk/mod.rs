@@ -42,12 +42,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use kuryr_openstack::Filter;
-use kuryr_openstack::neutron::{FixedIp, Neutron, Port, PortCreate, PortUpdate, SubPort};
+use kuryr_openstack::neutron::{Neutron, Port, PortCreate, PortUpdate, SubPort};
 use kuryr_runtime::Shutdown;
 
 use self::slots::{HeldAt, Slot, State, TrunkState};
 use super::pool::Limits;
-use super::vif::VifShape;
+use super::vif::{PortOwner, VifShape};
 use super::{Recovered, guard, neutron_err, port_name};
 use crate::core::{PodKey, VifBinding, VifRecord};
 use crate::error::ClusterError;
@@ -159,19 +159,13 @@ impl Nested {
     /// A subport port: without `device_id`, which Neutron requires of a port it adds to a
     /// trunk (`PortInUse` otherwise); the pod's uid is set once it is a subport.
     fn port_create(&self, shape: &VifShape, pod: Option<&PodKey>) -> PortCreate {
-        PortCreate {
-            network_id: shape.network_id.clone(),
-            name: pod.map(port_name),
-            project_id: Some(self.project.clone()),
-            fixed_ips: Some(
-                shape.subnets.iter().map(|s| FixedIp { subnet_id: Some(s.id.clone()), ip_address: None }).collect(),
-            ),
-            device_owner: Some(DEVICE_OWNER.into()),
-            security_groups: (!self.security_groups.is_empty()).then(|| self.security_groups.clone()),
-            admin_state_up: Some(true),
-            tags: Some(vec![self.tag.clone()]),
-            ..PortCreate::default()
-        }
+        let owner = PortOwner {
+            project: &self.project,
+            device_owner: DEVICE_OWNER,
+            security_groups: &self.security_groups,
+            tag: &self.tag,
+        };
+        shape.port_create(owner, pod.map(port_name))
     }
 
     /// The VIF of a subport.

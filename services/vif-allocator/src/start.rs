@@ -26,6 +26,7 @@ use crate::grpc::follow;
 use crate::grpc::pool_api::BackendCell;
 use crate::index::{SharedIndex, lock};
 use crate::k8s::api::{self, KubeCluster};
+use crate::k8s::blocks;
 use crate::k8s::crd::PodNetworkSpec;
 use crate::metrics::Metrics;
 use crate::ready::{Condition, Readiness};
@@ -144,8 +145,8 @@ impl Start {
             recovered,
         };
         tokio::spawn(follower.run(shutdown.clone()).instrument(tracing::info_span!("shards")));
-        if let Some(store) = store {
-            let blocks = api::follow_blocks(client, store, network, index.clone(), shutdown.clone());
+        if store.is_some() {
+            let blocks = blocks::follow_blocks(client, index.clone(), shutdown.clone());
             tokio::spawn(blocks.instrument(tracing::info_span!("address-blocks")));
         }
         if let (AnyBackend::Neutron(b), Some(rx)) = (&backend, ready) {

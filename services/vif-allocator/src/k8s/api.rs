@@ -1,6 +1,5 @@
 //! The Kubernetes side: the [`Cluster`] operations on pods, PodVifs and Events, the PodNetwork
-//! at start, recovery of recorded VIFs, and the watch of address blocks that keeps the node
-//! routes current.
+//! at start, and recovery of recorded VIFs.
 //!
 //! Writes that could hit another pod of the same name carry the pod's uid as a precondition:
 //! finalizer edits are JSON patches that `test` `/metadata/uid` (and the finalizer list as
@@ -15,16 +14,11 @@
 //! The VIFs it reads and writes are [`crate::core`]'s, stored in the PodVif as they are.
 
 use kuryr_runtime::k8s::ApiFailure;
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, PartialObjectMeta, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::{WatchStreamExt as _, watcher};
-use kuryr_runtime::{Shutdown, retry};
 use serde_json::json;
 
 use crate::backend::VifBackend as _;
@@ -33,8 +27,7 @@ use crate::backend::ipam::IpamStore;
 use crate::cluster::{Cluster, Ensured, PodMeta, Recorded};
 use crate::core::{AttachedRecord, PodKey, VifRecord, VifState};
 use crate::error::ClusterError;
-use crate::index::{SharedIndex, lock};
-use crate::k8s::crd::{self, AddressBlock, PodNetwork, PodNetworkSpec, PodVif, PodVifSpec};
+use crate::k8s::crd::{self, PodNetwork, PodNetworkSpec, PodVif, PodVifSpec};
 use crate::pods::FINALIZER;
 
 /// Page size when listing PodVifs at recovery.
@@ -105,93 +98,6 @@ pub async fn list_pod_vifs(client: &kube::Client, network: &str) -> anyhow::Resu
         match page.metadata.continue_.filter(|c| !c.is_empty()) {
             Some(token) => params = params.continue_token(&token),
             None => return Ok(found),
-        }
-    }
-}
-
-/// Keeps the index's address blocks (for node routes) in line with the AddressBlocks of every
-/// PodNetwork — the pods' primary one and the networks of their further interfaces
-/// ([`crate::core::attach`]), whose blocks need routes between nodes just the same: a metadata-only
-/// watch (cheap: allocations rewrite block statuses all the time) whose set of names, when it
-/// changes, triggers a re-read of the blocks by node.
-pub async fn follow_blocks(
-    client: kube::Client,
-    store: Arc<IpamStore>,
-    network: String,
-    index: SharedIndex,
-    shutdown: Shutdown,
-) {
-    // Metadata only: allocations rewrite block statuses all the time, names change rarely.
-    let api: Api<PartialObjectMeta<AddressBlock>> = Api::all(client.clone());
-    let config = kuryr_runtime::watch_config();
-    let mut events = watcher::watcher(api, config).default_backoff().boxed();
-    let mut names: BTreeSet<String> = BTreeSet::new();
-    let mut relist: Option<BTreeSet<String>> = None;
-    loop {
-        let next = tokio::select! {
-            n = events.next() => n,
-            () = shutdown.clone().wait() => return,
-        };
-        let changed = match next {
-            Some(Ok(watcher::Event::Init)) => {
-                relist = Some(BTreeSet::new());
-                false
-            }
-            Some(Ok(watcher::Event::InitApply(m))) => {
-                if let (Some(r), Some(n)) = (relist.as_mut(), m.metadata.name) {
-                    r.insert(n);
-                }
-                false
-            }
-            Some(Ok(watcher::Event::InitDone)) => {
-                let fresh = relist.take().unwrap_or_default();
-                let changed = fresh != names;
-                names = fresh;
-                changed
-            }
-            Some(Ok(watcher::Event::Apply(m))) => m.metadata.name.is_some_and(|n| names.insert(n)),
-            Some(Ok(watcher::Event::Delete(m))) => m.metadata.name.is_some_and(|n| names.remove(&n)),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "address block watch failed; retrying with backoff");
-                false
-            }
-            None => return,
-        };
-        if !changed {
-            continue;
-        }
-        let read = retry("reading the address blocks", &shutdown, || async {
-            let mut blocks: BTreeMap<String, Vec<String>> = store
-                .node_blocks(&network)
-                .await?
-                .into_iter()
-                .map(|(n, b)| (n, b.iter().map(ToString::to_string).collect()))
-                .collect();
-            for (node, cidrs) in further_blocks(&client, &network).await? {
-                blocks.entry(node).or_default().extend(cidrs);
-            }
-            Ok(blocks)
-        })
-        .await;
-        let Some(blocks) = read else { return };
-        tracing::info!(blocks = names.len(), nodes = blocks.len(), "address blocks changed");
-        lock(&index).set_blocks(blocks);
-    }
-}
-
-/// The blocks of every PodNetwork other than `primary`, by owning node.
-async fn further_blocks(client: &kube::Client, primary: &str) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
-    let api: Api<AddressBlock> = Api::all(client.clone());
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut params = ListParams::default().limit(PAGE);
-    loop {
-        let page = api.list(&params).await?;
-        for b in page.items.into_iter().filter(|b| b.spec.network != primary) {
-            out.entry(b.spec.node).or_default().push(b.spec.cidr);
-        }
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => params = params.continue_token(&token),
-            None => return Ok(out),
         }
     }
 }

@@ -6,7 +6,7 @@
 //! block's first usable address) and the node's pods, nothing else. Pods of other nodes are not
 //! on that L2 segment. With the block prefix a pod resolves (ARP/ND) only neighbours that really
 //! are on its bridge, and sends everything else, including pods of other nodes, to its gateway;
-//! the node then routes it to the owning node (`IpamStore::node_blocks` feeds those routes).
+//! the node then routes it to the owning node (`crate::k8s::blocks` feeds those routes).
 //! With the network prefix a pod would ARP for pods on other nodes, which nobody answers unless
 //! every node runs proxy ARP/NDP for the whole network: more state, more broadcast, and the
 //! failure mode is silent. A node that owns several blocks carries each block's gateway on the

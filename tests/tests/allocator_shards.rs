@@ -14,7 +14,8 @@
 //!    Leases); every pod gets exactly one VIF and is reported plugged (READY), no address is
 //!    handed out twice, both replicas did part of the work.
 //!    In the steady state the memberships keep the shards: two renewals of both membership
-//!    Leases, and no shard Lease written meanwhile.
+//!    Leases, and no shard Lease written meanwhile; the rounds read the Leases from a watch
+//!    instead of listing them.
 //! 3. Deleting every pod leaves no pod, PodVif, finalizer or allocation behind.
 //! 4. A replica of an earlier version beside the survivor (a membership Lease without the
 //!    renewal annotation, kept alive by this test, holding no shard): the survivor gives it its
@@ -220,7 +221,11 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     }
     // The steady state: both memberships renewed twice — the second write in a round begun after
-    // the first round's writes were done — and not one shard Lease written meanwhile.
+    // the first round's writes were done — and not one shard Lease written meanwhile; the rounds
+    // read the Leases from their watch (a round may list when the watch has not shown its last
+    // write yet, so one list each is let pass: listing every round would be two or more).
+    const LISTS: &str = "kuryr_shard_lease_lists_total";
+    let lists_before = [metric(&a, LISTS).await, metric(&b, LISTS).await];
     let before = lease_versions(&admin, SET).await.unwrap();
     let members: Vec<String> = before.keys().filter(|n| n.contains("-member-")).cloned().collect();
     assert_eq!(members.len(), 2, "{before:?}");
@@ -228,6 +233,12 @@ async fn two_replicas_split_the_nodes_and_take_over_from_a_killed_one() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&a, &b)));
     assert_eq!(shard_versions(&after), shard_versions(&before), "shard Leases written in the steady state");
+    for (r, was) in [&a, &b].into_iter().zip(lists_before) {
+        let text = r.metrics_text().await.unwrap();
+        assert!(text.lines().any(|l| l.starts_with(LISTS)), "{}: no {LISTS} among its metrics", r.id);
+        let lists = metric(r, LISTS).await - was;
+        assert!(lists <= 1.0, "{}: {lists} Lease lists in two rounds of the steady state\n{}", r.id, logs(&a, &b));
+    }
 
     let shard_of = |node: &str| {
         // FNV-1a 64, as kuryr-shard documents it.

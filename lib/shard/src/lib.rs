@@ -8,10 +8,11 @@
 //!   replica working on it, and `<service>-member-<identity>` per live replica. Both carry the
 //!   holder's gRPC endpoint in the annotation `kuryr.openstack.org/endpoint`, so that others can
 //!   route a shard's work to its owner.
-//! - **Rounds**, every fifth of the Lease duration: one list of the service's Leases; the
+//! - **Rounds**, every fifth of the Lease duration: the service's Leases read from a watch
+//!   (listed instead when the watch does not show the replica's own last write); the
 //!   membership renewed, which keeps the replica's shards alive too (a shard Lease is written
 //!   when it is taken, released, or worked on again after a restart or a fence, so a steady
-//!   round costs one list and one write whatever the number of shards); free or expired ones
+//!   round costs one write whatever the number of shards); free or expired ones
 //!   taken up to the fair share `ceil(shards / live replicas)`; shards beyond it released (work
 //!   stops first), so a new replica gets work promptly ([`plan`]). Every write carries the
 //!   resourceVersion read, so two replicas never both win a Lease. While a live replica of an

@@ -25,6 +25,9 @@ kuryr_runtime::metric_set! {
         /// in it (taken, confirmed), concurrently.
         pub renew_latency: Histogram = kuryr_runtime::metrics::latency_histogram()
             => "kuryr_shard_renew_seconds", "Time to renew the membership and write the shard Leases of one round";
+        /// The Lease lists of the rounds: the others read the set's Leases from a watch.
+        pub lease_lists: Counter
+            => "kuryr_shard_lease_lists", "Rounds that listed the Leases instead of reading them from the watch";
         /// Rounds that failed (the Lease list or the membership renewal).
         pub round_failures: Counter
             => "kuryr_shard_round_failures", "Rounds that could not list the Leases or renew the membership";

@@ -3,6 +3,7 @@
 //! work on a shard whose membership was not renewed in time); the Lease objects themselves are
 //! built in module `objects`.
 
+mod cache;
 mod objects;
 mod publish;
 
@@ -17,6 +18,7 @@ use kuryr_runtime::Shutdown;
 use tokio::sync::watch;
 use tracing::Instrument as _;
 
+use self::cache::LeaseCache;
 pub use self::objects::{
     ENDPOINT_ANNOTATION, RENEWAL_ANNOTATION, RENEWAL_BY_MEMBERSHIP, ROLE_LABEL, SET_LABEL, SHARDS_ANNOTATION,
 };
@@ -66,8 +68,8 @@ impl ShardHandle {
     }
 }
 
-/// Starts the shard set of `config` with `client` (its account needs get, list, create, update
-/// and delete on Leases in the namespace); runs until `shutdown`, then releases everything.
+/// Starts the shard set of `config` with `client` (its account needs get, list, watch, create,
+/// update and delete on Leases in the namespace); runs until `shutdown`, then releases everything.
 /// With `config.shards == 0` nothing runs and everything is owned.
 pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, shutdown: Shutdown) -> ShardHandle {
     if config.shards == 0 {
@@ -83,8 +85,13 @@ pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, s
     let publisher = Publisher { tx: Arc::new(tx), state, config: Arc::new(config.clone()), metrics: metrics.clone() };
     let offset = u32::try_from(fnv1a64(config.identity.as_bytes()) % u64::from(config.shards)).unwrap_or(0);
     let span = tracing::info_span!("shards", service = %config.service, replica = %config.identity);
+    let api = Api::namespaced(client, &config.namespace);
+    let cache = LeaseCache::start(api.clone(), &format!("{SET_LABEL}={}", config.service), shutdown.clone());
     let driver = Driver {
-        api: Api::namespaced(client, &config.namespace),
+        api,
+        cache,
+        written: None,
+        list_next: false,
         config,
         metrics,
         tracker: Tracker::default(),
@@ -106,6 +113,13 @@ pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, s
 
 struct Driver {
     api: Api<Lease>,
+    /// The set's Leases as a watch has them: what a round reads when it can.
+    cache: LeaseCache,
+    /// The resourceVersion of this replica's membership Lease as its last write left it (`None`
+    /// before the first): a view of the watch that does not show it is not used.
+    written: Option<String>,
+    /// The last membership write lost a race: the next round lists.
+    list_next: bool,
     config: ShardConfig,
     metrics: ShardMetrics,
     tracker: Tracker,
@@ -167,14 +181,23 @@ impl Driver {
     async fn round(&mut self) -> anyhow::Result<()> {
         let me = self.config.identity.clone();
         let service = self.config.service.clone();
-        let list = self
-            .api
-            .list(&ListParams::default().labels(&format!("{SET_LABEL}={service}")))
-            .await
-            .map_err(|e| anyhow::anyhow!("listing the Leases in {}: {e}", self.config.namespace))?;
+        let my_member = self.config.member_lease(&me);
+        let watched = if self.list_next { None } else { self.cache.view(&my_member, self.written.as_deref()) };
+        let items = match watched {
+            Some(items) => items,
+            None => {
+                self.list_next = false;
+                self.metrics.lease_lists.inc();
+                self.api
+                    .list(&ListParams::default().labels(&format!("{SET_LABEL}={service}")))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("listing the Leases in {}: {e}", self.config.namespace))?
+                    .items
+            }
+        };
         let (now, wall) = (Instant::now(), SystemTime::now());
         self.tracker.observe(
-            list.items.iter().map(|l| {
+            items.iter().map(|l| {
                 (
                     l.metadata.name.as_deref().unwrap_or_default(),
                     l.metadata.resource_version.as_deref().unwrap_or_default(),
@@ -182,7 +205,6 @@ impl Driver {
             }),
             now,
         );
-        let my_member = self.config.member_lease(&me);
         let shards = self.config.shards as usize;
         let mut shard_leases: Vec<Option<(Lease, LeaseView)>> = vec![None; shards];
         let mut member: Option<Lease> = None;
@@ -201,7 +223,7 @@ impl Driver {
                 };
             }
         };
-        for l in list.items {
+        for l in items {
             let name = l.metadata.name.clone().unwrap_or_default();
             let view = view_of(&l);
             let role = l.metadata.labels.as_ref().and_then(|m| m.get(ROLE_LABEL)).map(String::as_str);
@@ -408,7 +430,7 @@ impl Driver {
 
     /// Creates or renews this replica's membership Lease; returns when the write was sent, or
     /// `None` when it lost a race (the membership was not renewed).
-    async fn renew_member(&self, name: &str, current: Option<Lease>) -> anyhow::Result<Option<Instant>> {
+    async fn renew_member(&mut self, name: &str, current: Option<Lease>) -> anyhow::Result<Option<Instant>> {
         let me = self.config.identity.clone();
         let sent = Instant::now();
         let r = match current {
@@ -416,10 +438,14 @@ impl Driver {
             None => self.api.create(&PostParams::default(), &fresh(&self.config, name, MEMBER, Some(&me))).await,
         };
         match r {
-            Ok(_) => Ok(Some(sent)),
+            Ok(l) => {
+                self.written = l.metadata.resource_version;
+                Ok(Some(sent))
+            }
             // Written by someone else since the list (a replica with the same identity?): the
-            // next round reads it again.
+            // next round reads it again, with a list.
             Err(e) if is_status(&e, 409) => {
+                (self.written, self.list_next) = (None, true);
                 tracing::warn!(lease = name, "membership Lease changed under this replica; is --replica-id unique?");
                 Ok(None)
             }

@@ -38,6 +38,8 @@
 #                        that a test killed before its clean-up leaves nothing behind
 #   KURYR_TOOLS_DIR      where tools.sh installed the Kubernetes binaries
 #   CLUSTER_TIMEOUT      seconds to wait for each component (default 180)
+#   CLUSTER_PROFILING    true: the API server serves /debug/pprof (to cluster-admin clients), for
+#                        profiling it under a benchmark (default false)
 #
 # Writes STATE_DIR/env (KEY=VALUE): KUBECONFIG (admin; the server is the control-plane node's
 # underlay address, reachable from inside the nodes' namespaces), APISERVER_HOST, APISERVER_PORT,
@@ -279,7 +281,7 @@ start kube-apiserver "$CP_NS" "" "$TOOLS/kube-apiserver" --bind-address=0.0.0.0 
     --service-cluster-ip-range="$SERVICE_CIDR" --allow-privileged=true \
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
     --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
-    --kubelet-preferred-address-types=InternalIP,Hostname --profiling=false --v=1
+    --kubelet-preferred-address-types=InternalIP,Hostname --profiling="${CLUSTER_PROFILING:-false}" --v=1
 wait_for kube-apiserver kube-apiserver in_netns "$CP_NS" curl -sf --max-time 3 --cacert "$PKI/ca.crt" \
     --cert "$PKI/admin.crt" --key "$PKI/admin.key" "$API/readyz"
 

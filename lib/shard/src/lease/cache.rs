@@ -16,6 +16,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kuryr_runtime::Shutdown;
+use tracing::Instrument as _;
 
 #[derive(Debug, Default)]
 struct Inner {
@@ -31,12 +32,13 @@ pub(super) struct LeaseCache {
 }
 
 impl LeaseCache {
-    /// Starts the watch of the Leases of `api` that `selector` selects; it runs until `shutdown`.
-    pub(super) fn start(api: Api<Lease>, selector: &str, shutdown: Shutdown) -> Self {
+    /// Starts the watch of the Leases of `api` that `selector` selects, logging in `span`; it runs
+    /// until `shutdown`.
+    pub(super) fn start(api: Api<Lease>, selector: &str, span: tracing::Span, shutdown: Shutdown) -> Self {
         let cache = Self { inner: Arc::default() };
         let config = kuryr_runtime::watch_config().labels(selector);
         let events = watcher(api, config).default_backoff().boxed();
-        tokio::spawn(cache.clone().follow(events, shutdown));
+        tokio::spawn(cache.clone().follow(events, shutdown).instrument(span));
         cache
     }
 

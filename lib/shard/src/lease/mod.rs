@@ -86,7 +86,8 @@ pub fn start(client: kube::Client, config: ShardConfig, metrics: ShardMetrics, s
     let offset = u32::try_from(fnv1a64(config.identity.as_bytes()) % u64::from(config.shards)).unwrap_or(0);
     let span = tracing::info_span!("shards", service = %config.service, replica = %config.identity);
     let api = Api::namespaced(client, &config.namespace);
-    let cache = LeaseCache::start(api.clone(), &format!("{SET_LABEL}={}", config.service), shutdown.clone());
+    let selector = format!("{SET_LABEL}={}", config.service);
+    let cache = LeaseCache::start(api.clone(), &selector, span.clone(), shutdown.clone());
     let driver = Driver {
         api,
         cache,

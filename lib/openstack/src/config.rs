@@ -22,9 +22,9 @@ use crate::service::ServiceType;
 mod flags;
 mod raw;
 
+pub use flags::{CLUSTER_TAG_PREFIX, CloudFlags, check_tag_flag, cluster_tag};
 #[cfg(feature = "clap")]
-pub use flags::NeutronCloudArgs;
-pub use flags::{CloudFlags, check_tag_flag};
+pub use flags::{ClusterIdArgs, NeutronCloudArgs};
 
 use raw::RawCloud;
 

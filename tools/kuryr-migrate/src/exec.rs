@@ -19,7 +19,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kuryr_openstack::neutron::{Neutron, Port, TaggedResource};
 use kuryr_openstack::octavia::Octavia;
 use kuryr_openstack::{Client, ClientOptions, Filter};
-use kuryr_vif_allocator::backend::neutron::vif::{SubnetInfo, VifShape};
+use kuryr_vif_allocator::backend::neutron::vif::VifShape;
 use kuryr_vif_allocator::k8s::crd::{PodVif, PodVifSpec, VifState};
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -81,6 +81,8 @@ struct Migrator<'a> {
 
 /// Runs the migration (or prints its plan) and returns what it found and did.
 pub async fn run(args: &Args) -> anyhow::Result<Summary> {
+    // The ports it hands over must look like the allocator's: the same checks on the same flags.
+    args.ports.validate()?;
     let kube = kuryr_runtime::kube_client(args.kubeconfig.as_deref()).await?;
     let client =
         Client::new(&args.cloud()?, ClientOptions::default(), Arc::new(kuryr_openstack::Metrics::unregistered()))?;
@@ -104,7 +106,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Summary> {
         octavia: client.load_balancer(),
         neutron,
         shape,
-        tag: format!("kuryr.openstack.org/cluster={}", args.cluster_id),
+        tag: args.ports.cluster_tag(),
         applied: 0,
         crash_after,
         summary: Summary::default(),
@@ -120,18 +122,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Summary> {
 
 /// The allocator's VIF shape of the pod network, read as the allocator reads it.
 async fn pod_shape(args: &Args, neutron: &Neutron) -> anyhow::Result<VifShape> {
-    let id = &args.pod_network_id;
-    let network =
-        neutron.get_network(id).await.with_context(|| format!("--pod-network-id {id}: reading the network"))?;
-    let ids = if args.pod_subnet_ids.is_empty() { network.subnets.clone() } else { args.pod_subnet_ids.clone() };
-    anyhow::ensure!(!ids.is_empty(), "network {id} has no subnet");
-    let mut subnets = Vec::new();
-    for s in &ids {
-        let subnet = neutron.get_subnet(s).await.with_context(|| format!("--pod-subnet-ids: reading subnet {s}"))?;
-        anyhow::ensure!(subnet.network_id == *id, "--pod-subnet-ids: subnet {s} is not on network {id}");
-        subnets.push(SubnetInfo::from_subnet(&subnet).map_err(|e| anyhow::anyhow!(e))?);
-    }
-    Ok(VifShape { network_id: id.clone(), subnets, mtu: network.mtu.unwrap_or(1500), bridge: args.ovs_bridge.clone() })
+    VifShape::read(neutron, &args.pod_network_id, &args.pod_subnet_ids, &args.ports.ovs_bridge).await
 }
 
 /// Every object of a Kuryr kind; none when its CRD is not installed.
@@ -284,7 +275,8 @@ impl Migrator<'_> {
             }),
             pod_vif: pod_vif.as_ref().map(|v| (v.spec.pod_uid.clone(), v.vif().map(|r| r.vif_id.clone()))),
         };
-        let target = Target { network_id: self.shape.network_id.clone(), device_owner: self.args.device_owner.clone() };
+        let target =
+            Target { network_id: self.shape.network_id.clone(), device_owner: self.args.ports.device_owner.clone() };
         let describe = match &kp.vif {
             Some(v) => format!("port {} ({}, {}) on {}", v.port_id, v.mac, v.ips.join(" "), kp.node),
             None => format!("no port yet, on {}", kp.node),
@@ -390,7 +382,7 @@ impl Migrator<'_> {
     }
 
     async fn pool_ports(&mut self) -> anyhow::Result<()> {
-        let filter = Filter::new().network_id(&self.shape.network_id).device_owner(&self.args.device_owner);
+        let filter = Filter::new().network_id(&self.shape.network_id).device_owner(&self.args.ports.device_owner);
         let ports = self.neutron.list_ports(&filter).await.context("listing Kuryr's pool ports")?;
         for p in ports {
             if p.name != kuryr::POOL_PORT_NAME || !p.device_id.is_empty() || p.tags.contains(&self.tag) {

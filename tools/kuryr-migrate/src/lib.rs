@@ -32,6 +32,7 @@ use std::path::PathBuf;
 
 use kuryr_openstack::config::NeutronCloudArgs;
 use kuryr_openstack::{CloudConfig, ServiceType};
+use kuryr_vif_allocator::backend::neutron::config::PortArgs;
 
 /// Writes one line of output (the plan, the report). A closed stdout or stderr is no reason to
 /// stop a migration half-way, so a failed write is ignored.
@@ -67,17 +68,9 @@ pub struct Args {
     #[arg(long, env = "KURYR_POD_SUBNET_IDS", value_delimiter = ',')]
     pub pod_subnet_ids: Vec<String>,
 
-    /// The allocator's --cluster-id (its port tag `kuryr.openstack.org/cluster=<id>`).
-    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
-    pub cluster_id: String,
-
-    /// The allocator's --device-owner.
-    #[arg(long, env = "KURYR_DEVICE_OWNER", default_value = "compute:kuryr")]
-    pub device_owner: String,
-
-    /// The allocator's --ovs-bridge.
-    #[arg(long, env = "KURYR_OVS_BRIDGE", default_value = "br-int")]
-    pub ovs_bridge: String,
+    /// The allocator's --cluster-id, --device-owner and --ovs-bridge.
+    #[command(flatten)]
+    pub ports: PortArgs,
 
     /// lbaas' --cluster-name (its load balancer tags).
     #[arg(long, env = "KURYR_CLUSTER_NAME", default_value = "kubernetes")]

@@ -67,6 +67,40 @@ pub fn check_tag_flag(flag: &'static str, value: &str) -> Result<(), ConfigError
     Ok(())
 }
 
+/// What precedes the cluster's id in the tag on the Neutron resources kuryr creates.
+pub const CLUSTER_TAG_PREFIX: &str = "kuryr.openstack.org/cluster=";
+
+/// The tag `kuryr.openstack.org/cluster=<id>` marking the cluster `id`'s Neutron resources.
+pub fn cluster_tag(id: &str) -> String {
+    format!("{CLUSTER_TAG_PREFIX}{id}")
+}
+
+/// `--cluster-id`, the same flag for every tool that tags or finds the cluster's Neutron
+/// resources (the allocator's ports, kuryr-policy's security groups, kuryr-migrate).
+#[cfg(feature = "clap")]
+#[derive(Clone, Debug, clap::Args)]
+pub struct ClusterIdArgs {
+    /// Names this cluster in the tag `kuryr.openstack.org/cluster=<id>` on the Neutron resources
+    /// kuryr creates (the allocator's ports, kuryr-policy's security groups): what recovery and
+    /// garbage collection look for. The same id for the allocator, kuryr-policy and
+    /// kuryr-migrate; distinct per cluster sharing a project.
+    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
+    pub cluster_id: String,
+}
+
+#[cfg(feature = "clap")]
+impl ClusterIdArgs {
+    /// Checks that the id fits a tag ([`check_tag_flag`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_tag_flag("--cluster-id", &self.cluster_id)
+    }
+
+    /// The cluster's tag ([`cluster_tag`]).
+    pub fn tag(&self) -> String {
+        cluster_tag(&self.cluster_id)
+    }
+}
+
 /// The flags of a service that talks to Neutron: its cloud, or Neutron's URL without Keystone.
 #[cfg(feature = "clap")]
 #[derive(Clone, Debug, Default, clap::Args)]

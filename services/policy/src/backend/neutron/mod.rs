@@ -50,10 +50,8 @@ pub struct NeutronArgs {
     #[command(flatten)]
     pub cloud: kuryr_openstack::config::NeutronCloudArgs,
 
-    /// Names this cluster in the tag `kuryr.openstack.org/cluster=<id>` on every security group
-    /// created (the allocator's `--cluster-id`).
-    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
-    pub cluster_id: String,
+    #[command(flatten)]
+    pub cluster: kuryr_openstack::config::ClusterIdArgs,
 
     /// Deadline of one Neutron request.
     #[arg(long, env = "KURYR_NEUTRON_TIMEOUT", default_value = "30s", value_parser = kuryr_runtime::config::parse_duration)]
@@ -73,15 +71,10 @@ pub struct NeutronArgs {
 impl NeutronArgs {
     /// Checks the flags, naming the one at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
-        kuryr_openstack::config::check_tag_flag("--cluster-id", &self.cluster_id)?;
+        self.cluster.validate()?;
         self.cloud.validate()?;
         anyhow::ensure!(self.neutron_resync >= Duration::from_secs(1), "--neutron-resync: at least 1s");
         Ok(())
-    }
-
-    /// The tag marking groups as this cluster's.
-    pub fn cluster_tag(&self) -> String {
-        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
     }
 
     /// The OpenStack client, recording into `metrics`.
@@ -127,7 +120,7 @@ pub fn start(
             }
         }
     });
-    let (neutron, tag) = (client.network(), args.cluster_tag());
+    let (neutron, tag) = (client.network(), args.cluster.tag());
     let (resync, concurrency) = (args.neutron_resync, args.neutron_port_concurrency);
     tracing::info!(cluster = tag, "Neutron security-group backend");
     let reconciler = move || {

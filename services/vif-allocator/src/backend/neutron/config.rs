@@ -3,11 +3,46 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kuryr_openstack::config::NeutronCloudArgs;
+use kuryr_openstack::config::{ClusterIdArgs, NeutronCloudArgs};
 use kuryr_openstack::{Client, ClientOptions};
 
 use super::namespaces::config::NamespaceArgs;
 use super::pool::Limits;
+
+/// How the pods' ports are marked and plugged: flags of the allocator that kuryr-migrate takes
+/// too, so that the ports it hands over look like the allocator's own.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PortArgs {
+    #[command(flatten)]
+    pub cluster: ClusterIdArgs,
+
+    /// `device_owner` of the pods' ports.
+    #[arg(long, env = "KURYR_DEVICE_OWNER", default_value = "compute:kuryr")]
+    pub device_owner: String,
+
+    /// The Open vSwitch integration bridge on the nodes that binders plug ports into.
+    #[arg(long, env = "KURYR_OVS_BRIDGE", default_value = "br-int")]
+    pub ovs_bridge: String,
+}
+
+impl PortArgs {
+    /// Checks the three flags, naming the one at fault.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.cluster.validate()?;
+        anyhow::ensure!(!self.device_owner.is_empty(), "--device-owner: must not be empty");
+        anyhow::ensure!(
+            !self.ovs_bridge.is_empty() && self.ovs_bridge.len() <= 15,
+            "--ovs-bridge {:?}: 1-15 characters",
+            self.ovs_bridge
+        );
+        Ok(())
+    }
+
+    /// The tag marking ports as this cluster's.
+    pub fn cluster_tag(&self) -> String {
+        self.cluster.tag()
+    }
+}
 
 /// Flags of `--backend neutron`.
 #[derive(Clone, Debug, clap::Args)]
@@ -29,18 +64,8 @@ pub struct NeutronArgs {
     #[arg(long, env = "KURYR_SECURITY_GROUPS", value_delimiter = ',')]
     pub security_groups: Vec<String>,
 
-    /// Names this cluster in the tag `kuryr.openstack.org/cluster=<id>` on every port it creates:
-    /// what recovery and garbage collection look for. Distinct per cluster sharing a project.
-    #[arg(long, env = "KURYR_CLUSTER_ID", default_value = "kubernetes")]
-    pub cluster_id: String,
-
-    /// `device_owner` of the pods' ports.
-    #[arg(long, env = "KURYR_DEVICE_OWNER", default_value = "compute:kuryr")]
-    pub device_owner: String,
-
-    /// The Open vSwitch integration bridge on the nodes that binders plug ports into.
-    #[arg(long, env = "KURYR_OVS_BRIDGE", default_value = "br-int")]
-    pub ovs_bridge: String,
+    #[command(flatten)]
+    pub ports: PortArgs,
 
     /// Refill a node's pool when its spare ports fall below this.
     #[arg(long, env = "KURYR_POOL_MIN", default_value_t = 5)]
@@ -102,16 +127,10 @@ impl NeutronArgs {
         {
             anyhow::ensure!(values.iter().all(|v| !v.trim().is_empty()), "{flag}: empty id in the list");
         }
-        kuryr_openstack::config::check_tag_flag("--cluster-id", &self.cluster_id)?;
-        anyhow::ensure!(!self.device_owner.is_empty(), "--device-owner: must not be empty");
+        self.ports.validate()?;
         anyhow::ensure!(
             !(self.nested.nested_trunks && self.namespaces.neutron_namespace_subnets),
             "--nested-trunks and --neutron-namespace-subnets cannot be combined (subports are on the pod network)"
-        );
-        anyhow::ensure!(
-            !self.ovs_bridge.is_empty() && self.ovs_bridge.len() <= 15,
-            "--ovs-bridge {:?}: 1-15 characters",
-            self.ovs_bridge
         );
         anyhow::ensure!(
             self.pool_max == 0 || self.pool_max >= self.pool_min,
@@ -131,15 +150,50 @@ impl NeutronArgs {
         Ok(())
     }
 
-    /// The tag marking ports as this cluster's.
-    pub fn cluster_tag(&self) -> String {
-        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
-    }
-
     /// The OpenStack client, recording into `metrics`.
     pub fn client(&self, metrics: Arc<kuryr_openstack::Metrics>) -> anyhow::Result<Client> {
         let cloud = self.cloud.flags(&[]).resolve()?;
         let options = ClientOptions { timeout: self.neutron_timeout, ..ClientOptions::default() };
         Ok(Client::new(&cloud, options, metrics)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::PortArgs;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        ports: PortArgs,
+    }
+
+    fn parse(args: &[&str]) -> PortArgs {
+        match Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())) {
+            Ok(cli) => cli.ports,
+            Err(e) => panic!("{args:?}: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_defaults_are_valid_and_tag_the_cluster() {
+        let ports = parse(&[]);
+        assert!(ports.validate().is_ok());
+        assert_eq!(ports.cluster_tag(), "kuryr.openstack.org/cluster=kubernetes");
+        assert_eq!((ports.device_owner.as_str(), ports.ovs_bridge.as_str()), ("compute:kuryr", "br-int"));
+    }
+
+    #[test]
+    fn each_bad_flag_is_named() {
+        for (args, flag) in [
+            (&["--cluster-id", "a,b"][..], "--cluster-id"),
+            (&["--device-owner", ""][..], "--device-owner"),
+            (&["--ovs-bridge", "a-bridge-name-too-long"][..], "--ovs-bridge"),
+        ] {
+            let e = parse(args).validate().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.starts_with(flag), "{args:?}: {e:?}");
+        }
     }
 }

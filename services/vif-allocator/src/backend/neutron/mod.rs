@@ -199,7 +199,7 @@ impl NeutronBackend {
         let events = match args.events.resolve()? {
             Some(cfg) => {
                 let resync = cfg.resync;
-                let consumer = PortEvents::new(cfg, &args.cluster_id, instance, metrics.events.clone())?;
+                let consumer = PortEvents::new(cfg, &args.ports.cluster.cluster_id, instance, metrics.events.clone())?;
                 Some(EventSide {
                     link: consumer.link(),
                     resync,
@@ -224,8 +224,8 @@ impl NeutronBackend {
                 &args.namespaces,
                 neutron.clone(),
                 &project,
-                &args.cluster_tag(),
-                &args.ovs_bridge,
+                &args.ports.cluster_tag(),
+                &args.ports.ovs_bridge,
                 kube,
                 metrics.namespaces.clone(),
             )
@@ -255,7 +255,7 @@ impl NeutronBackend {
         let nested = args.nested.nested_trunks.then(|| {
             let n = trunk::Nested::new(
                 neutron.clone(),
-                &args.cluster_tag(),
+                &args.ports.cluster_tag(),
                 &project,
                 security_groups.clone(),
                 reset_groups.clone(),
@@ -269,8 +269,8 @@ impl NeutronBackend {
             project,
             security_groups,
             reset_groups,
-            tag: args.cluster_tag(),
-            device_owner: if nested.is_some() { trunk::DEVICE_OWNER.into() } else { args.device_owner.clone() },
+            tag: args.ports.cluster_tag(),
+            device_owner: if nested.is_some() { trunk::DEVICE_OWNER.into() } else { args.ports.device_owner.clone() },
             limits: args.limits(),
             poll: (args.status_poll_min, args.status_poll_max),
             inv: Mutex::default(),
@@ -292,32 +292,10 @@ impl NeutronBackend {
 
     /// Reads the one pod network and its subnets (`--pod-network-id`, `--pod-subnet-ids`).
     async fn pod_network(args: &NeutronArgs, neutron: &Neutron) -> anyhow::Result<VifShape> {
-        let network_id = args.pod_network_id.clone().unwrap_or_default();
-        let network = neutron.get_network(&network_id).await.map_err(|e| match e {
-            e if e.is_not_found() => anyhow::anyhow!("--pod-network-id {network_id}: no such Neutron network"),
-            e => anyhow::anyhow!("reading Neutron network {network_id}: {e}"),
-        })?;
-        let subnet_ids =
-            if args.pod_subnet_ids.is_empty() { network.subnets.clone() } else { args.pod_subnet_ids.clone() };
-        anyhow::ensure!(
-            !subnet_ids.is_empty(),
-            "Neutron network {network_id} has no subnet; create one or pass --pod-subnet-ids"
-        );
-        let mut subnets = Vec::new();
-        for id in &subnet_ids {
-            let s = neutron.get_subnet(id).await.map_err(|e| match e {
-                e if e.is_not_found() => anyhow::anyhow!("--pod-subnet-ids: no such Neutron subnet {id}"),
-                e => anyhow::anyhow!("reading Neutron subnet {id}: {e}"),
-            })?;
-            anyhow::ensure!(
-                s.network_id == network_id,
-                "--pod-subnet-ids: subnet {id} is on network {}, not on --pod-network-id {network_id}",
-                s.network_id
-            );
-            subnets.push(SubnetInfo::from_subnet(&s).map_err(|e| anyhow::anyhow!(e))?);
-        }
-        let shape = VifShape { network_id, subnets, mtu: network.mtu.unwrap_or(1500), bridge: args.ovs_bridge.clone() };
-        tracing::info!(network = %shape.network_id, subnets = ?subnet_ids, mtu = shape.mtu, "Neutron pod network");
+        let network_id = args.pod_network_id.as_deref().unwrap_or_default();
+        let shape = VifShape::read(neutron, network_id, &args.pod_subnet_ids, &args.ports.ovs_bridge).await?;
+        let subnets: Vec<_> = shape.subnets.iter().map(|s| s.id.as_str()).collect();
+        tracing::info!(network = %shape.network_id, ?subnets, mtu = shape.mtu, "Neutron pod network");
         Ok(shape)
     }
 

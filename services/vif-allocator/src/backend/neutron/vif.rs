@@ -3,7 +3,7 @@
 //! binding with the port id as `iface-id` (what the ML2/OVS agent looks for on `br-int`).
 
 use ipnet::IpNet;
-use kuryr_openstack::neutron::{FixedIp, Port, PortCreate, Subnet};
+use kuryr_openstack::neutron::{FixedIp, Neutron, Port, PortCreate, Subnet};
 
 use crate::core::{VifBinding, VifIp, VifRecord, VifRoute};
 
@@ -68,6 +68,45 @@ pub struct PortOwner<'a> {
 }
 
 impl VifShape {
+    /// Reads the pod network `network_id` and its subnets (`subnet_ids`, every subnet of the
+    /// network when empty), as `--pod-network-id` and `--pod-subnet-ids` name them; the errors
+    /// name the flag at fault.
+    pub async fn read(
+        neutron: &Neutron,
+        network_id: &str,
+        subnet_ids: &[String],
+        bridge: &str,
+    ) -> anyhow::Result<VifShape> {
+        let network = neutron.get_network(network_id).await.map_err(|e| match e {
+            e if e.is_not_found() => anyhow::anyhow!("--pod-network-id {network_id}: no such Neutron network"),
+            e => anyhow::anyhow!("reading Neutron network {network_id}: {e}"),
+        })?;
+        let subnet_ids = if subnet_ids.is_empty() { &network.subnets[..] } else { subnet_ids };
+        anyhow::ensure!(
+            !subnet_ids.is_empty(),
+            "Neutron network {network_id} has no subnet; create one or pass --pod-subnet-ids"
+        );
+        let mut subnets = Vec::new();
+        for id in subnet_ids {
+            let s = neutron.get_subnet(id).await.map_err(|e| match e {
+                e if e.is_not_found() => anyhow::anyhow!("--pod-subnet-ids: no such Neutron subnet {id}"),
+                e => anyhow::anyhow!("reading Neutron subnet {id}: {e}"),
+            })?;
+            anyhow::ensure!(
+                s.network_id == network_id,
+                "--pod-subnet-ids: subnet {id} is on network {}, not on --pod-network-id {network_id}",
+                s.network_id
+            );
+            subnets.push(SubnetInfo::from_subnet(&s).map_err(|e| anyhow::anyhow!(e))?);
+        }
+        Ok(VifShape {
+            network_id: network_id.to_string(),
+            subnets,
+            mtu: network.mtu.unwrap_or(1500),
+            bridge: bridge.to_string(),
+        })
+    }
+
     /// A port to create on the network, one address on each pod subnet, named after `name`
     /// when given; the binding's fields (`device_id`, `binding_host_id`) are the caller's.
     pub fn port_create(&self, owner: PortOwner<'_>, name: Option<String>) -> PortCreate {

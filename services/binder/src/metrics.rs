@@ -117,7 +117,7 @@ kuryr_runtime::metric_set! {
         steps: Family<OpStep, Histogram, fn() -> Histogram> = Family::new_with_constructor(step_histogram)
             => "kuryr_cni_step_duration_seconds",
             "Time of each step of successful CNI ADDs and DELs in the binder, by operation and step \
-             (docs: README, Benchmarks)";
+             (docs: docs/benchmarks.md)";
     }
 }
 

@@ -246,7 +246,7 @@ fn budget(op: &str, calls: &[(String, Exec)], binder: &BinderCalls, scraped: &BT
     }
     b.row("shim: parse, print result, log", rest, "shim log");
     b.print(&format!("# time budget of one kuryr-cni {op} (every call of the run)"), Some(scraped));
-    println!("  (the binder's steps add up to {binder_sum:.3} ms on average; their names: README, Benchmarks)");
+    println!("  (the binder's steps add up to {binder_sum:.3} ms on average; their names: docs/benchmarks.md)");
 }
 
 fn main() -> Result<()> {

@@ -213,7 +213,7 @@ async fn plug_with(
 /// DAD off in the pod's `default` settings instead takes a write under `/proc/sys/net`, whose
 /// lookups grow with the number of namespaces on the node.) It goes beside the routes, which do
 /// not need it: the kernel's work for each new address holds the RTNL lock, and the requests sent
-/// right after an address wait for it (README, Benchmarks). Addresses come from IPAM and are
+/// right after an address wait for it (docs/benchmarks.md). Addresses come from IPAM and are
 /// unique by construction; a namespace without IPv6 gets none.
 async fn configure_sandbox(
     pod: &Nl,

@@ -7,6 +7,9 @@ use anyhow::Result;
 
 use crate::services::{ServiceProcess, grpcurl, wait_until};
 
+/// Where the binder serves its metrics and probes, inside its node's namespace.
+const METRICS_LISTEN: &str = "127.0.0.1:9631";
+
 /// A binder; stopped (killed) on drop.
 #[derive(Debug)]
 pub struct Binder {
@@ -50,7 +53,7 @@ impl Binder {
             "--listen".into(),
             format!("unix:{}", self.socket.display()),
             "--metrics-listen".into(),
-            "127.0.0.1:9631".into(),
+            METRICS_LISTEN.into(),
             "--allocator".into(),
             self.allocator.clone(),
             "--node-name".into(),
@@ -114,6 +117,11 @@ impl Binder {
             }))
             .await?;
         Ok(channel)
+    }
+
+    /// The binder's metrics, read inside its node's namespace.
+    pub async fn scrape(&self) -> Result<crate::metrics::Scrape> {
+        crate::metrics::Scrape::in_netns(&self.netns, METRICS_LISTEN).await
     }
 
     /// What the binder logged.

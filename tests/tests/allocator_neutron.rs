@@ -369,7 +369,14 @@ async fn neutron_ports_for_pods_from_pools_through_ovs_surviving_restarts_and_ou
         let (b, nc, uid) = (binder.clone(), nc.clone(), uid_c.clone());
         move || cni("ADD", &b, "c", &uid, &nc)
     });
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Neutron comes back only once the binder holds c's ADD, waiting for its VIF.
+    wait_until("c's ADD waiting for its VIF in the binder", SLOW, || async {
+        let waiting = binder.scrape().await?.value("kuryr_cni_adds_waiting", &[("stage", "vif")])?;
+        anyhow::ensure!(waiting >= 1.0, "{waiting} ADDs waiting");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", binder.logs()));
     w.os.start_process("neutron-api").await.unwrap();
     let vc = alloc.wait_vif(&uid_c, SLOW).await.unwrap();
     let vd = alloc.wait_vif(&uid_d, SLOW).await.unwrap();

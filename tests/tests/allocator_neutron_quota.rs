@@ -131,7 +131,15 @@ async fn port_quota_exceeded_is_an_event_and_a_metric_and_pods_complete_once_rai
             tokio::task::spawn_blocking(move || p.run("ADD", &b, None, SLOW))
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The later event: the binder holds both ADDs, waiting for their VIFs (an ADD answered at
+    // once, a refusal included, is never counted there).
+    wait_until("both ADDs waiting for their VIFs in the binder", SLOW, || async {
+        let waiting = binder.scrape().await?.value("kuryr_cni_adds_waiting", &[("stage", "vif")])?;
+        anyhow::ensure!(waiting == 2.0, "{waiting} ADDs waiting");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", binder.logs()));
     assert!(adds.iter().all(|a| !a.is_finished()), "an ADD returned while its pod had no port");
 
     // Raised: the waiting pods complete, with one port each.

@@ -48,7 +48,13 @@ async fn conflist_is_written_only_once_the_binder_can_serve() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", proc.logs()));
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The later event: the binder tried the allocator and found it down (its follower says so once).
+    wait_until("the binder's failed attempt at the allocator", Duration::from_secs(20), || async {
+        anyhow::ensure!(proc.logs().contains("unavailable; reconnecting with backoff"), "no failed attempt logged yet");
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", proc.logs()));
     assert!(!conflist.exists(), "conflist written before the VIF stream was live\n{}", proc.logs());
     assert!(
         !conflist.parent().unwrap().exists() || std::fs::read_dir(conflist.parent().unwrap()).unwrap().count() == 0

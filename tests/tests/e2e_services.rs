@@ -213,12 +213,21 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
 
     eprintln!("4. kuryr-lbaas killed (-9) and restarted");
     let before = tables(cluster).await;
+    let snapshots_before = snapshots(cluster).await?;
     cluster.kill_service(ServiceKind::Lbaas).await?;
     w.expect_answers(&["b2", "b3", "b4"]).await?;
     cluster.restart_service(ServiceKind::Lbaas).await?;
+    // The later event: every binder took in a complete snapshot of the new process and is in sync.
+    wait_until("every binder's snapshot of the new kuryr-lbaas", CONVERGE_TIMEOUT, || async {
+        let now = snapshots(cluster).await?;
+        for (node, was) in &snapshots_before {
+            ensure!(now.get(node).is_some_and(|n| n > was), "{node}: no new snapshot ({was} before, {now:?})");
+        }
+        Ok(())
+    })
+    .await?;
     wait_synced(cluster).await?;
     // The binders resynced from the new process's snapshot: nothing changed in the rules.
-    tokio::time::sleep(Duration::from_secs(1)).await;
     ensure_same_tables(&before, &tables(cluster).await, "after kuryr-lbaas kill -9 and restart")?;
     w.expect_answers(&["b2", "b3", "b4"]).await?;
     let b2 = w.v4("b2");
@@ -356,6 +365,17 @@ async fn wait_synced(cluster: &Cluster) -> Result<()> {
         Ok(())
     })
     .await
+}
+
+/// How many complete snapshots of kuryr-lbaas each binder has taken in, by node.
+async fn snapshots(cluster: &Cluster) -> Result<BTreeMap<String, f64>> {
+    let mut seen = BTreeMap::new();
+    for n in cluster.nodes() {
+        let text = n.node.exec(&["curl", "-sf", "http://127.0.0.1:9631/metrics"]).await?;
+        let complete = [("type", "LB_EVENT_TYPE_SNAPSHOT_COMPLETE")];
+        seen.insert(n.name.clone(), Scrape::parse(&text)?.sum("kuryr_binder_lb_events_total", &complete));
+    }
+    Ok(seen)
 }
 
 async fn stop_binder(cluster: &Cluster, node: &str, kill: bool) -> Result<()> {

@@ -32,7 +32,7 @@ use kuryr_lbaas::k8s::crd::ServiceLoadBalancer;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::lbaas::v1::{LbEventType, LoadBalancerSpec, WatchLoadBalancersRequest};
 use kuryr_proto::service_names::LOAD_BALANCERS;
-use kuryr_tests::control::{ControlPlane, Served, Watcher, shard_holders};
+use kuryr_tests::control::{ControlPlane, Served, Watcher, lease_versions, shard_holders, wait_rewritten};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
 
@@ -356,8 +356,14 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     wait_split(c, &[&a, &b]).await;
     let wa = follow(a.addr.clone(), "a2", &c.binder_token);
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
-    // A round or two for whatever the rebalance would still do.
-    tokio::time::sleep(TICK * 3).await;
+    // Whatever the rebalance would still do shows within two more rounds of both replicas: both
+    // memberships written twice more, the second in a round begun after the first was done.
+    let before = lease_versions(&c.admin, SET).await.unwrap();
+    let memberships: Vec<String> = before.keys().filter(|n| n.contains("-member-")).cloned().collect();
+    assert_eq!(memberships.len(), 2, "{before:?}");
+    wait_rewritten(&c.admin, SET, &memberships, &before, 2, PHASE_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}\n{}", a.proc.logs(), b.proc.logs()));
     {
         let st = wb.lock().unwrap();
         let since = &st.events[mark_b..];

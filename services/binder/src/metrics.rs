@@ -14,10 +14,12 @@ use kuryr_runtime::metrics::latency_histogram;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 kuryr_runtime::label_set! {
     struct OpStep { op, step }
+    struct Stage { stage }
 }
 
 /// Buckets of the per-step histogram, in seconds: 10 µs to 1 s (a step is mostly well under a
@@ -114,6 +116,10 @@ kuryr_runtime::metric_set! {
         ready_wait: Histogram = latency_histogram()
             => "kuryr_cni_add_ready_wait_seconds",
             "Time ADD waited, once the VIF was plugged and reported, for the backend to make it ready";
+        waiting: Family<Stage, Gauge>
+            => "kuryr_cni_adds_waiting",
+            "CNI ADDs waiting now, by stage: for the pod's VIF (vif), or, plugged, for the backend to make it ready \
+             (ready)";
         steps: Family<OpStep, Histogram, fn() -> Histogram> = Family::new_with_constructor(step_histogram)
             => "kuryr_cni_step_duration_seconds",
             "Time of each step of successful CNI ADDs and DELs in the binder, by operation and step \
@@ -126,6 +132,13 @@ impl CniMetrics {
         let labels = OpCode { op: op.into(), code: code.unwrap_or(0).to_string() };
         self.requests.get_or_create(&labels).inc();
         self.duration.get_or_create(&labels).observe(took.as_secs_f64());
+    }
+
+    /// Counts an ADD as waiting at `stage` (`vif`, `ready`) until the returned guard is dropped.
+    pub fn waiting(&self, stage: &'static str) -> Waiting {
+        let gauge = self.waiting.get_or_create(&Stage { stage }).clone();
+        gauge.inc();
+        Waiting(gauge)
     }
 
     pub fn observe_vif_wait(&self, vif_wait: Duration) {
@@ -141,6 +154,17 @@ impl CniMetrics {
         for (step, took) in steps.iter() {
             self.steps.get_or_create(&OpStep { op, step }).observe(took.as_secs_f64());
         }
+    }
+}
+
+/// An ADD counted in `kuryr_cni_adds_waiting` until dropped (whether the wait ends or the call is
+/// cancelled).
+#[derive(Debug)]
+pub struct Waiting(Gauge);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -176,5 +200,27 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(text.contains(r#"kuryr_cni_step_duration_seconds_count{op="ADD",step="nl_veth"} 1"#), "{text}");
+    }
+
+    #[test]
+    fn waiting_adds_are_counted_until_their_guards_drop() {
+        let mut registry = Registry::default();
+        let m = CniMetrics::register(&mut registry);
+        let render = |registry: &Registry| {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+            text
+        };
+        let (a, b) = (m.waiting("vif"), m.waiting("vif"));
+        let ready = m.waiting("ready");
+        let text = render(&registry);
+        assert!(text.contains(r#"kuryr_cni_adds_waiting{stage="vif"} 2"#), "{text}");
+        assert!(text.contains(r#"kuryr_cni_adds_waiting{stage="ready"} 1"#), "{text}");
+        drop((a, ready));
+        let text = render(&registry);
+        assert!(text.contains(r#"kuryr_cni_adds_waiting{stage="vif"} 1"#), "{text}");
+        assert!(text.contains(r#"kuryr_cni_adds_waiting{stage="ready"} 0"#), "{text}");
+        drop(b);
+        assert!(render(&registry).contains(r#"kuryr_cni_adds_waiting{stage="vif"} 0"#));
     }
 }

@@ -87,12 +87,10 @@ fn two_pods(bridge_prefix: &str, octet: u8, tweak: fn(&mut PlugSpec)) -> TwoPods
     TwoPods { links, a, b, bridge, nets, driver, spec_a, spec_b }
 }
 
+/// A missing prerequisite fails the test with the reason; it never passes without running.
 macro_rules! require_root {
     () => {
-        if !is_root() {
-            eprintln!("skipped: needs root for network namespaces");
-            return;
-        }
+        assert!(is_root(), "prerequisite missing: these tests need root for network namespaces");
     };
 }
 

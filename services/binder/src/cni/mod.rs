@@ -332,7 +332,10 @@ impl CniService {
         }
 
         steps.skip();
-        let vif = match self.vifs.wait_for(&pod_uid, self.vif_wait, |v| vifs::pluggable(v) || vifs::failed(v)).await {
+        let waiting = self.metrics.waiting("vif");
+        let found = self.vifs.wait_for(&pod_uid, self.vif_wait, |v| vifs::pluggable(v) || vifs::failed(v)).await;
+        drop(waiting);
+        let vif = match found {
             Wait::Vif(v) if vifs::failed(&v) => {
                 return Err(CniError::new(
                     code::TRY_AGAIN_LATER,
@@ -436,7 +439,10 @@ impl CniService {
             let ready_now = reported.filter(|v| v.vif_id == vif.vif_id && vifs::ready(v));
             let wait = match ready_now {
                 Some(v) => Wait::Vif(Box::new(v)),
-                None => self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await,
+                None => {
+                    let _waiting = self.metrics.waiting("ready");
+                    self.vifs.wait_for(&pod_uid, remaining, vifs::ready).await
+                }
             };
             match wait {
                 Wait::Vif(v) => v,

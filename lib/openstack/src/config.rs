@@ -22,7 +22,7 @@ use crate::service::ServiceType;
 mod flags;
 mod raw;
 
-pub use flags::{CLUSTER_TAG_PREFIX, CloudFlags, check_tag_flag, cluster_tag};
+pub use flags::{CloudFlags, check_tag_flag};
 #[cfg(feature = "clap")]
 pub use flags::{ClusterIdArgs, NeutronCloudArgs};
 

@@ -67,14 +67,6 @@ pub fn check_tag_flag(flag: &'static str, value: &str) -> Result<(), ConfigError
     Ok(())
 }
 
-/// What precedes the cluster's id in the tag on the Neutron resources kuryr creates.
-pub const CLUSTER_TAG_PREFIX: &str = "kuryr.openstack.org/cluster=";
-
-/// The tag `kuryr.openstack.org/cluster=<id>` marking the cluster `id`'s Neutron resources.
-pub fn cluster_tag(id: &str) -> String {
-    format!("{CLUSTER_TAG_PREFIX}{id}")
-}
-
 /// `--cluster-id`, the same flag for every tool that tags or finds the cluster's Neutron
 /// resources (the allocator's ports, kuryr-policy's security groups, kuryr-migrate).
 #[cfg(feature = "clap")]
@@ -95,9 +87,9 @@ impl ClusterIdArgs {
         check_tag_flag("--cluster-id", &self.cluster_id)
     }
 
-    /// The cluster's tag ([`cluster_tag`]).
+    /// The tag `kuryr.openstack.org/cluster=<id>` marking the cluster's Neutron resources.
     pub fn tag(&self) -> String {
-        cluster_tag(&self.cluster_id)
+        format!("kuryr.openstack.org/cluster={}", self.cluster_id)
     }
 }
 

@@ -49,19 +49,32 @@ show_logs() {
 }
 
 # stop_on_failure LINES CMD...: from now on, until the caller sets ok=1, an exit (a failure) shows
-# the last LINES lines of every log in $LOGS and runs CMD, which stops what was started.
+# the last LINES lines of every log in $LOGS and runs CMD, which stops what was started. The log
+# of the server that failed, if the caller names it in FAILED_LOG, comes first: a reader (or a CI
+# report that keeps only the head of a long output) sees the cause before the other servers' logs.
 stop_on_failure() {
     ON_FAILURE_LINES="$1"
     shift
     ON_FAILURE=("$@")
     ok=0
+    FAILED_LOG=""
     trap _on_failure EXIT
 }
 _on_failure() {
     if [[ $ok -ne 1 ]]; then
-        show_logs "$ON_FAILURE_LINES" "$LOGS"/*.log
+        # A reader that went away (stderr a closed pipe) must not stop the clean-up: SIGPIPE is
+        # ignored and a failed write does not end the shell (set -e does not apply left of ||).
+        trap '' PIPE
+        _show_failure_logs || true
         "${ON_FAILURE[@]}" >&2 || true
     fi
+}
+_show_failure_logs() {
+    local f
+    [[ -z "$FAILED_LOG" ]] || show_logs "$ON_FAILURE_LINES" "$FAILED_LOG"
+    for f in "$LOGS"/*.log; do
+        [[ "$f" == "$FAILED_LOG" ]] || show_logs "$ON_FAILURE_LINES" "$f"
+    done
 }
 
 # containerd_config DIR SOCKET SANDBOX_IMAGE CNI_BIN_DIR CNI_CONF_DIR: the configuration of a

@@ -13,10 +13,12 @@
 # network namespace, and the host's network configuration is never changed.
 #
 # A node's mount namespace gives it the paths a real node has, private to it: /etc/cni/net.d,
-# /opt/cni/bin, /run/kuryr, /var/lib/kuryr, /var/lib/kubelet and /var/log are bind mounts of the
-# node's own directories (the host gets empty mount points at those paths, nothing else). kubelet
-# binds its device-plugin socket at a fixed path, /var/lib/kubelet/device-plugins/kubelet.sock,
-# whatever --root-dir says: shared, two kubelets starting together race for it and one exits. A network plugin is
+# /opt/cni/bin, /run/kuryr, /var/lib/cni, /var/lib/kuryr, /var/lib/kubelet and /var/log are bind
+# mounts of the node's own directories (the host gets empty mount points at those paths, nothing
+# else). kubelet binds its device-plugin socket at a fixed path,
+# /var/lib/kubelet/device-plugins/kubelet.sock, whatever --root-dir says: shared, two kubelets
+# starting together race for it and one exits. /var/lib/cni holds the runtime's cache of CNI
+# results, which a cluster stopped with its pods still running would otherwise leave on the host. A network plugin is
 # therefore installed exactly as on a real cluster — `kubectl apply -k deploy/overlays/embedded`
 # — with hostPath volumes at their usual paths. Pod network namespaces, container root filesystems
 # and volumes are mounted inside the node's mount namespace only, and go away with it.
@@ -63,7 +65,7 @@ KUBERNETES_SERVICE_IP=10.96.0.1
 CLUSTER_DNS=10.96.0.10
 APISERVER_PORT=6443
 # The paths a node has privately (see the header).
-NODE_PATHS=(etc/cni/net.d opt/cni/bin run/kuryr var/lib/kuryr var/lib/kubelet var/log)
+NODE_PATHS=(etc/cni/net.d opt/cni/bin run/kuryr var/lib/cni var/lib/kuryr var/lib/kubelet var/log)
 CGROUP_CONTROLLERS=(cpu cpuacct cpuset memory pids blkio devices freezer systemd)
 
 # shellcheck source=../lib.sh

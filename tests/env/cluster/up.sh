@@ -18,10 +18,11 @@
 # else). kubelet binds its device-plugin socket at a fixed path,
 # /var/lib/kubelet/device-plugins/kubelet.sock, whatever --root-dir says: shared, two kubelets
 # starting together race for it and one exits. /var/lib/cni holds the runtime's cache of CNI
-# results, which a cluster stopped with its pods still running would otherwise leave on the host. A network plugin is
-# therefore installed exactly as on a real cluster — `kubectl apply -k deploy/overlays/embedded`
-# — with hostPath volumes at their usual paths. Pod network namespaces, container root filesystems
-# and volumes are mounted inside the node's mount namespace only, and go away with it.
+# results, which a cluster stopped with its pods still running would otherwise leave on the host.
+# A network plugin is therefore installed exactly as on a real cluster — `kubectl apply -k
+# deploy/overlays/embedded` — with hostPath volumes at their usual paths. Pod network namespaces,
+# container root filesystems and volumes are mounted inside the node's mount namespace only, and go
+# away with it.
 #
 # No kube-proxy: the network plugin under test is the Service dataplane too. With CLUSTER_CNI=none
 # (the default) the nodes stay NotReady until a plugin writes its CNI configuration; with

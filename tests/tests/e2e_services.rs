@@ -371,9 +371,9 @@ async fn wait_synced(cluster: &Cluster) -> Result<()> {
 async fn snapshots(cluster: &Cluster) -> Result<BTreeMap<String, f64>> {
     let mut seen = BTreeMap::new();
     for n in cluster.nodes() {
-        let text = n.node.exec(&["curl", "-sf", "http://127.0.0.1:9631/metrics"]).await?;
+        let scrape = Scrape::in_netns(&n.node.netns_path(), "127.0.0.1:9631").await?;
         let complete = [("type", "LB_EVENT_TYPE_SNAPSHOT_COMPLETE")];
-        seen.insert(n.name.clone(), Scrape::parse(&text)?.sum("kuryr_binder_lb_events_total", &complete));
+        seen.insert(n.name.clone(), scrape.sum("kuryr_binder_lb_events_total", &complete));
     }
     Ok(seen)
 }

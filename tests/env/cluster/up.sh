@@ -122,17 +122,13 @@ wait_for() {
     local what="$1" pidname="$2" deadline=$((SECONDS + TIMEOUT)) pid
     shift 2
     pid="$(cat "$PIDS/$pidname.pid" 2>/dev/null || echo 0)"
+    FAILED_LOG="$LOGS/$pidname.log" # shown first if this wait fails
     until "$@" >/dev/null 2>&1; do
-        if ! alive "$pid"; then
-            FAILED_LOG="$LOGS/$pidname.log"
-            die "$what exited during start (log: $FAILED_LOG)"
-        fi
-        if ((SECONDS >= deadline)); then
-            FAILED_LOG="$LOGS/$pidname.log"
-            die "$what not ready after ${TIMEOUT}s (log: $FAILED_LOG)"
-        fi
+        alive "$pid" || die "$what exited during start (log: $FAILED_LOG)"
+        ((SECONDS < deadline)) || die "$what not ready after ${TIMEOUT}s (log: $FAILED_LOG)"
         sleep 0.2
     done
+    FAILED_LOG=""
 }
 in_netns() { local ns="$1"; shift; nsenter "--net=/var/run/netns/$ns" "$@"; }
 

@@ -106,7 +106,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Summary> {
         octavia: client.load_balancer(),
         neutron,
         shape,
-        tag: args.ports.cluster_tag(),
+        tag: args.ports.cluster.tag(),
         applied: 0,
         crash_after,
         summary: Summary::default(),

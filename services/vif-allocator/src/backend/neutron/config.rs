@@ -37,11 +37,6 @@ impl PortArgs {
         );
         Ok(())
     }
-
-    /// The tag marking ports as this cluster's.
-    pub fn cluster_tag(&self) -> String {
-        self.cluster.tag()
-    }
 }
 
 /// Flags of `--backend neutron`.
@@ -181,7 +176,7 @@ mod tests {
     fn the_defaults_are_valid_and_tag_the_cluster() {
         let ports = parse(&[]);
         assert!(ports.validate().is_ok());
-        assert_eq!(ports.cluster_tag(), "kuryr.openstack.org/cluster=kubernetes");
+        assert_eq!(ports.cluster.tag(), "kuryr.openstack.org/cluster=kubernetes");
         assert_eq!((ports.device_owner.as_str(), ports.ovs_bridge.as_str()), ("compute:kuryr", "br-int"));
     }
 

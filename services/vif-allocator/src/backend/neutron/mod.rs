@@ -224,7 +224,7 @@ impl NeutronBackend {
                 &args.namespaces,
                 neutron.clone(),
                 &project,
-                &args.ports.cluster_tag(),
+                &args.ports.cluster.tag(),
                 &args.ports.ovs_bridge,
                 kube,
                 metrics.namespaces.clone(),
@@ -255,7 +255,7 @@ impl NeutronBackend {
         let nested = args.nested.nested_trunks.then(|| {
             let n = trunk::Nested::new(
                 neutron.clone(),
-                &args.ports.cluster_tag(),
+                &args.ports.cluster.tag(),
                 &project,
                 security_groups.clone(),
                 reset_groups.clone(),
@@ -269,7 +269,7 @@ impl NeutronBackend {
             project,
             security_groups,
             reset_groups,
-            tag: args.ports.cluster_tag(),
+            tag: args.ports.cluster.tag(),
             device_owner: if nested.is_some() { trunk::DEVICE_OWNER.into() } else { args.ports.device_owner.clone() },
             limits: args.limits(),
             poll: (args.status_poll_min, args.status_poll_max),

@@ -327,6 +327,27 @@ pub fn metric(text: &str, sample: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Waits until sample `sample` ([`metric`]) reads `want` in the exposition `scrape` returns, and
+/// returns that exposition. A counter moves after the work it counts is visible to others (an
+/// API write lands before its writer counts it), so a test that saw the work waits for the count
+/// rather than reading it once. The error carries the last exposition read.
+pub async fn wait_metric<F, Fut>(sample: &str, want: f64, timeout: std::time::Duration, scrape: F) -> Result<String>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<String>>,
+{
+    let last = std::sync::Mutex::new(String::new());
+    crate::services::wait_until(&format!("{sample} to read {want}"), timeout, || async {
+        let text = scrape().await?;
+        let got = metric(&text, sample);
+        *last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = text.clone();
+        ensure!(got == want, "{sample} reads {got}");
+        Ok(text)
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", last.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)))
+}
+
 /// The sum of every sample of metric `name` whose labels contain each of `labels`
 /// (`key="value"` strings).
 pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {

@@ -34,6 +34,7 @@ use kuryr_proto::service_names::VIF_ALLOCATOR;
 use kuryr_runtime::auth::client::PeerChannel;
 use kuryr_tests::control::{ControlPlane, Served, Watcher};
 use kuryr_tests::kube::client_from_kubeconfig;
+use kuryr_tests::metrics::wait_metric;
 use kuryr_tests::objects;
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::Sut;
@@ -809,8 +810,11 @@ async fn the_vif_on_record_stays_and_a_racing_address_is_given_back() {
     assert_eq!(held, ["10.244.0.70".parse::<IpAddr>().unwrap()]);
     let after = pod_vifs.get("p").await.unwrap();
     assert_eq!(after.spec.vif.unwrap().vif_id, recorded.vif_id, "the record was not overwritten");
-    let m = alloc.metrics().await;
-    assert!(m.lines().any(|l| l == "kuryr_allocator_lost_races_total 1"), "{m}");
+    // The race is counted once the give-back's write is answered, which may be after the test
+    // saw it land.
+    wait_metric("kuryr_allocator_lost_races_total", 1.0, PHASE_TIMEOUT, || alloc.metrics_text())
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", alloc.proc.logs()));
 }
 
 /// A PodVif as an earlier version wrote it (the VIF in its status), recording a VIF the backend

@@ -36,6 +36,7 @@ use kuryr_openstack::neutron::{Port, RouterCreate, SubnetPoolCreate};
 use kuryr_proto::allocator::v1::pool_manager_client::PoolManagerClient;
 use kuryr_proto::allocator::v1::{ListPoolsRequest, PoolKey, PopulatePoolRequest};
 use kuryr_tests::cluster::controllers::ControllerManager;
+use kuryr_tests::metrics::wait_metric;
 use kuryr_tests::netns::Netns;
 use kuryr_tests::neutron::{CniPod, NeutronCluster, SLOW, Svc, cluster_tag, metric, spawn};
 use kuryr_tests::services::wait_until;
@@ -379,8 +380,12 @@ async fn a_network_per_namespace_made_found_again_and_removed_with_the_namespace
         pools.iter().all(|p| p.key.as_ref().is_some_and(|k| k.network_id != net_b) || p.free_port_ids.is_empty()),
         "free pool ports left on team-b's network: {pools:?}"
     );
-    let m = alloc.metrics().await.unwrap();
-    assert_eq!(metric(&m, r#"kuryr_allocator_namespace_network_operations_total{op="delete"}"#), 1.0);
+    // Counted after the finalizer's removal (which let the namespace go).
+    let m = wait_metric(r#"kuryr_allocator_namespace_network_operations_total{op="delete"}"#, 1.0, SLOW, || {
+        alloc.metrics()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(metric(&m, "kuryr_allocator_namespace_network_networks"), 1.0);
     // team-a is untouched.
     let rec_a = f.ready_record("team-a", &alloc).await;

@@ -131,9 +131,14 @@ async fn scenario(cluster: &mut Cluster) -> Result<()> {
         }
     }
 
-    // The services' metrics moved with those pods.
-    let metrics_running = Metrics::scrape(cluster).await?;
-    metrics_running.check_pods_started(&metrics_before, cluster, PODS_PER_NODE)?;
+    // The services' metrics moved with those pods. A binder answers ADD of an embedded VIF before
+    // reporting it plugged (in the background), and the allocator counts the ReportPlugged call
+    // and the pod's READY latency only then: wait for them rather than reading them once.
+    wait_until("the metrics to show every pod started", RUNNING_TIMEOUT, || async {
+        let m = Metrics::scrape(cluster).await?;
+        m.check_pods_started(&metrics_before, cluster, PODS_PER_NODE)
+    })
+    .await?;
     cni_failure_is_counted(cluster).await?;
 
     // Reachability: every pod pings every other pod, IPv4 and IPv6, within and across nodes.

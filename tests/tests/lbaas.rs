@@ -461,17 +461,25 @@ async fn services_become_load_balancers_that_survive_restarts() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
 
-    let m = metrics(&lbaas).await;
-    for want in [
+    // The Service's deletion reaches lbaas through the watcher after the test saw it gone, and
+    // queues web once more: wait for the queue to drain rather than reading it once.
+    let want = [
         r#"kuryr_lbaas_load_balancers{state="PROGRAMMED"}"#,
         r#"kuryr_lbaas_reconcile_seconds_count{result="applied"}"#,
         r#"kuryr_lbaas_reconcile_seconds_count{result="skipped"}"#,
         r#"kuryr_lbaas_watch_subscriptions_total{start="resume"} 1"#,
         "kuryr_lbaas_watch_subscribers 1",
         "kuryr_lbaas_queue_depth 0",
-    ] {
-        assert!(m.contains(want), "metrics lack `{want}`:\n{m}");
-    }
+    ];
+    wait_until("lbaas' metrics", EVENT_TIMEOUT, || async {
+        let m = lbaas.metrics_text().await?;
+        match want.iter().find(|w| !m.contains(**w)) {
+            Some(w) => anyhow::bail!("metrics lack `{w}`:\n{m}"),
+            None => Ok(()),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", lbaas.proc.logs()));
 
     // kill -9. Meanwhile: "mark" (with a load balancer) is deleted — its finalizer holds it —,
     // "late" is created, and a record appears whose Service does not exist.

@@ -37,6 +37,7 @@ use kuryr_proto::lbaas::v1::GetLoadBalancerRequest;
 use kuryr_proto::lbaas::v1::load_balancers_client::LoadBalancersClient;
 use kuryr_proto::service_names::LOAD_BALANCERS;
 use kuryr_tests::control::{ControlPlane, Watcher};
+use kuryr_tests::metrics::Scrape;
 use kuryr_tests::openstack::{OctaviaLbaas, Service as OsService};
 use kuryr_tests::services::wait_until;
 use kuryr_tests::sut::{self, Sut};
@@ -335,11 +336,12 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
     eprintln!("endpoint change (1 pool) → converged and recorded: {:?}", changed.elapsed());
     assert_eq!(metric(&lbaas, REQUESTS, &[REPLACE]).await - puts, 1.0, "one member PUT for the one changed pool");
     assert_eq!(metric(&lbaas, REQUESTS, &[CREATE]).await - creates, 1.0, "no load balancer was re-created");
-    // The Service's create and two member updates, in the Octavia and client metrics.
-    let m = lbaas.scrape().await.unwrap();
+    // The Service's create and two member updates, in the Octavia and client metrics. A reconcile
+    // is timed (and its Service leaves the queue) once it has written the record the test saw
+    // ACTIVE: wait for the metrics rather than reading them once.
     let b = &scraped_before;
     let octavia_calls = [("service", "load-balancer")];
-    let octavia_moved = || -> anyhow::Result<()> {
+    let octavia_moved = |m: &Scrape| -> anyhow::Result<()> {
         m.moved(b, "kuryr_lbaas_octavia_changes_total", &[("kind", "members_replace")]).at_least(2.0)?;
         m.moved_count(b, "kuryr_lbaas_octavia_active_seconds", &[("kind", "lb_create")]).exactly(1.0)?;
         m.moved_count(b, "kuryr_lbaas_octavia_active_seconds", &[("kind", "members_replace")]).at_least(2.0)?;
@@ -351,11 +353,16 @@ async fn services_become_octavia_load_balancers_that_converge_through_faults() {
         anyhow::ensure!(m.value("kuryr_lbaas_queue_depth", &[])? == 0.0, "lbaas queue not drained");
         Ok(())
     };
-    octavia_moved().unwrap_or_else(|e| {
-        let octavia: Vec<String> =
-            m.series.iter().filter(|s| s.name.contains("octavia")).map(ToString::to_string).collect();
-        panic!("{e:#}\n{}", octavia.join("\n"))
-    });
+    wait_until("the Service's changes in the metrics", EVENT_WAIT, || async {
+        let m = lbaas.scrape().await?;
+        octavia_moved(&m).map_err(|e| {
+            let octavia: Vec<String> =
+                m.series.iter().filter(|s| s.name.contains("octavia")).map(ToString::to_string).collect();
+            anyhow::anyhow!("{e:#}\n{}", octavia.join("\n"))
+        })
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
 
     // Ports change: dns goes, https comes; its listener and pool follow.
     let patch = json!({"spec": {"ports": [

@@ -292,9 +292,19 @@ async fn two_replicas_split_services_and_take_over_without_flaps() {
     eprintln!("burst of {BURST} Services recorded and PROGRAMMED in {:?}", started.elapsed());
     stream_matches(&wa, "lb-a", &recorded, &[&a, &b]).await;
     stream_matches(&wb, "lb-b", &recorded, &[&a, &b]).await;
+    // A reconcile is timed once it has written its record, which may be after the test saw the
+    // record: wait for the count rather than reading it once.
+    let scrapes = wait_until("every Service's reconcile timed", PHASE_TIMEOUT, || async {
+        let scrapes = [a.scrape().await?, b.scrape().await?];
+        let applied: f64 =
+            scrapes.iter().map(|m| m.count("kuryr_lbaas_reconcile_seconds", &[("result", "applied")])).sum();
+        anyhow::ensure!(applied >= BURST as f64, "{applied} reconciles for {BURST} Services");
+        Ok(scrapes)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs(&[&a, &b])));
     let mut applied = 0.0;
-    for r in [&a, &b] {
-        let m = r.scrape().await.unwrap();
+    for (r, m) in [&a, &b].into_iter().zip(scrapes) {
         let mine = m.count("kuryr_lbaas_reconcile_seconds", &[("result", "applied")]);
         let mirrored = m.sum("kuryr_lbaas_records_mirrored_total", &[]);
         eprintln!("{}: {mine} reconciles applied, {mirrored} records of the other's shards followed", r.id);

@@ -619,8 +619,15 @@ async fn status(cluster: &Cluster, policies: &Api<NetworkPolicy>, node: &str) ->
         Ok(())
     })
     .await?;
-    let after = Scrape::http(&policy_svc.metrics).await?;
-    after.moved(&before, "kuryr_policy_status_events_total", &[("type", "Warning"), ("result", "ok")]).at_least(1.0)?;
+    // An Event is counted once its write is answered, which may be after the test saw it.
+    let after = kuryr_tests::services::wait_until("the Warning Event counted", CONVERGE_TIMEOUT, || async {
+        let after = Scrape::http(&policy_svc.metrics).await?;
+        after
+            .moved(&before, "kuryr_policy_status_events_total", &[("type", "Warning"), ("result", "ok")])
+            .at_least(1.0)?;
+        Ok(after)
+    })
+    .await?;
     anyhow::ensure!(
         after.sum("kuryr_policy_status_events_total", &[("result", "error")]) == 0.0,
         "status Events not written"

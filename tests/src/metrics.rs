@@ -336,16 +336,13 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<String>>,
 {
-    let last = std::sync::Mutex::new(String::new());
     crate::services::wait_until(&format!("{sample} to read {want}"), timeout, || async {
         let text = scrape().await?;
         let got = metric(&text, sample);
-        *last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = text.clone();
-        ensure!(got == want, "{sample} reads {got}");
+        ensure!(got == want, "{sample} reads {got}\n{text}");
         Ok(text)
     })
     .await
-    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", last.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)))
 }
 
 /// The sum of every sample of metric `name` whose labels contain each of `labels`
